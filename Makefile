@@ -1,0 +1,44 @@
+# The two set-up commands (see README): `make demo` and `make test`. Both work on a
+# fresh machine: they create .venv, install what is needed, build, then run.
+PY_SYS ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+export MAX_JOBS ?= 2
+
+.PHONY: venv build test demo bench lint format clean
+
+$(VENV)/.deps: pyproject.toml Makefile
+	$(PY_SYS) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q ninja cmake pytest hypothesis expecttest numpy matplotlib "transformers>=5" ruff clang-format
+	touch $@
+
+venv: $(VENV)/.deps
+
+build: venv
+	$(PIP) install -q --no-build-isolation -e .
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(PY) python/benchmarks/bench_ops.py --quick
+
+bench: build
+	$(PY) python/benchmarks/bench_ops.py
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
+
+clean:
+	rm -rf build torch_topg/_C*.so torch_topg/_build_info.json

@@ -1,0 +1,64 @@
+"""Shared test set-up: hypothesis profiles, tolerances, kernel-presence skips.
+
+Profiles: ``ci`` (default, quick) and ``thorough`` (on demand):
+    TOPG_HYPOTHESIS_PROFILE=thorough make test
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import torch_topg  # noqa: F401  (registers the ops)
+from torch_topg import _native
+
+settings.register_profile(
+    "ci",
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("TOPG_HYPOTHESIS_PROFILE", "ci"))
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# (atol, rtol) for comparing a kernel with its fp32-math reference, per output dtype.
+TOL = {
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    scale: float = 1.0,
+) -> None:
+    """Compare with the tolerance of ``dtype`` (default: ``expected.dtype``), widened by ``scale``."""
+    atol, rtol = TOL[dtype or expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol * scale)
+
+
+def requires_kernel(op: str, key: str = "CPU"):
+    """Skip unless ``topg::<op>`` has a native kernel at ``key`` (asks the dispatcher).
+
+    Comparing the op with its reference when no kernel is registered would compare the
+    reference with itself, a test that cannot fail.
+    """
+    return pytest.mark.skipif(
+        not _native.has_kernel(op, key),
+        reason=f"no native {key} kernel registered for topg::{op} "
+        f"({_native.missing_reason(key.lower())})",
+    )

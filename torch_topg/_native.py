@@ -1,0 +1,88 @@
+"""Loading the native extension (``torch_topg/_C.so``) and reporting what it provides.
+
+Importing the shared library runs its static ``TORCH_LIBRARY_IMPL`` registrations;
+there is no Python binding layer. If the library is missing, was built for another
+torch, or needs CPU instructions this machine lacks, it is not loaded: every op then
+runs through its reference (``torch_topg.reference``) and says so once.
+
+Environment: ``TOPG_DISABLE_NATIVE=1`` skips loading (used by tests of the fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import torch
+
+_PKG = pathlib.Path(__file__).resolve().parent
+_state: dict[str, object] = {"loaded": False, "error": "not loaded yet", "info": {}}
+
+# CPU capability names torch reports, ordered by what they include.
+_ISA_ORDER = ["DEFAULT", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX"]
+
+
+def _find_library() -> pathlib.Path | None:
+    for cand in sorted(_PKG.glob("_C*.so")):
+        return cand
+    return None
+
+
+def load() -> bool:
+    """Load the extension once; returns whether native kernels are available."""
+    if _state["loaded"]:
+        return True
+    if os.environ.get("TOPG_DISABLE_NATIVE", "") == "1":
+        _state["error"] = "disabled by TOPG_DISABLE_NATIVE=1"
+        return False
+    lib = _find_library()
+    if lib is None:
+        _state["error"] = "native extension not built (pip install --no-build-isolation -e .)"
+        return False
+    info_path = _PKG / "_build_info.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    _state["info"] = info
+    built_for = info.get("torch_version", "")
+    if built_for and built_for.split("+")[0] != torch.__version__.split("+")[0]:
+        _state["error"] = (
+            f"native extension built for torch {built_for}, running torch {torch.__version__}; "
+            "rebuild it"
+        )
+        return False
+    need = info.get("cpu_isa", "DEFAULT")
+    have = torch.backends.cpu.get_cpu_capability()
+    if (
+        need in _ISA_ORDER
+        and have in _ISA_ORDER
+        and _ISA_ORDER.index(have) < _ISA_ORDER.index(need)
+    ):
+        _state["error"] = f"native extension built for {need}, this CPU offers {have}"
+        return False
+    try:
+        torch.ops.load_library(str(lib))
+    except OSError as exc:  # pragma: no cover - depends on the build
+        _state["error"] = f"failed to load {lib.name}: {exc}"
+        return False
+    _state["loaded"], _state["error"] = True, ""
+    return True
+
+
+def is_loaded() -> bool:
+    return bool(_state["loaded"])
+
+
+def build_info() -> dict:
+    """What the extension was built with (torch version, CPU ISA, CUDA on/off)."""
+    return dict(_state["info"])  # type: ignore[arg-type]
+
+
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    """Whether ``topg::<op>`` has a kernel registered exactly at ``dispatch_key``."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"topg::{op}", dispatch_key)
+
+
+def missing_reason(device: str) -> str:
+    if not _state["loaded"]:
+        return str(_state["error"])
+    return f"the native extension has no kernel for the '{device}' dispatch key"

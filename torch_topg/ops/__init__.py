@@ -1,0 +1,5 @@
+"""Typed wrappers of the ``topg`` ops (``torch.ops.topg.*``); importing registers them."""
+
+from torch_topg.ops.norm import fused_add_rms_norm, rms_norm
+
+__all__ = ["fused_add_rms_norm", "rms_norm"]

@@ -1,0 +1,60 @@
+"""Every ``topg`` operator schema, declared once.
+
+This is the only place an op's signature is written. Native kernels (``csrc/cpu``,
+``csrc/cuda``) register implementations only (``TORCH_LIBRARY_IMPL``); the Python
+side registers the fake kernels and the reference fallback against these names.
+
+Layout conventions (see ``docs/ops.md`` for the full semantics):
+
+* activations are row-major with the hidden size last;
+* prefill attention uses ``[batch, seq, heads, head_dim]`` (dense) or
+  ``[tokens, heads, head_dim]`` with ``cu_seqlens`` (ragged), like FlashAttention;
+  only the last dimension has to be contiguous;
+* the paged KV cache is ``[num_blocks, block_size, kv_heads, head_dim]``;
+* ``Tensor(a!)`` marks an argument the op writes in place.
+"""
+
+from __future__ import annotations
+
+SCHEMAS: dict[str, str] = {
+    # --- norms -------------------------------------------------------------------
+    "rms_norm": "rms_norm(Tensor input, Tensor weight, float epsilon) -> Tensor",
+    "fused_add_rms_norm": (
+        "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
+        "float epsilon) -> ()"
+    ),
+    # --- positions ---------------------------------------------------------------
+    "rotary_embedding": (
+        "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, "
+        "int head_size, Tensor cos_sin_cache, bool is_neox) -> ()"
+    ),
+    # --- activations -------------------------------------------------------------
+    "silu_and_mul": "silu_and_mul(Tensor input) -> Tensor",
+    "gelu_and_mul": "gelu_and_mul(Tensor input, str approximate='none') -> Tensor",
+    # --- attention ---------------------------------------------------------------
+    "attention": (
+        "attention(Tensor query, Tensor key, Tensor value, *, Tensor? cu_seqlens_q=None, "
+        "Tensor? cu_seqlens_k=None, bool causal=False, float? scale=None, "
+        "int window_left=-1, float softcap=0.0, Tensor? mask=None) -> Tensor"
+    ),
+    "paged_attention": (
+        "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, *, float? scale=None, "
+        "int window_left=-1, float softcap=0.0) -> Tensor"
+    ),
+    "reshape_and_cache": (
+        "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slot_mapping) -> ()"
+    ),
+    # --- mixture of experts ------------------------------------------------------
+    "moe_topk": (
+        "moe_topk(Tensor router_logits, int top_k, *, str scoring='softmax', "
+        "bool renormalize=False, Tensor? correction_bias=None) -> (Tensor, Tensor)"
+    ),
+    "fused_moe": (
+        "fused_moe(Tensor hidden_states, Tensor w_gate_up, Tensor w_down, "
+        "Tensor topk_weights, Tensor topk_ids, *, str activation='silu') -> Tensor"
+    ),
+    # --- dense linear ------------------------------------------------------------
+    "linear": "linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
+}

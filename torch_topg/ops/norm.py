@@ -1,0 +1,76 @@
+"""RMSNorm ops: ``rms_norm`` and ``fused_add_rms_norm``."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_topg import reference
+from torch_topg.ops._checks import Arg
+from torch_topg.ops._library import register
+
+
+def _check_norm(op: str, input: torch.Tensor, weight: torch.Tensor) -> None:
+    Arg(op, "input", input).min_dim(1).floating()
+    Arg(op, "weight", weight).dim(1).floating().same_device(input, "input").size(
+        0, input.shape[-1], "the hidden size of 'input'"
+    )
+
+
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """RMSNorm: ``input / sqrt(mean(input**2, -1) + epsilon) * weight``.
+
+    Args:
+        input: ``[..., hidden]``, float32 / bfloat16 / float16, any layout.
+        weight: ``[hidden]``, the dtype of ``input`` or float32.
+        epsilon: added to the mean square.
+
+    Returns:
+        ``[..., hidden]`` in the dtype of ``input``. Math is fp32, rounded once.
+    """
+    return torch.ops.topg.rms_norm.default(input, weight, epsilon)
+
+
+def fused_add_rms_norm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6
+) -> None:
+    """In place: ``residual += input``, then ``input = rms_norm(residual, weight)``.
+
+    Args:
+        input: ``[..., hidden]`` contiguous; overwritten with the normalised sum.
+        residual: same shape and dtype as ``input``, contiguous; overwritten with the sum.
+        weight: ``[hidden]``, the dtype of ``input`` or float32.
+    """
+    torch.ops.topg.fused_add_rms_norm.default(input, residual, weight, epsilon)
+
+
+def _check_rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    _check_norm("rms_norm", input, weight)
+
+
+def _check_fused_add_rms_norm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+) -> None:
+    op = "fused_add_rms_norm"
+    _check_norm(op, input, weight)
+    Arg(op, "input", input).contiguous()
+    Arg(op, "residual", residual).same_dtype(input, "input").same_device(
+        input, "input"
+    ).contiguous().dim(input.dim())
+    for d in range(input.dim()):
+        Arg(op, "residual", residual).size(d, input.shape[d], "the shape of 'input'")
+
+
+register(
+    "rms_norm",
+    check=_check_rms_norm,
+    fake=lambda input, weight, epsilon: torch.empty_like(
+        input, memory_format=torch.contiguous_format
+    ),
+    reference=reference.rms_norm,
+)
+register(
+    "fused_add_rms_norm",
+    check=_check_fused_add_rms_norm,
+    fake=lambda input, residual, weight, epsilon: None,
+    reference=reference.fused_add_rms_norm,
+)

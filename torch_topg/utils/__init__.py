@@ -1,0 +1,1 @@
+"""Utilities shared by tests, benchmarks and examples."""

@@ -4,6 +4,16 @@ These functions are the test oracle, the benchmark baseline and the fallback on 
 device without a native kernel. They know nothing of the rest of the package.
 """
 
+from torch_topg.reference.activation import gelu_and_mul, silu_and_mul
+from torch_topg.reference.moe_topk import moe_topk
 from torch_topg.reference.norm import fused_add_rms_norm, rms_norm
+from torch_topg.reference.rotary import rotary_embedding
 
-__all__ = ["fused_add_rms_norm", "rms_norm"]
+__all__ = [
+    "fused_add_rms_norm",
+    "gelu_and_mul",
+    "moe_topk",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]

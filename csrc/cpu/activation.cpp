@@ -1,0 +1,56 @@
+// CPU kernels: topg::silu_and_mul, topg::gelu_and_mul.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string_view>
+
+#include "activation_kernels.h"
+#include "checks.h"
+#include "dispatch.h"
+
+namespace topg {
+namespace {
+
+template <typename Act>
+at::Tensor gated_cpu(const char* op, const at::Tensor& input_) {
+  Arg(op, "input", input_).min_dim(1).floating().device(at::kCPU);
+  if (input_.size(-1) % 2 != 0) Arg(op, "input", input_).fail("an even last dimension (gate | up)");
+  // Rows only need a unit stride in the last dim and one row stride: avoid copies
+  // for the common 2-D slice of a larger buffer.
+  const at::Tensor input =
+      (input_.dim() == 2 && input_.stride(-1) == 1) ? input_ : input_.contiguous();
+  const int64_t d = input.size(-1) / 2, rows = d ? input.numel() / (2 * d) : 0;
+  auto out_sizes = input.sizes().vec();
+  out_sizes.back() = d;
+  at::Tensor out = at::empty(out_sizes, input.options());
+  const int64_t in_stride = input.dim() == 2 ? input.stride(0) : 2 * d;
+  TOPG_DISPATCH_FLOAT(input.scalar_type(), op, T, [&] {
+    const T* in = cptr<T>(input);
+    T* o = ptr<T>(out);
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      act::gated_rows<Act>(in, in_stride, o, d, b, e);
+    });
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul_cpu(const at::Tensor& input) {
+  return gated_cpu<act::Silu>("silu_and_mul", input);
+}
+
+at::Tensor gelu_and_mul_cpu(const at::Tensor& input, c10::string_view approximate) {
+  if (approximate == "none") return gated_cpu<act::GeluErf>("gelu_and_mul", input);
+  TOPG_CHECK(approximate == "tanh", "gelu_and_mul",
+             "argument 'approximate' expected 'none' or 'tanh', got '", approximate, "'");
+  return gated_cpu<act::GeluTanh>("gelu_and_mul", input);
+}
+
+}  // namespace
+}  // namespace topg
+
+TORCH_LIBRARY_IMPL(topg, CPU, m) {
+  m.impl("silu_and_mul", &topg::silu_and_mul_cpu);
+  m.impl("gelu_and_mul", &topg::gelu_and_mul_cpu);
+}

@@ -28,9 +28,16 @@ at::Tensor gated_cpu(const char* op, const at::Tensor& input_) {
   TOPG_DISPATCH_FLOAT(input.scalar_type(), op, T, [&] {
     const T* in = cptr<T>(input);
     T* o = ptr<T>(out);
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
-    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
-      act::gated_rows<Act>(in, in_stride, o, d, b, e);
+    // Work items are (row, column chunk) so that few long rows still split; a task
+    // gets >= 32k elements because waking a thread costs more than a smaller task.
+    const int64_t chunk = std::min<int64_t>((d + 7) / 8 * 8, 8192);
+    const int64_t chunks = (d + chunk - 1) / chunk;
+    const int64_t grain = std::max<int64_t>(1, 32768 / chunk);
+    at::parallel_for(0, rows * chunks, grain, [&](int64_t b, int64_t e) {
+      for (int64_t w = b; w < e; ++w) {
+        const int64_t c0 = (w % chunks) * chunk;
+        act::gated_span<Act>(in, in_stride, o, d, w / chunks, c0, std::min(d, c0 + chunk));
+      }
     });
   });
   return out;

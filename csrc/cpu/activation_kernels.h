@@ -24,19 +24,18 @@ struct GeluTanh {
   }
 };
 
-// Rows [begin, end) of input [rows, 2d] (row stride in_stride) into out [rows, d].
+// Columns [c0, c1) of row r: input [rows, 2d] (row stride in_stride) into out [rows, d].
 template <typename Act, typename T>
-void gated_rows(const T* in, int64_t in_stride, T* out, int64_t d, int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r) {
-    const T* g = in + r * in_stride;
-    const T* u = g + d;
-    T* o = out + r * d;
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8) (Act::apply(Vec8::load(g + i)) * Vec8::load(u + i)).store(o + i);
-    if (i < d) {
-      const int n = int(d - i);
-      store_partial(o + i, Act::apply(load_partial(g + i, n)) * load_partial(u + i, n), n);
-    }
+void gated_span(const T* in, int64_t in_stride, T* out, int64_t d, int64_t r, int64_t c0,
+                int64_t c1) {
+  const T* g = in + r * in_stride;
+  const T* u = g + d;
+  T* o = out + r * d;
+  int64_t i = c0;
+  for (; i + 8 <= c1; i += 8) (Act::apply(Vec8::load(g + i)) * Vec8::load(u + i)).store(o + i);
+  if (i < c1) {
+    const int n = int(c1 - i);
+    store_partial(o + i, Act::apply(load_partial(g + i, n)) * load_partial(u + i, n), n);
   }
 }
 

@@ -144,6 +144,12 @@ struct Vec8 {
   static Vec8 fma(Vec8 a, Vec8 b, Vec8 c) { return Vec8(_mm256_fmadd_ps(a.v, b.v, c.v)); }
   static Vec8 max(Vec8 a, Vec8 b) { return Vec8(_mm256_max_ps(a.v, b.v)); }
   static Vec8 min(Vec8 a, Vec8 b) { return Vec8(_mm256_min_ps(a.v, b.v)); }
+  // 1/x: hardware estimate plus one Newton step (relative error ~1e-7, far cheaper than
+  // a divide on the hot paths of sigmoid and softmax).
+  Vec8 reciprocal() const {
+    const __m256 r = _mm256_rcp_ps(v);
+    return Vec8(_mm256_mul_ps(r, _mm256_fnmadd_ps(v, r, _mm256_set1_ps(2.f))));
+  }
 
   // [x0, x1, x2, x3, ...] -> [x1, x0, x3, x2, ...]
   Vec8 swap_pairs() const { return Vec8(_mm256_permute_ps(v, 0xB1)); }
@@ -233,6 +239,7 @@ struct Vec8 {
     for (int i = 0; i < 8; ++i) a.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
     return a;
   }
+  Vec8 reciprocal() const { return Vec8(1.f) / *this; }
   Vec8 swap_pairs() const {
     Vec8 r;
     for (int i = 0; i < 8; i += 2) r.v[i] = v[i + 1], r.v[i + 1] = v[i];
@@ -268,7 +275,12 @@ inline Vec8 exp(Vec8 x) {
 #endif
 
 // Element-wise helpers built on exp.
-inline Vec8 sigmoid(Vec8 x) { return Vec8(1.f) / (Vec8(1.f) + exp(Vec8::zero() - x)); }
+// The clamp keeps 1 + exp(-x) finite so the reciprocal's Newton step cannot make NaN;
+// sigmoid(+-80) is already 1 and 1.8e-35.
+inline Vec8 sigmoid(Vec8 x) {
+  const Vec8 xc = Vec8::min(Vec8::max(x, Vec8(-80.f)), Vec8(80.f));
+  return (Vec8(1.f) + exp(Vec8::zero() - xc)).reciprocal();
+}
 inline Vec8 silu(Vec8 x) { return x * sigmoid(x); }
 // tanh(x) = 1 - 2 / (exp(2x) + 1); exact at the saturated ends.
 inline Vec8 tanh(Vec8 x) { return Vec8(1.f) - Vec8(2.f) / (exp(x + x) + Vec8(1.f)); }

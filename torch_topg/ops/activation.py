@@ -6,7 +6,10 @@ import torch
 
 from torch_topg import reference
 from torch_topg.ops._checks import Arg, check_op
-from torch_topg.ops._library import register
+from torch_topg.ops._library import eager_entry, register
+
+_silu_and_mul = eager_entry("silu_and_mul")
+_gelu_and_mul = eager_entry("gelu_and_mul")
 
 
 def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
@@ -19,7 +22,9 @@ def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., d]`` in the dtype of ``input``.
     """
-    return torch.ops.topg.silu_and_mul.default(input)
+    if torch.compiler.is_compiling():
+        return torch.ops.topg.silu_and_mul.default(input)
+    return _silu_and_mul(input)
 
 
 def gelu_and_mul(input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -32,7 +37,9 @@ def gelu_and_mul(input: torch.Tensor, approximate: str = "none") -> torch.Tensor
     Returns:
         ``[..., d]`` in the dtype of ``input``.
     """
-    return torch.ops.topg.gelu_and_mul.default(input, approximate)
+    if torch.compiler.is_compiling():
+        return torch.ops.topg.gelu_and_mul.default(input, approximate)
+    return _gelu_and_mul(input, approximate)
 
 
 def _check_gated(op: str, input: torch.Tensor) -> None:

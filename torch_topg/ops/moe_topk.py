@@ -6,9 +6,10 @@ import torch
 
 from torch_topg import reference
 from torch_topg.ops._checks import Arg, check_op
-from torch_topg.ops._library import register
+from torch_topg.ops._library import eager_entry, register
 
 _OP = "moe_topk"
+_moe_topk = eager_entry(_OP)
 
 
 def moe_topk(
@@ -36,13 +37,10 @@ def moe_topk(
     Returns:
         ``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int32)``, best first.
     """
-    return torch.ops.topg.moe_topk.default(
-        router_logits,
-        top_k,
-        scoring=scoring,
-        renormalize=renormalize,
-        correction_bias=correction_bias,
-    )
+    kwargs = dict(scoring=scoring, renormalize=renormalize, correction_bias=correction_bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.topg.moe_topk.default(router_logits, top_k, **kwargs)
+    return _moe_topk(router_logits, top_k, **kwargs)
 
 
 def _check(

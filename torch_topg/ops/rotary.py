@@ -6,9 +6,11 @@ import torch
 
 from torch_topg import reference
 from torch_topg.ops._checks import Arg, check_op
-from torch_topg.ops._library import register
+from torch_topg.ops._library import eager_entry, register
 
 _OP = "rotary_embedding"
+
+_rotary_embedding = eager_entry("rotary_embedding")
 
 
 def rotary_embedding(
@@ -35,9 +37,12 @@ def rotary_embedding(
         is_neox: True rotates pairs ``(i, i + rot_dim/2)`` (GPT-NeoX / Llama
             ``rotate_half``); False rotates pairs ``(2i, 2i+1)`` (GPT-J).
     """
-    torch.ops.topg.rotary_embedding.default(
-        positions, query, key, head_size, cos_sin_cache, is_neox
-    )
+    if torch.compiler.is_compiling():
+        torch.ops.topg.rotary_embedding.default(
+            positions, query, key, head_size, cos_sin_cache, is_neox
+        )
+    else:
+        _rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
 def _check_heads(name: str, t: torch.Tensor, positions: torch.Tensor, head_size: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import DTYPES, assert_close, requires_kernel
@@ -131,3 +133,12 @@ def test_rotary_bad_input(mutate, match):
     mutate(args)
     with pytest.raises(RuntimeError, match=match):
         torch_topg.ops.rotary_embedding(**args)
+
+
+def test_rotary_rejects_query_that_cannot_be_updated_in_place():
+    # Token dims [2, 2] that do not collapse to one stride: native and fake paths refuse.
+    for mode in (contextlib.nullcontext(), torch._subclasses.FakeTensorMode()):
+        with mode, pytest.raises(RuntimeError, match="argument 'query'.*in place"):
+            q = torch.empty(2, 2, 64).transpose(0, 1)
+            positions = torch.zeros(2, 2, dtype=torch.long)
+            torch_topg.ops.rotary_embedding(positions, q, None, 32, torch.empty(8, 32), True)

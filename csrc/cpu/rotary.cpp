@@ -1,5 +1,6 @@
 // CPU kernel: topg::rotary_embedding (in place on query and key).
 #include <ATen/Parallel.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/ops/aminmax.h>
 #include <torch/library.h>
 
@@ -29,8 +30,12 @@ at::Tensor as_token_head_view(const at::Tensor& t, const char* name, int64_t tok
   if (head_size <= 0 || width % head_size != 0)
     Arg(kOp, name, t)
         .fail("a last dimension that is a multiple of head_size " + std::to_string(head_size));
-  auto v = t.view({num_tokens, width / head_size, head_size});
-  return v;
+  // The token dims must collapse into one stride (true for contiguous tensors and for
+  // column slices of a fused qkv buffer); otherwise an in-place update is impossible.
+  const std::vector<int64_t> shape = {num_tokens, width / head_size, head_size};
+  if (!at::detail::computeStride(t.sizes(), t.strides(), c10::IntArrayRef(shape)).has_value())
+    Arg(kOp, name, t).fail("token dims that can be viewed as one (it is updated in place)");
+  return t.view(shape);
 }
 
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query,

@@ -58,6 +58,10 @@ def _check_heads(name: str, t: torch.Tensor, positions: torch.Tensor, head_size:
         a.size(-1, head_size, "head_size")
     elif t.shape[-1] % head_size != 0:
         a.fail(f"a last dimension that is a multiple of head_size {head_size}")
+    try:
+        t.view(positions.numel(), -1, head_size)
+    except RuntimeError:
+        a.fail("token dims that can be viewed as one (it is updated in place)")
 
 
 def _check(

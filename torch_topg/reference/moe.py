@@ -25,7 +25,7 @@ def fused_moe(
     ids = topk_ids.long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
         raise RuntimeError(
-            f"topg::fused_moe: argument 'topk_ids' holds expert ids outside [0, {num_experts}) "
+            f"topg::fused_moe: argument 'topk_ids' holds an expert id outside [0, {num_experts}) "
             "(the experts of 'w_gate_up')"
         )
     act = _ACTIVATIONS[activation]

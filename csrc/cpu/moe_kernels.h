@@ -11,29 +11,9 @@ namespace topg::moe {
 
 enum class Act { silu, gelu, gelu_tanh };
 
-// Exact GELU x * Phi(x) via erf (Abramowitz-Stegun 7.1.26, |error| < 1.5e-7).
+// Exact GELU: 0.5 x (1 + erf(x / sqrt(2))), erf from vec.h (|error| < 1.5e-7).
 inline Vec8 gelu_erf(Vec8 x) {
-#if TOPG_AVX2
-  const __m256 z = _mm256_mul_ps(x.v, _mm256_set1_ps(0.70710678118654752f));
-  const __m256 az = _mm256_andnot_ps(_mm256_set1_ps(-0.f), z);
-  const __m256 t = _mm256_div_ps(
-      _mm256_set1_ps(1.f), _mm256_fmadd_ps(az, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.f)));
-  __m256 p = _mm256_set1_ps(1.061405429f);
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
-  p = _mm256_mul_ps(p, t);
-  // q = erfc(|z|); 1 + erf(z) = 2 - q for z >= 0, q for z < 0.
-  const __m256 q =
-      _mm256_mul_ps(p, exp(Vec8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), az), az))).v);
-  const __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
-  const __m256 one_plus_erf = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.f), q), q, neg);
-  return Vec8(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x.v), one_plus_erf));
-#else
-  for (float& f : x.v) f = 0.5f * f * (1.f + std::erf(f * 0.70710678118654752f));
-  return x;
-#endif
+  return Vec8(0.5f) * x * (Vec8(1.f) + erf(x * Vec8(0.70710678118654752f)));
 }
 
 // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).

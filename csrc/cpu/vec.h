@@ -144,6 +144,21 @@ struct Vec8 {
   static Vec8 fma(Vec8 a, Vec8 b, Vec8 c) { return Vec8(_mm256_fmadd_ps(a.v, b.v, c.v)); }
   static Vec8 max(Vec8 a, Vec8 b) { return Vec8(_mm256_max_ps(a.v, b.v)); }
   static Vec8 min(Vec8 a, Vec8 b) { return Vec8(_mm256_min_ps(a.v, b.v)); }
+  // 1/x: hardware estimate plus one Newton step (relative error ~1e-7, far cheaper than
+  // a divide on the hot paths of sigmoid and softmax).
+  Vec8 reciprocal() const {
+    const __m256 r = _mm256_rcp_ps(v);
+    return Vec8(_mm256_mul_ps(r, _mm256_fnmadd_ps(v, r, _mm256_set1_ps(2.f))));
+  }
+
+  // [x0, x1, x2, x3, ...] -> [x1, x0, x3, x2, ...]
+  Vec8 swap_pairs() const { return Vec8(_mm256_permute_ps(v, 0xB1)); }
+  Vec8 abs() const { return Vec8(_mm256_andnot_ps(_mm256_set1_ps(-0.f), v)); }
+  // Copies the sign of `s` onto the magnitude of this.
+  Vec8 with_sign_of(Vec8 s) const {
+    const __m256 m = _mm256_set1_ps(-0.f);
+    return Vec8(_mm256_or_ps(_mm256_andnot_ps(m, v), _mm256_and_ps(m, s.v)));
+  }
 
   float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -224,6 +239,22 @@ struct Vec8 {
     for (int i = 0; i < 8; ++i) a.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
     return a;
   }
+  Vec8 reciprocal() const { return Vec8(1.f) / *this; }
+  Vec8 swap_pairs() const {
+    Vec8 r;
+    for (int i = 0; i < 8; i += 2) r.v[i] = v[i + 1], r.v[i + 1] = v[i];
+    return r;
+  }
+  Vec8 abs() const {
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = std::fabs(v[i]);
+    return r;
+  }
+  Vec8 with_sign_of(Vec8 s) const {
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = std::copysign(v[i], s.v[i]);
+    return r;
+  }
   float sum() const {
     float s = 0.f;
     for (float x : v) s += x;
@@ -244,10 +275,28 @@ inline Vec8 exp(Vec8 x) {
 #endif
 
 // Element-wise helpers built on exp.
-inline Vec8 sigmoid(Vec8 x) { return Vec8(1.f) / (Vec8(1.f) + exp(Vec8::zero() - x)); }
+// The clamp keeps 1 + exp(-x) finite so the reciprocal's Newton step cannot make NaN;
+// sigmoid(+-80) is already 1 and 1.8e-35.
+inline Vec8 sigmoid(Vec8 x) {
+  const Vec8 xc = Vec8::min(Vec8::max(x, Vec8(-80.f)), Vec8(80.f));
+  return (Vec8(1.f) + exp(Vec8::zero() - xc)).reciprocal();
+}
 inline Vec8 silu(Vec8 x) { return x * sigmoid(x); }
 // tanh(x) = 1 - 2 / (exp(2x) + 1); exact at the saturated ends.
 inline Vec8 tanh(Vec8 x) { return Vec8(1.f) - Vec8(2.f) / (exp(x + x) + Vec8(1.f)); }
+
+// erf(x), Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, below fp32 test tolerances).
+inline Vec8 erf(Vec8 x) {
+  const Vec8 a = x.abs();
+  const Vec8 t = Vec8(1.f) / Vec8::fma(Vec8(0.3275911f), a, Vec8(1.f));
+  Vec8 p = Vec8(1.061405429f);
+  p = Vec8::fma(p, t, Vec8(-1.453152027f));
+  p = Vec8::fma(p, t, Vec8(1.421413741f));
+  p = Vec8::fma(p, t, Vec8(-0.284496736f));
+  p = Vec8::fma(p, t, Vec8(0.254829592f));
+  const Vec8 y = Vec8(1.f) - p * t * exp(Vec8::zero() - a * a);
+  return y.with_sign_of(x);
+}
 
 // Load / store n < 8 trailing elements (rest padded with `pad`).
 template <typename T>

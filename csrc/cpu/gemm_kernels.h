@@ -53,15 +53,17 @@ inline void dot_block(const float* const* a, const T* const* w, int64_t K, float
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) acc[m][r] = Vec8::zero();
   int64_t k = 0;
+  // A rows in registers, then one weight vector at a time: MB * RB + MB + 1 <= 16 ymm, so
+  // no accumulator is spilled (a spilled one puts a store-forward in the FMA chain).
   for (; k + 8 <= K; k += 8) {
-    Vec8 wv[RB];
+    Vec8 av[MB];
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) wv[r] = Vec8::load(w[r] + k);
+    for (int m = 0; m < MB; ++m) av[m] = Vec8::load(a[m] + k);
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const Vec8 av = Vec8::load(a[m] + k);
+    for (int r = 0; r < RB; ++r) {
+      const Vec8 wv = Vec8::load(w[r] + k);
 #pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) acc[m][r] = Vec8::fma(av, wv[r], acc[m][r]);
+      for (int m = 0; m < MB; ++m) acc[m][r] = Vec8::fma(av[m], wv, acc[m][r]);
     }
   }
   for (int m = 0; m < MB; ++m)

@@ -19,6 +19,7 @@
 #include "dispatch.h"
 #include "gemm_kernels.h"
 #include "moe_kernels.h"
+#include "parallel.h"
 
 namespace topg {
 namespace {
@@ -63,14 +64,14 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
   const int64_t* tok = route.tok.data();
   const float* rw = route.weight.data();
 
-  // fp32 copy of the hidden states for the dot path's A rows.
+  // fp32 copy of the hidden states: the dot path's A rows, in its layout (dot_a_row).
   std::vector<float> x32_buf;
   const float* x32 = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     x32 = x;
   } else if (any_dot) {
     x32_buf.resize(size_t(ntok * H));
-    for (int64_t i = 0; i < ntok * H; ++i) x32_buf[i] = to_float(x[i]);
+    for (int64_t t = 0; t < ntok; ++t) dot_a_row<T>(x + t * H, H, x32_buf.data() + t * H);
     x32 = x32_buf.data();
   }
 
@@ -96,38 +97,39 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
     const int64_t step = hit[i].packed ? 8 * NCP : 64;
     for (int64_t n = 0; n < I; n += step) items.push_back({int(i), n, std::min(I, n + step)});
   }
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const Expert& ex = hit[items[it].ex];
-      const T* wg = wgu + ex.e * 2 * I * H;
-      const T* wu = wg + I * H;
-      float* he = h.data() + ex.row0 * I;
-      if (!ex.packed) {
-        const float* a[kDotMaxRows];
-        for (int64_t r = 0; r < ex.rows; ++r) a[r] = x32 + tok[ex.row0 + r] * H;
-        dot_rows_gated(
-            a, ex.rows, wg, wu, H, H, items[it].n0, items[it].n1,
-            [&](int64_t m, int64_t n, float g, float u) { he[m * I + n] = moe::act(act, g) * u; });
-        continue;
-      }
-      // Panel p: gate rows 8p..8p+7 in columns 0..7, the matching up rows in 8..15.
-      auto panel = [&](int64_t p) {
-        const int64_t r = std::min(8 * p, I - 1);
-        const int v = int(std::clamp<int64_t>(I - 8 * p, 0, 8));
-        return std::pair{RowGroup<T>{wg + r * H, v}, RowGroup<T>{wu + r * H, v}};
-      };
-      const int64_t mp = ceil_div(ex.rows, MR) * MR;
-      gemm_tiles<T>(ap.data() + ex.ap1, mp, H, H, 0, mp / MR, items[it].n0 / 8,
-                    ceil_div(items[it].n1, 8), panel, [&](int64_t t, int64_t p, const float* tile) {
-                      const int rows = int(std::min<int64_t>(MR, ex.rows - t * MR));
-                      const int v = int(std::min<int64_t>(8, I - 8 * p));
-                      for (int i = 0; i < rows; ++i) {
-                        const Vec8 hv = moe::act(act, Vec8::load(tile + i * NR)) *
-                                        Vec8::load(tile + i * NR + 8);
-                        store_n(he + (t * MR + i) * I + 8 * p, hv, v);
-                      }
-                    });
+  parallel_items(int64_t(items.size()), [&](int64_t it) {
+    const Expert& ex = hit[items[it].ex];
+    const T* wg = wgu + ex.e * 2 * I * H;
+    const T* wu = wg + I * H;
+    float* he = h.data() + ex.row0 * I;
+    if (!ex.packed) {
+      const float* a[kDotMaxRows];
+      for (int64_t r = 0; r < ex.rows; ++r) a[r] = x32 + tok[ex.row0 + r] * H;
+      dot_rows_gated(a, ex.rows, wg, wu, H, H, items[it].n0, items[it].n1,
+                     // dot experts take the dot path for the down product too: h is
+                     // written in its A layout
+                     [&](int64_t m, int64_t n, float g, float u) {
+                       he[m * I + dot_a_index<T>(n, I)] = moe::act(act, g) * u;
+                     });
+      return;
     }
+    // Panel p: gate rows 8p..8p+7 in columns 0..7, the matching up rows in 8..15.
+    auto panel = [&](int64_t p) {
+      const int64_t r = std::min(8 * p, I - 1);
+      const int v = int(std::clamp<int64_t>(I - 8 * p, 0, 8));
+      return std::pair{RowGroup<T>{wg + r * H, v}, RowGroup<T>{wu + r * H, v}};
+    };
+    const int64_t mp = ceil_div(ex.rows, MR) * MR;
+    gemm_tiles<T>(ap.data() + ex.ap1, mp, H, H, 0, mp / MR, items[it].n0 / 8,
+                  ceil_div(items[it].n1, 8), panel, [&](int64_t t, int64_t p, const float* tile) {
+                    const int rows = int(std::min<int64_t>(MR, ex.rows - t * MR));
+                    const int v = int(std::min<int64_t>(8, I - 8 * p));
+                    for (int i = 0; i < rows; ++i) {
+                      const Vec8 hv =
+                          moe::act(act, Vec8::load(tile + i * NR)) * Vec8::load(tile + i * NR + 8);
+                      store_n(he + (t * MR + i) * I + 8 * p, hv, v);
+                    }
+                  });
   });
 
   // --- down: out[tok[r]] += weight[r] * h[r] Wd^T; items own output columns -------------
@@ -140,39 +142,36 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
     pack_a_tile(rows, I, ceil_div(ex.rows, MR) * MR, t, ap.data() + ex.ap2);
   });
   constexpr int64_t cols = 8 * NR;  // 128 output columns per item
-  at::parallel_for(0, ceil_div(H, cols), 1, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) {
-      const int64_t n0 = c * cols, n1 = std::min(H, n0 + cols);
-      for (const Expert& ex : hit) {
-        const T* w = wd + ex.e * H * I;
-        const int64_t* et = tok + ex.row0;
-        const float* ew = rw + ex.row0;
-        if (!ex.packed) {
-          const float* a[kDotMaxRows];
-          for (int64_t r = 0; r < ex.rows; ++r) a[r] = h.data() + (ex.row0 + r) * I;
-          dot_rows_range(a, ex.rows, w, I, I, n0, n1,
-                         [&](int64_t m, int64_t n, float s) { out32[et[m] * H + n] += ew[m] * s; });
-          continue;
-        }
-        const int64_t mp = ceil_div(ex.rows, MR) * MR;
-        gemm_tiles<T>(ap.data() + ex.ap2, mp, I, I, 0, mp / MR, n0 / NR, ceil_div(n1, NR),
-                      LinearPanels<T>{w, H, I}, [&](int64_t t, int64_t p, const float* tile) {
-                        const int rows = int(std::min<int64_t>(MR, ex.rows - t * MR));
-                        for (int hh = 0; hh < 2; ++hh) {
-                          const int64_t n = p * NR + hh * 8;
-                          const int nv = int(std::clamp<int64_t>(H - n, 0, 8));
-                          if (nv == 0) break;
-                          for (int i = 0; i < rows; ++i) {
-                            const int64_t r = t * MR + i;
-                            float* o = out32 + et[r] * H + n;
-                            const Vec8 y =
-                                Vec8::fma(Vec8(ew[r]), Vec8::load(tile + i * NR + hh * 8),
-                                          nv == 8 ? Vec8::load(o) : load_partial(o, nv));
-                            store_n(o, y, nv);
-                          }
-                        }
-                      });
+  parallel_items(ceil_div(H, cols), [&](int64_t c) {
+    const int64_t n0 = c * cols, n1 = std::min(H, n0 + cols);
+    for (const Expert& ex : hit) {
+      const T* w = wd + ex.e * H * I;
+      const int64_t* et = tok + ex.row0;
+      const float* ew = rw + ex.row0;
+      if (!ex.packed) {
+        const float* a[kDotMaxRows];
+        for (int64_t r = 0; r < ex.rows; ++r) a[r] = h.data() + (ex.row0 + r) * I;
+        dot_rows_range(a, ex.rows, w, I, I, n0, n1,
+                       [&](int64_t m, int64_t n, float s) { out32[et[m] * H + n] += ew[m] * s; });
+        continue;
       }
+      const int64_t mp = ceil_div(ex.rows, MR) * MR;
+      gemm_tiles<T>(ap.data() + ex.ap2, mp, I, I, 0, mp / MR, n0 / NR, ceil_div(n1, NR),
+                    LinearPanels<T>{w, H, I}, [&](int64_t t, int64_t p, const float* tile) {
+                      const int rows = int(std::min<int64_t>(MR, ex.rows - t * MR));
+                      for (int hh = 0; hh < 2; ++hh) {
+                        const int64_t n = p * NR + hh * 8;
+                        const int nv = int(std::clamp<int64_t>(H - n, 0, 8));
+                        if (nv == 0) break;
+                        for (int i = 0; i < rows; ++i) {
+                          const int64_t r = t * MR + i;
+                          float* o = out32 + et[r] * H + n;
+                          const Vec8 y = Vec8::fma(Vec8(ew[r]), Vec8::load(tile + i * NR + hh * 8),
+                                                   nv == 8 ? Vec8::load(o) : load_partial(o, nv));
+                          store_n(o, y, nv);
+                        }
+                      }
+                    });
     }
   });
 }

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -44,7 +45,34 @@ inline float* scratch(int slot, int64_t n) {
 // Dot path
 // ---------------------------------------------------------------------------------
 
-// out[m * RB + r] = sum_k a[m][k] * w[r][k] for MB fp32 rows a[m] and RB weight rows w[r].
+// The dot path's A layout. For bf16 weights (with AVX2) each full block of 16 A values is
+// stored as [a0..a3, a8..a11, a4..a7, a12..a15]: that is the lane order in which two
+// unpacks of 16 bf16 values with zero produce their fp32 values (one load and two
+// shuffles per 16 weights instead of two widening loads and two shifts, which made the
+// bf16 GEMV compute-bound). A sum does not care about the order, so only A is permuted.
+template <typename T>
+constexpr bool kDotPermuted = std::is_same_v<T, bf16> && TOPG_AVX2;
+
+// Where A element k (of K) sits in the dot path's A row for weights of type T.
+template <typename T>
+inline int64_t dot_a_index(int64_t k, int64_t K) {
+  if constexpr (kDotPermuted<T>) {
+    if (k < K / 16 * 16) {
+      const int64_t j = k & 15;
+      return k - j + (j < 4 || j >= 12 ? j : j < 8 ? j + 4 : j - 4);
+    }
+  }
+  return k;
+}
+
+// Converts an A row to fp32 in the dot path's layout for weights of type T.
+template <typename T, typename S>
+inline void dot_a_row(const S* src, int64_t K, float* dst) {
+  for (int64_t k = 0; k < K; ++k) dst[dot_a_index<T>(k, K)] = to_float(src[k]);
+}
+
+// out[m * RB + r] = sum_k a[m][k] * w[r][k] for MB fp32 rows a[m] (in the layout of
+// dot_a_row<T>) and RB weight rows w[r].
 template <int MB, int RB, typename T>
 inline void dot_block(const float* const* a, const T* const* w, int64_t K, float* out) {
   Vec8 acc[MB][RB];
@@ -53,6 +81,25 @@ inline void dot_block(const float* const* a, const T* const* w, int64_t K, float
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) acc[m][r] = Vec8::zero();
   int64_t k = 0;
+#if TOPG_AVX2
+  if constexpr (kDotPermuted<T>) {
+    const __m256i zero = _mm256_setzero_si256();
+    for (; k + 16 <= K; k += 16) {
+      Vec8 lo[MB], hi[MB];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) lo[m] = Vec8::load(a[m] + k), hi[m] = Vec8::load(a[m] + k + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
+        const Vec8 wl(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)));
+        const Vec8 wh(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)));
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)
+          acc[m][r] = Vec8::fma(hi[m], wh, Vec8::fma(lo[m], wl, acc[m][r]));
+      }
+    }
+  }
+#endif
   // A rows in registers, then one weight vector at a time: MB * RB + MB + 1 <= 16 ymm, so
   // no accumulator is spilled (a spilled one puts a store-forward in the FMA chain).
   for (; k + 8 <= K; k += 8) {

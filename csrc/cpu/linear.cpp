@@ -15,6 +15,7 @@
 #include "checks.h"
 #include "dispatch.h"
 #include "gemm_kernels.h"
+#include "parallel.h"
 
 namespace topg {
 namespace {
@@ -33,13 +34,16 @@ void linear_dot(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T
     for (int64_t m = 0; m < M; ++m) a[m] = x + m * K;
   } else {
     a32.resize(size_t(M * K));
-    for (int64_t i = 0; i < M * K; ++i) a32[i] = to_float(x[i]);
-    for (int64_t m = 0; m < M; ++m) a[m] = a32.data() + m * K;
+    for (int64_t m = 0; m < M; ++m) {
+      gemm::dot_a_row<T>(x + m * K, K, a32.data() + m * K);
+      a[m] = a32.data() + m * K;
+    }
   }
-  // Keep small products on one thread: a task below ~64K weight elements costs less
-  // than waking the other one.
-  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  // Items of ~256K weight elements (0.5-1 MiB, a fraction of a millisecond); products
+  // below one item stay on the calling thread.
+  const int64_t rows = std::max<int64_t>(8, (int64_t(1) << 18) / K / 8 * 8);
+  parallel_items(gemm::ceil_div(N, rows), [&](int64_t item) {
+    const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
     gemm::dot_rows_range(a.data(), M, w, K, K, n0, n1, [&](int64_t m, int64_t n, float s) {
       out[m * N + n] = from_float<T>(bias ? s + to_float(bias[n]) : s);
     });
@@ -71,27 +75,25 @@ void linear_packed(const T* x, int64_t M, int64_t K, const T* w, int64_t N, cons
     const int64_t tgroups = std::min(mt, std::max<int64_t>(1, ceil_div(4 * nthreads, pchunks)));
     const int64_t tper = ceil_div(mt, tgroups);
     const LinearPanels<T> panels{w, N, K};
-    at::parallel_for(0, tgroups * pchunks, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t item = i0; item < i1; ++item) {
-        const int64_t tg = item / pchunks, pc = item % pchunks;
-        const int64_t p0 = pc * NCP, p1 = std::min(npanels, p0 + NCP);
-        gemm_tiles<T>(ap.data(), mp, K, K, tg * tper, std::min(mt, (tg + 1) * tper), p0, p1, panels,
-                      [&](int64_t t, int64_t p, const float* tile) {
-                        const int rows = int(std::min<int64_t>(MR, ms - t * MR));
-                        const int64_t n0 = p * NR;
-                        for (int h = 0; h < 2; ++h) {
-                          const int64_t n = n0 + h * 8;
-                          const int nv = int(std::clamp<int64_t>(N - n, 0, 8));
-                          if (nv == 0) break;
-                          const Vec8 b = !bias     ? Vec8::zero()
-                                         : nv == 8 ? Vec8::load(bias + n)
-                                                   : load_partial(bias + n, nv);
-                          for (int i = 0; i < rows; ++i)
-                            store_n(out + (m0 + t * MR + i) * N + n,
-                                    Vec8::load(tile + i * NR + h * 8) + b, nv);
-                        }
-                      });
-      }
+    parallel_items(tgroups * pchunks, [&](int64_t item) {
+      const int64_t tg = item / pchunks, pc = item % pchunks;
+      const int64_t p0 = pc * NCP, p1 = std::min(npanels, p0 + NCP);
+      gemm_tiles<T>(ap.data(), mp, K, K, tg * tper, std::min(mt, (tg + 1) * tper), p0, p1, panels,
+                    [&](int64_t t, int64_t p, const float* tile) {
+                      const int rows = int(std::min<int64_t>(MR, ms - t * MR));
+                      const int64_t n0 = p * NR;
+                      for (int h = 0; h < 2; ++h) {
+                        const int64_t n = n0 + h * 8;
+                        const int nv = int(std::clamp<int64_t>(N - n, 0, 8));
+                        if (nv == 0) break;
+                        const Vec8 b = !bias     ? Vec8::zero()
+                                       : nv == 8 ? Vec8::load(bias + n)
+                                                 : load_partial(bias + n, nv);
+                        for (int i = 0; i < rows; ++i)
+                          store_n(out + (m0 + t * MR + i) * N + n,
+                                  Vec8::load(tile + i * NR + h * 8) + b, nv);
+                      }
+                    });
     });
   }
 }

@@ -36,7 +36,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Per-thread scratch that grows and is reused across calls (no page faults per call).
 inline float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buf[3];
+  thread_local std::vector<float> buf[2];  // 0: packed weight block, 1: partial sums
   if (int64_t(buf[slot].size()) < n) buf[slot].resize(size_t(n));
   return buf[slot].data();
 }

@@ -26,8 +26,6 @@ namespace {
 
 using namespace gemm;
 
-constexpr int64_t kDotMaxRows = 16;  // as in linear.cpp: packed GEMM above this many rows
-
 struct Expert {
   int64_t e, row0, rows;  // rows [row0, row0 + rows) of the sorted assignments
   bool packed;            // packed GEMM (else dot path)

@@ -1,6 +1,6 @@
 // CPU kernel: topg::linear (F.linear semantics, fp32 accumulation, one rounding).
 //
-// Path by the number of input rows M (measured on a 2-core AVX2 Zen 2, 4096 x 4096):
+// Path by the number of input rows M (threshold measured in gemm_kernels.h):
 //   M <= kDotMaxRows  dot path: the weight is streamed once from memory for all M rows
 //                     (memory-bound; at M = 1 about the read bandwidth).
 //   M >  kDotMaxRows  packed GEMM (compute-bound): weights converted to fp32 while being
@@ -19,11 +19,6 @@
 
 namespace topg {
 namespace {
-
-// Measured single-threaded at 4096 x 4096: the dot path wins below ~12 rows, the two
-// tie at 16 (~23 GFLOP/s per core), the packed GEMM wins from ~24 rows on (it pays a
-// fixed cost for packing the whole weight, ~1.4 G elements/s per core).
-constexpr int64_t kDotMaxRows = 16;
 
 template <typename T>
 void linear_dot(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T* bias, T* out) {
@@ -130,7 +125,7 @@ at::Tensor linear_cpu(const at::Tensor& input_, const at::Tensor& weight,
     if (K == 0) {  // empty sum: the output is the bias (or zeros)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) o[m * N + n] = b ? b[n] : from_float<T>(0.f);
-    } else if (M <= kDotMaxRows) {
+    } else if (M <= gemm::kDotMaxRows) {
       linear_dot(x, M, K, w, N, b, o);
     } else {
       linear_packed(x, M, K, w, N, b, o);

@@ -127,12 +127,6 @@ inline void dot_block(const float* const* a, const T* const* w, int64_t K, float
     }
 }
 
-// Row-block sizes of the dot path per MB (A rows per pass): about 8-12 accumulators.
-template <int MB>
-constexpr int dot_rows() {
-  return MB == 1 ? 8 : MB == 2 ? 6 : 4;
-}
-
 // Dot products of `m` fp32 rows a[0..m) (m <= 3 per call) against RB weight rows.
 // sums[i * RB + r]. Dispatches MB at run time.
 template <int RB, typename T>
@@ -156,10 +150,12 @@ inline void dot_rows_m(const float* const* a, int m, const T* const* w, int64_t 
 template <typename T, typename Emit>
 void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, int64_t K,
                     int64_t n0, int64_t n1, Emit&& emit) {
+  // Weight rows per block: 8 for one A row (8 accumulators), else 4 against up to 3 A
+  // rows at a time (12 accumulators + 3 A vectors + 1 weight vector = 16 ymm).
   constexpr int RB = 4;
   float sums[3 * 8];
   if (M == 1) {
-    constexpr int RB1 = dot_rows<1>();
+    constexpr int RB1 = 8;
     int64_t n = n0;
     for (; n + RB1 <= n1; n += RB1) {
       const T* rows[RB1];

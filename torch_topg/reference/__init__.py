@@ -5,13 +5,17 @@ device without a native kernel. They know nothing of the rest of the package.
 """
 
 from torch_topg.reference.activation import gelu_and_mul, silu_and_mul
+from torch_topg.reference.fused_moe import fused_moe
+from torch_topg.reference.linear import linear
 from torch_topg.reference.moe_topk import moe_topk
 from torch_topg.reference.norm import fused_add_rms_norm, rms_norm
 from torch_topg.reference.rotary import rotary_embedding
 
 __all__ = [
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_and_mul",
+    "linear",
     "moe_topk",
     "rms_norm",
     "rotary_embedding",

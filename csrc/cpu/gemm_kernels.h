@@ -1,0 +1,452 @@
+// GEMM / GEMV core shared by topg::linear and topg::fused_moe (no torch).
+//
+// Every product here is "A times weight-transposed": C[m][n] = sum_k A[m][k] * W[n][k], with
+// W stored row-major [N, K] (the nn.Linear layout), fp32 accumulation and any storage type
+// (float / bf16 / fp16) for A and W. Two paths:
+//
+// * dot path (few rows of A: decode, GEMV). Each task streams a block of RB weight rows
+//   once, against MB rows of A at a time, keeping MB x RB Vec8 partial sums in registers
+//   and reducing them horizontally at the end. Memory-bound: the weight is read once from
+//   DRAM (re-reads for further MB chunks of A hit L1/L2).
+// * packed path (many rows). Goto-style: K in blocks of KC; A packed once into fp32
+//   MR-row tiles (k-major, so the micro-kernel broadcasts from contiguous memory); the
+//   weight packed per (KC x NR) panel into fp32 k-major (16 columns per k), converting
+//   bf16/fp16 on the way, so the 6x16 FMA micro-kernel runs at fp32 speed for every dtype.
+//   Partial sums of K blocks go to an fp32 scratch; the final block hands each 6x16 tile
+//   to a caller epilogue (bias + store, the MoE activation, or the routed scatter-add).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "vec.h"
+
+namespace topg::gemm {
+
+constexpr int MR = 6;        // micro-tile rows (A rows per tile)
+constexpr int NR = 16;       // micro-tile columns (weight rows per panel, two Vec8)
+constexpr int64_t KC = 256;  // K block: a 16 KiB weight panel stays in L1
+constexpr int64_t NCP = 16;  // panels per packed weight block: 256 columns, 256 KiB (L2)
+constexpr int64_t MCT = 24;  // A tiles per L2 block: 144 rows x KC fp32 = 144 KiB
+
+// Rows of A up to which the dot path is used (linear, and each expert of fused_moe).
+// Measured single-threaded at 4096 x 4096: the dot path wins below ~12 rows, the two
+// tie at 16 (~23 GFLOP/s per core), the packed GEMM wins from ~24 rows on (it pays a
+// fixed cost for packing the whole weight, ~2.5 G elements/s per core).
+constexpr int64_t kDotMaxRows = 16;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Per-thread scratch that grows and is reused across calls (no page faults per call).
+inline float* scratch(int slot, int64_t n) {
+  thread_local std::vector<float> buf[2];  // 0: packed weight block, 1: partial sums
+  if (int64_t(buf[slot].size()) < n) buf[slot].resize(size_t(n));
+  return buf[slot].data();
+}
+
+// ---------------------------------------------------------------------------------
+// Dot path
+// ---------------------------------------------------------------------------------
+
+// The dot path's A layout. For bf16 weights (with AVX2) each full block of 16 A values is
+// stored as [a0..a3, a8..a11, a4..a7, a12..a15]: that is the lane order in which two
+// unpacks of 16 bf16 values with zero produce their fp32 values (one load and two
+// shuffles per 16 weights instead of two widening loads and two shifts, which made the
+// bf16 GEMV compute-bound). A sum does not care about the order, so only A is permuted.
+template <typename T>
+constexpr bool kDotPermuted = std::is_same_v<T, bf16> && TOPG_AVX2;
+
+// Where A element k (of K) sits in the dot path's A row for weights of type T.
+template <typename T>
+inline int64_t dot_a_index(int64_t k, int64_t K) {
+  if constexpr (kDotPermuted<T>) {
+    if (k < K / 16 * 16) {
+      const int64_t j = k & 15;
+      return k - j + (j < 4 || j >= 12 ? j : j < 8 ? j + 4 : j - 4);
+    }
+  }
+  return k;
+}
+
+// Converts an A row to fp32 in the dot path's layout for weights of type T.
+template <typename T, typename S>
+inline void dot_a_row(const S* src, int64_t K, float* dst) {
+  for (int64_t k = 0; k < K; ++k) dst[dot_a_index<T>(k, K)] = to_float(src[k]);
+}
+
+// The weight rows of the next dot block, to prefetch while this one is summed: two runs
+// of RB / 2 contiguous rows (nullptr: none). Hardware prefetchers lose track of many
+// short row streams; with rows of <= 3 KiB this gained ~50% on one core (bf16,
+// K = 1024); fp32 rows of 4 KiB lost ~5%, longer rows nothing: short rows only.
+struct Prefetch {
+  const char* run[2] = {nullptr, nullptr};
+};
+
+template <typename T>
+inline Prefetch next_rows(const T* run0, const T* run1, int64_t K) {
+  if (K * int64_t(sizeof(T)) > 3072) return {};
+  return {{reinterpret_cast<const char*>(run0), reinterpret_cast<const char*>(run1)}};
+}
+
+// Prefetches `bytes` (a multiple of 64, or less than 64) of each run and advances it.
+inline void prefetch_step(Prefetch& pf, int bytes) {
+  for (const char*& p : pf.run) {
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 3);
+    p += bytes;
+  }
+}
+
+// out[m * RB + r] = sum_k a[m][k] * w[r][k] for MB fp32 rows a[m] (in the layout of
+// dot_a_row<T>) and RB weight rows w[r].
+template <int MB, int RB, typename T>
+inline void dot_block(const float* const* a, const T* const* w, int64_t K, float* out,
+                      Prefetch pf = {}) {
+  // Bytes of each half-block of rows consumed per step of 8 (or 16) k.
+  constexpr int kPf8 = RB / 2 * 8 * int(sizeof(T));
+  const bool prefetch = RB >= 2 && pf.run[0] != nullptr;
+  Vec8 acc[MB][RB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) acc[m][r] = Vec8::zero();
+  int64_t k = 0;
+#if TOPG_AVX2
+  if constexpr (kDotPermuted<T>) {
+    const __m256i zero = _mm256_setzero_si256();
+    for (; k + 16 <= K; k += 16) {
+      if (prefetch) prefetch_step(pf, 2 * kPf8);
+      Vec8 lo[MB], hi[MB];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) lo[m] = Vec8::load(a[m] + k), hi[m] = Vec8::load(a[m] + k + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
+        const Vec8 wl(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)));
+        const Vec8 wh(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)));
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)
+          acc[m][r] = Vec8::fma(hi[m], wh, Vec8::fma(lo[m], wl, acc[m][r]));
+      }
+    }
+  }
+#endif
+  // A rows in registers, then one weight vector at a time: MB * RB + MB + 1 <= 16 ymm, so
+  // no accumulator is spilled (a spilled one puts a store-forward in the FMA chain).
+  for (; k + 8 <= K; k += 8) {
+    if (prefetch) prefetch_step(pf, kPf8);
+    Vec8 av[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) av[m] = Vec8::load(a[m] + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const Vec8 wv = Vec8::load(w[r] + k);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) acc[m][r] = Vec8::fma(av[m], wv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) {
+      float s = acc[m][r].sum();
+      for (int64_t kk = k; kk < K; ++kk) s += a[m][kk] * to_float(w[r][kk]);
+      out[m * RB + r] = s;
+    }
+}
+
+// Dot products of `m` fp32 rows a[0..m) (m <= 3 per call) against RB weight rows.
+// sums[i * RB + r]. Dispatches MB at run time.
+template <int RB, typename T>
+inline void dot_rows_m(const float* const* a, int m, const T* const* w, int64_t K, float* sums,
+                       Prefetch pf) {
+  switch (m) {
+    case 1:
+      dot_block<1, RB>(a, w, K, sums, pf);
+      break;
+    case 2:
+      dot_block<2, RB>(a, w, K, sums, pf);
+      break;
+    default:
+      dot_block<3, RB>(a, w, K, sums, pf);
+      break;
+  }
+}
+
+// For weight rows [n0, n1) of W ([N, K], row stride ldw) and M fp32 rows a[0..M): calls
+// emit(m, n, sum) for every pair. Rows are taken RB at a time (pointer rows are clamped
+// so the tail block stays in bounds); each block is read from memory once for all M.
+template <typename T, typename Emit>
+void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, int64_t K,
+                    int64_t n0, int64_t n1, Emit&& emit) {
+  // Weight rows per block: 8 for one A row (8 accumulators), else 4 against up to 3 A
+  // rows at a time (12 accumulators + 3 A vectors + 1 weight vector = 16 ymm).
+  constexpr int RB = 4;
+  float sums[3 * 8];
+  if (M == 1) {
+    constexpr int RB1 = 8;
+    int64_t n = n0;
+    for (; n + RB1 <= n1; n += RB1) {
+      const T* rows[RB1];
+      for (int r = 0; r < RB1; ++r) rows[r] = w + (n + r) * ldw;
+      const Prefetch pf = n + 2 * RB1 <= n1 && ldw == K
+                              ? next_rows(rows[0] + RB1 * K, rows[0] + (RB1 + RB1 / 2) * K, K)
+                              : Prefetch{};
+      dot_block<1, RB1>(a, rows, K, sums, pf);
+      for (int r = 0; r < RB1; ++r) emit(0, n + r, sums[r]);
+    }
+    for (; n < n1; ++n) {
+      const T* row = w + n * ldw;
+      dot_block<1, 1>(a, &row, K, sums);
+      emit(0, n, sums[0]);
+    }
+    return;
+  }
+  for (int64_t n = n0; n < n1; n += RB) {
+    const int rb = int(std::min<int64_t>(RB, n1 - n));
+    const T* rows[RB];
+    for (int r = 0; r < RB; ++r) rows[r] = w + (n + std::min(r, rb - 1)) * ldw;
+    // the first pass over this block prefetches the next; later passes hit the cache
+    const Prefetch pf = n + 2 * RB <= n1 && ldw == K
+                            ? next_rows(rows[0] + RB * K, rows[0] + (RB + RB / 2) * K, K)
+                            : Prefetch{};
+    for (int64_t m = 0; m < M; m += 3) {
+      const int mb = int(std::min<int64_t>(3, M - m));
+      dot_rows_m<RB>(a + m, mb, rows, K, sums, m == 0 ? pf : Prefetch{});
+      for (int i = 0; i < mb; ++i)
+        for (int r = 0; r < rb; ++r) emit(m + i, n + r, sums[i * RB + r]);
+    }
+  }
+}
+
+// Gated variant for a [gate; up] weight (gate row n at wg + n * ldw, up row n at
+// wu + n * ldw): emit(m, n, gate_sum, up_sum) for n in [n0, n1). Gate and up rows of
+// the same n are read in the same pass, so the activation can be applied right away.
+template <typename T, typename Emit>
+void dot_rows_gated(const float* const* a, int64_t M, const T* wg, const T* wu, int64_t ldw,
+                    int64_t K, int64_t n0, int64_t n1, Emit&& emit) {
+  float sums[3 * 8];
+  if (M == 1) {
+    constexpr int P = 4;  // pairs per block: 8 rows, 8 accumulators
+    for (int64_t n = n0; n < n1; n += P) {
+      const int pv = int(std::min<int64_t>(P, n1 - n));
+      const T* rows[2 * P];
+      for (int r = 0; r < P; ++r) {
+        const int64_t nn = n + std::min(r, pv - 1);
+        rows[r] = wg + nn * ldw;
+        rows[P + r] = wu + nn * ldw;
+      }
+      const Prefetch pf = n + 2 * P <= n1 && ldw == K
+                              ? next_rows(wg + (n + P) * K, wu + (n + P) * K, K)
+                              : Prefetch{};
+      dot_block<1, 2 * P>(a, rows, K, sums, pf);
+      for (int r = 0; r < pv; ++r) emit(0, n + r, sums[r], sums[P + r]);
+    }
+    return;
+  }
+  constexpr int P = 2;  // 4 rows x up to 3 A rows: 12 accumulators
+  for (int64_t n = n0; n < n1; n += P) {
+    const int pv = int(std::min<int64_t>(P, n1 - n));
+    const T* rows[2 * P];
+    for (int r = 0; r < P; ++r) {
+      const int64_t nn = n + std::min(r, pv - 1);
+      rows[r] = wg + nn * ldw;
+      rows[P + r] = wu + nn * ldw;
+    }
+    const Prefetch pf =
+        n + 2 * P <= n1 && ldw == K ? next_rows(wg + (n + P) * K, wu + (n + P) * K, K) : Prefetch{};
+    for (int64_t m = 0; m < M; m += 3) {
+      const int mb = int(std::min<int64_t>(3, M - m));
+      dot_rows_m<2 * P>(a + m, mb, rows, K, sums, m == 0 ? pf : Prefetch{});
+      for (int i = 0; i < mb; ++i)
+        for (int r = 0; r < pv; ++r)
+          emit(m + i, n + r, sums[i * 2 * P + r], sums[i * 2 * P + P + r]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Packed path
+// ---------------------------------------------------------------------------------
+
+// Packed A layout for `m` rows padded to mp = ceil(m / MR) * MR, all of K: the K block
+// starting at k0 (length kc) holds tile t at ap + k0 * mp + t * kc * MR, as [kc][MR].
+inline int64_t packed_a_size(int64_t m, int64_t K) { return ceil_div(m, MR) * MR * K; }
+
+// Packs tile t of A: MR row pointers (nullptr = padding row, zeros), K columns.
+template <typename T>
+void pack_a_tile(const T* const* rows, int64_t K, int64_t mp, int64_t t, float* ap) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    float* dst = ap + k0 * mp + t * kc * MR;
+    for (int i = 0; i < MR; ++i) {
+      const T* src = rows[i];
+      if (src == nullptr) {
+        for (int64_t k = 0; k < kc; ++k) dst[k * MR + i] = 0.f;
+      } else {
+        src += k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * MR + i] = to_float(src[k]);
+      }
+    }
+  }
+}
+
+// 8 x 8 transpose of fp32 lanes, in place.
+inline void transpose8(Vec8* r) {
+#if TOPG_AVX2
+  const __m256 t0 = _mm256_unpacklo_ps(r[0].v, r[1].v), t1 = _mm256_unpackhi_ps(r[0].v, r[1].v);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2].v, r[3].v), t3 = _mm256_unpackhi_ps(r[2].v, r[3].v);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4].v, r[5].v), t5 = _mm256_unpackhi_ps(r[4].v, r[5].v);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6].v, r[7].v), t7 = _mm256_unpackhi_ps(r[6].v, r[7].v);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0].v = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1].v = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2].v = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3].v = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4].v = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5].v = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6].v = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7].v = _mm256_permute2f128_ps(s3, s7, 0x31);
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int j = i + 1; j < 8; ++j) std::swap(r[i].v[j], r[j].v[i]);
+#endif
+}
+
+// One 8-column half of a weight panel: `valid` rows starting at `row0` (stride ldw).
+template <typename T>
+struct RowGroup {
+  const T* row0;
+  int valid;  // 0..8; missing rows pack as zeros
+};
+
+// Packs K columns [k0, k0 + kc) of two row groups into dst[kc][16] (fp32, k-major).
+template <typename T>
+void pack_b_panel(RowGroup<T> g0, RowGroup<T> g1, int64_t ldw, int64_t k0, int64_t kc, float* dst) {
+  const RowGroup<T> groups[2] = {g0, g1};
+  for (int g = 0; g < 2; ++g) {
+    const T* base = groups[g].row0 + k0;
+    const int valid = groups[g].valid;
+    int64_t k = 0;
+    for (; k + 8 <= kc; k += 8) {
+      Vec8 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = i < valid ? Vec8::load(base + i * ldw + k) : Vec8::zero();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) r[i].store(dst + (k + i) * NR + g * 8);
+    }
+    for (; k < kc; ++k)
+      for (int i = 0; i < 8; ++i)
+        dst[k * NR + g * 8 + i] = i < valid ? to_float(base[i * ldw + k]) : 0.f;
+  }
+}
+
+// c[6][16] = sum over kc of a[k][0..6) (outer) b[k][0..16): the register-blocked core,
+// 12 Vec8 accumulators, 2 loads + 6 broadcasts per 12 FMAs.
+inline void micro_6x16(int64_t kc, const float* a, const float* b, float* c) {
+  Vec8 c00 = Vec8::zero(), c01 = Vec8::zero(), c10 = Vec8::zero(), c11 = Vec8::zero();
+  Vec8 c20 = Vec8::zero(), c21 = Vec8::zero(), c30 = Vec8::zero(), c31 = Vec8::zero();
+  Vec8 c40 = Vec8::zero(), c41 = Vec8::zero(), c50 = Vec8::zero(), c51 = Vec8::zero();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const Vec8 b0 = Vec8::load(b), b1 = Vec8::load(b + 8);
+    Vec8 av(a[0]);
+    c00 = Vec8::fma(av, b0, c00);
+    c01 = Vec8::fma(av, b1, c01);
+    av = Vec8(a[1]);
+    c10 = Vec8::fma(av, b0, c10);
+    c11 = Vec8::fma(av, b1, c11);
+    av = Vec8(a[2]);
+    c20 = Vec8::fma(av, b0, c20);
+    c21 = Vec8::fma(av, b1, c21);
+    av = Vec8(a[3]);
+    c30 = Vec8::fma(av, b0, c30);
+    c31 = Vec8::fma(av, b1, c31);
+    av = Vec8(a[4]);
+    c40 = Vec8::fma(av, b0, c40);
+    c41 = Vec8::fma(av, b1, c41);
+    av = Vec8(a[5]);
+    c50 = Vec8::fma(av, b0, c50);
+    c51 = Vec8::fma(av, b1, c51);
+    a += MR;
+    b += NR;
+  }
+  c00.store(c + 0 * NR), c01.store(c + 0 * NR + 8);
+  c10.store(c + 1 * NR), c11.store(c + 1 * NR + 8);
+  c20.store(c + 2 * NR), c21.store(c + 2 * NR + 8);
+  c30.store(c + 3 * NR), c31.store(c + 3 * NR + 8);
+  c40.store(c + 4 * NR), c41.store(c + 4 * NR + 8);
+  c50.store(c + 5 * NR), c51.store(c + 5 * NR + 8);
+}
+
+// Computes the output tiles [t0, t1) x panels [p0, p1) of a product whose A is packed
+// (`ap`, mp rows padded, all of K). panel(p) returns the two RowGroups of weight panel p
+// (stride ldw). epi(t, p, tile) receives each finished 6x16 fp32 tile (row-major, ld 16).
+// Uses this thread's scratch for the packed weight block and the K-block partial sums.
+template <typename T, typename Panel, typename Epi>
+void gemm_tiles(const float* ap, int64_t mp, int64_t K, int64_t ldw, int64_t t0, int64_t t1,
+                int64_t p0, int64_t p1, Panel&& panel, Epi&& epi) {
+  const int64_t ntile = t1 - t0, npan = p1 - p0;
+  if (ntile <= 0 || npan <= 0) return;
+  float* bp = scratch(0, std::min(KC, K) * NR * npan);
+  float* cs = K > KC ? scratch(1, ntile * MR * npan * NR) : nullptr;  // partial sums
+  const int64_t ldc = npan * NR;
+  alignas(32) float tile[MR * NR];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const bool first = k0 == 0, last = k0 + kc >= K;
+    for (int64_t p = p0; p < p1; ++p) {
+      const auto [g0, g1] = panel(p);
+      pack_b_panel<T>(g0, g1, ldw, k0, kc, bp + (p - p0) * kc * NR);
+    }
+    for (int64_t tb = t0; tb < t1; tb += MCT) {
+      const int64_t te = std::min(t1, tb + MCT);
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* b = bp + (p - p0) * kc * NR;
+        for (int64_t t = tb; t < te; ++t) {
+          micro_6x16(kc, ap + k0 * mp + t * kc * MR, b, tile);
+          float* c = cs ? cs + (t - t0) * MR * ldc + (p - p0) * NR : nullptr;
+          if (!first)
+            for (int i = 0; i < MR; ++i)
+              for (int j = 0; j < NR; j += 8)
+                (Vec8::load(tile + i * NR + j) + Vec8::load(c + i * ldc + j))
+                    .store(tile + i * NR + j);
+          if (last) {
+            epi(t, p, static_cast<const float*>(tile));
+          } else {
+            for (int i = 0; i < MR; ++i)
+              for (int j = 0; j < NR; j += 8) Vec8::load(tile + i * NR + j).store(c + i * ldc + j);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The panel map of a plain [N, K] weight: panel p holds rows 16p .. 16p+15.
+template <typename T>
+struct LinearPanels {
+  const T* w;
+  int64_t N, ldw;
+  std::pair<RowGroup<T>, RowGroup<T>> operator()(int64_t p) const {
+    const int64_t r0 = p * NR, r1 = r0 + 8;
+    const int v0 = int(std::clamp<int64_t>(N - r0, 0, 8)),
+              v1 = int(std::clamp<int64_t>(N - r1, 0, 8));
+    return {RowGroup<T>{w + std::min(r0, N - 1) * ldw, v0},
+            RowGroup<T>{w + std::min(r1, N - 1) * ldw, v1}};
+  }
+};
+
+// Stores `n` (<= 8) fp32 values of v (+ bias) to dst, rounding once to T.
+template <typename T>
+inline void store_n(T* dst, Vec8 v, int n) {
+  if (n == 8)
+    v.store(dst);
+  else
+    store_partial(dst, v, n);
+}
+
+}  // namespace topg::gemm

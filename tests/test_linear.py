@@ -1,0 +1,108 @@
+"""linear against its reference: every path (GEMV, small-M dot, packed GEMM) and tail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DTYPES, assert_close, requires_kernel
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import torch_topg
+from torch_topg import reference
+
+# M crosses the dot / packed threshold (16) and the 6-row tiles; K and N cover the
+# 8-lane and 16-column tails and K blocks of 256 (partial sums across blocks).
+ROWS = st.sampled_from([1, 2, 3, 7, 16, 17, 64, 257])
+SIZES = st.sampled_from([1, 7, 33, 100, 257, 1000]) | st.integers(1, 300)
+
+
+def _scale(k: int) -> float:
+    """fp32 tolerance widening: rounding error of a k-term sum grows like sqrt(k)."""
+    return max(1.0, k**0.5 / 8)
+
+
+def _inputs(lead: tuple[int, ...], k: int, n: int, dtype: torch.dtype, bias: bool):
+    x = torch.randn(*lead, k, dtype=dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)  # outputs of order 1 for any K
+    b = torch.randn(n, dtype=dtype) if bias else None
+    return x, w, b
+
+
+@requires_kernel("linear")
+@given(m=ROWS, k=SIZES, n=SIZES, dtype=st.sampled_from(DTYPES), bias=st.booleans())
+@example(m=1, k=1000, n=257, dtype=torch.float32, bias=True)  # GEMV with a row tail
+@example(m=17, k=257, n=33, dtype=torch.float16, bias=False)  # packed, 2 K blocks
+@example(m=257, k=1000, n=100, dtype=torch.bfloat16, bias=True)  # packed, 4 K blocks
+@example(m=16, k=7, n=1, dtype=torch.bfloat16, bias=True)  # dot path, K below one vector
+@example(m=64, k=1, n=1000, dtype=torch.float32, bias=False)
+def test_linear(m, k, n, dtype, bias):
+    x, w, b = _inputs((m,), k, n, dtype, bias)
+    assert_close(torch_topg.ops.linear(x, w, b), reference.linear(x, w, b), scale=_scale(k))
+
+
+@requires_kernel("linear")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", [(2, 3), (4, 1, 5), (2, 20)])
+def test_linear_batched_non_contiguous(lead, dtype):
+    x, w, b = _inputs(lead, 40, 24, dtype, True)
+    x_nc = x.transpose(0, -2) if len(lead) > 1 else x  # any layout is accepted
+    assert not x_nc.is_contiguous()
+    out = torch_topg.ops.linear(x_nc, w, b)
+    assert out.shape == (*x_nc.shape[:-1], 24)
+    assert_close(out, reference.linear(x_nc, w, b))
+
+
+@requires_kernel("linear")
+def test_linear_matches_f_linear():
+    x, w, b = _inputs((5, 33), 100, 70, torch.float32, True)
+    assert_close(torch_topg.ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@requires_kernel("linear")
+def test_linear_empty():
+    w = torch.randn(5, 0)
+    b = torch.randn(5)
+    assert_close(torch_topg.ops.linear(torch.randn(3, 0), w, b), b.expand(3, 5))
+    assert torch_topg.ops.linear(torch.randn(0, 4), torch.randn(5, 4)).shape == (0, 5)
+
+
+def test_linear_opcheck():
+    for m in (1, 20):
+        x, w, b = _inputs((m,), 40, 24, torch.float32, True)
+        torch.library.opcheck(torch.ops.topg.linear.default, (x, w, b))
+        torch.library.opcheck(torch.ops.topg.linear.default, (x, w, None))
+
+
+def test_linear_compile_fullgraph():
+    def mlp(x, w1, b1, w2):
+        return torch_topg.ops.linear(torch.relu(torch_topg.ops.linear(x, w1, b1)), w2)
+
+    x, w1, b1 = _inputs((2, 9), 48, 64, torch.float32, True)
+    w2 = torch.randn(32, 64) / 8
+    expected = mlp(x, w1, b1, w2)
+    got = torch.compile(mlp, fullgraph=True, backend="aot_eager")(x, w1, b1, w2)
+    assert_close(got, expected)
+
+
+BAD = [
+    (
+        (torch.randn(4, 8), torch.randn(5, 8).half(), None),
+        "argument 'weight'.*expected dtype float32",
+    ),
+    ((torch.randn(4, 8), torch.randn(5, 7), None), "argument 'weight'.*expected size 8 at dim 1"),
+    ((torch.randn(4, 8), torch.randn(8, 5).t(), None), "argument 'weight'.*contiguous"),
+    ((torch.randn(4, 8), torch.randn(5, 8), torch.randn(4)), "argument 'bias'.*size 5 at dim 0"),
+    ((torch.randn(4, 8), torch.randn(5, 8), torch.randn(1, 5)), "argument 'bias'.*1 dimensions"),
+    ((torch.randint(0, 3, (4, 8)), torch.randn(5, 8), None), "argument 'input'.*expected dtype"),
+    ((torch.randn(4, 8), torch.randn(5, 8, 1), None), "argument 'weight'.*2 dimensions"),
+]
+
+
+@pytest.mark.parametrize("args, match", BAD)
+def test_linear_bad_input(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        torch_topg.ops.linear(*args)
+    with pytest.raises(RuntimeError, match=match):  # the fake kernel checks the same
+        with torch._subclasses.FakeTensorMode() as mode:
+            torch_topg.ops.linear(*(None if a is None else mode.from_tensor(a) for a in args))

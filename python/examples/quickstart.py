@@ -1,6 +1,6 @@
 """A runnable tour of the topg ops on the CPU (uses the installed package).
 
-    python python/examples/quickstart.py
+python python/examples/quickstart.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ import torch
 
 from torch_topg import reference
 from torch_topg.ops._checks import Arg, check_op
-from torch_topg.ops._library import register
+from torch_topg.ops._library import eager_entry, register
+
+_fused_moe = eager_entry("fused_moe")
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -38,9 +40,10 @@ def fused_moe(
     Returns:
         ``[T, H]`` in the dtype of ``hidden_states``; fp32 math, rounded once.
     """
-    return torch.ops.topg.fused_moe.default(
-        hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation=activation
-    )
+    args = (hidden_states, w_gate_up, w_down, topk_weights, topk_ids)
+    if torch.compiler.is_compiling():
+        return torch.ops.topg.fused_moe.default(*args, activation=activation)
+    return _fused_moe(*args, activation=activation)
 
 
 def _check_fused_moe(

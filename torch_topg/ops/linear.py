@@ -6,7 +6,9 @@ import torch
 
 from torch_topg import reference
 from torch_topg.ops._checks import Arg
-from torch_topg.ops._library import register
+from torch_topg.ops._library import eager_entry, register
+
+_linear = eager_entry("linear")
 
 
 def linear(
@@ -22,7 +24,9 @@ def linear(
     Returns:
         ``[..., N]`` in the dtype of ``input``. Accumulation is fp32, rounded once.
     """
-    return torch.ops.topg.linear.default(input, weight, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.topg.linear.default(input, weight, bias)
+    return _linear(input, weight, bias)
 
 
 def _check_linear(

@@ -243,6 +243,18 @@ inline Vec8 exp(Vec8 x) {
 
 #endif
 
+// Horizontal sums of four vectors at once: out[i] = x[i].sum(). Cheaper than four
+// separate reductions (decode attention reduces one dot product per head and token).
+inline void sum4(const Vec8 x[4], float* out) {
+#if TOPG_AVX2
+  const __m256 ab = _mm256_hadd_ps(x[0].v, x[1].v), cd = _mm256_hadd_ps(x[2].v, x[3].v);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = x[i].sum();
+#endif
+}
+
 // Element-wise helpers built on exp.
 inline Vec8 sigmoid(Vec8 x) { return Vec8(1.f) / (Vec8(1.f) + exp(Vec8::zero() - x)); }
 inline Vec8 silu(Vec8 x) { return x * sigmoid(x); }

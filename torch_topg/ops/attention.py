@@ -190,8 +190,10 @@ def _check_attention(
             size, want = mask.shape[-d], full[-d]
             torch._check(
                 size == 1 or size == want,
-                lambda: f"topg::{op}: argument 'mask' (shape {list(mask.shape)}) expected "
-                f"a shape broadcastable to [B, Hq, Sq, Sk] = {list(full)}",
+                lambda: (
+                    f"topg::{op}: argument 'mask' (shape {list(mask.shape)}) expected "
+                    f"a shape broadcastable to [B, Hq, Sq, Sk] = {list(full)}"
+                ),
             )
 
 

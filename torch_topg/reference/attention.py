@@ -6,6 +6,7 @@ kernel); everything is vectorised over heads, with a Python loop over sequences.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -106,7 +107,7 @@ def attention(
 
 
 def _check_cu_seqlens(cu: list[int], total: int, name: str) -> None:
-    ok = cu[0] == 0 and cu[-1] == total and all(a <= b for a, b in zip(cu, cu[1:], strict=False))
+    ok = cu[0] == 0 and cu[-1] == total and all(a <= b for a, b in itertools.pairwise(cu))
     if not ok:
         raise RuntimeError(
             f"topg::attention: argument '{name}' expected non-decreasing offsets from 0 to "
@@ -145,9 +146,9 @@ def paged_attention(
         k = key_cache[blocks].flatten(0, 1)[:n]  # [n, Hkv, D]
         v = value_cache[blocks].flatten(0, 1)[:n]
         # The query is the last token: it sees keys 0..n-1 (bottom-right causal).
-        out[s] = _attend_one(
-            query[s : s + 1], k, v, True, scale, window_left, softcap, None
-        )[0].to(query.dtype)
+        out[s] = _attend_one(query[s : s + 1], k, v, True, scale, window_left, softcap, None)[0].to(
+            query.dtype
+        )
     return out
 
 

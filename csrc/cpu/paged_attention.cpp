@@ -22,8 +22,8 @@ void check_args(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                 const at::Tensor& bt, const at::Tensor& sl, int64_t window_left, double softcap) {
   Arg(OP, "query", q).dim(3).floating().device(at::kCPU).last_dim_contiguous();
   for (auto [name, t] : {std::pair{"key_cache", &kc}, std::pair{"value_cache", &vc}}) {
-    Arg(OP, name, *t).dim(4).same_dtype(q, "query").same_device(q, "query").contiguous();
-    Arg(OP, name, *t).size(3, q.size(2), "head_dim of 'query'");
+    Arg(OP, name, *t).dim(4).same_dtype(q, "query").same_device(q, "query");
+    Arg(OP, name, *t).size(3, q.size(2), "head_dim of 'query'").contiguous();
   }
   for (int64_t d = 0; d < 3; ++d)
     Arg(OP, "value_cache", vc).size(d, kc.size(d), "the shape of 'key_cache'");

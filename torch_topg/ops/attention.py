@@ -127,16 +127,24 @@ def reshape_and_cache(
 # --- argument checks (shared by the fake kernel and the reference fallback) ----------
 
 
-def _check_qkv(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, nd: int):
-    """q/k/v with ``nd`` dims ``[..., S, H, D]``: dtypes, GQA, head_dim."""
+def _check_qkv(
+    op: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    nd: int,
+    names: tuple[str, str] = ("key", "value"),
+) -> None:
+    """q and k/v (named ``names``) with ``nd`` dims ``[..., H, D]``: dtypes, GQA, head_dim."""
+    kn, vn = names
     Arg(op, "query", query).floating().last_dim_contiguous()
-    Arg(op, "key", key).dim(nd).same_dtype(query, "query").same_device(query, "query")
-    Arg(op, "key", key).last_dim_contiguous().size(-1, query.shape[-1], "head_dim of 'query'")
-    Arg(op, "value", value).dim(nd).same_dtype(query, "query").same_device(query, "query")
-    Arg(op, "value", value).last_dim_contiguous()
+    Arg(op, kn, key).dim(nd).same_dtype(query, "query").same_device(query, "query")
+    Arg(op, kn, key).last_dim_contiguous().size(nd - 1, query.shape[-1], "head_dim of 'query'")
+    Arg(op, vn, value).dim(nd).same_dtype(query, "query").same_device(query, "query")
+    Arg(op, vn, value).last_dim_contiguous()
     for d in range(nd - 1):
-        Arg(op, "value", value).size(d, key.shape[d], "the shape of 'key'")
-    Arg(op, "value", value).size(nd - 1, query.shape[-1], "head_dim of 'query'")
+        Arg(op, vn, value).size(d, key.shape[d], f"the shape of '{kn}'")
+    Arg(op, vn, value).size(nd - 1, query.shape[-1], "head_dim of 'query'")
     hq, hkv = query.shape[-2], key.shape[-2]
     torch._check(
         hkv > 0 and hq % hkv == 0,
@@ -210,7 +218,7 @@ def _check_paged_attention(
 ) -> None:
     op = "paged_attention"
     Arg(op, "query", query).dim(3)
-    _check_qkv(op, query, key_cache, value_cache, 4)
+    _check_qkv(op, query, key_cache, value_cache, 4, ("key_cache", "value_cache"))
     Arg(op, "key_cache", key_cache).contiguous()
     Arg(op, "value_cache", value_cache).contiguous()
     Arg(op, "block_tables", block_tables).dim(2).dtype([torch.int32]).same_device(query, "query")

@@ -22,6 +22,8 @@ namespace topg::paged {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t TOKEN_TILE = 16;  // tokens per tile: their K or V rows stay in L1/L2
+// How far ahead rows are prefetched (tokens), into L2: the current tile fills L1.
+constexpr int64_t PREFETCH_AHEAD = 2 * TOKEN_TILE;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -135,7 +137,7 @@ template <typename T>
 inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t bytes) {
   for (int64_t t = 0; t < n; ++t) {
     const char* p = reinterpret_cast<const char*>(base + rows[t]);
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
   }
 }
 
@@ -179,9 +181,10 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
   const int64_t* rows = ws.rows.data();
   with_head_group(head_group(G), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
-      const int64_t nt = std::min(TOKEN_TILE, n - t), nn = std::min(TOKEN_TILE, n - t - nt);
+      const int64_t nt = std::min(TOKEN_TILE, n - t);
+      const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
-        prefetch_rows(a.kc + kvh * d, rows + t + nt, nn, slice_bytes);
+        prefetch_rows(a.kc + kvh * d, rows + pf, nn, slice_bytes);
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
           qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * d, rows + t, nt, d,
                        ws.s.data() + h * ps + t, ps);
@@ -213,9 +216,10 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
   float* acc = ws.acc.data();
   with_head_group(head_group(G), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
-      const int64_t nt = std::min(TOKEN_TILE, n - t), nn = std::min(TOKEN_TILE, n - t - nt);
+      const int64_t nt = std::min(TOKEN_TILE, n - t);
+      const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
-        prefetch_rows(a.vc + kvh * d, rows + t + nt, nn, slice_bytes);
+        prefetch_rows(a.vc + kvh * d, rows + pf, nn, slice_bytes);
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
           pv_heads<HG>(ws.s.data() + h * ps + t, ps, a.vc + kvh * d, rows + t, nt, d, acc + h * as,
                        as);

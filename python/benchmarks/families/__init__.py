@@ -1,0 +1,1 @@
+"""Benchmark families: each module exposes ``run(quick: bool) -> list[Row]``."""

@@ -22,7 +22,7 @@ build: venv
 	$(PIP) install -q --no-build-isolation -e .
 
 test: build
-	$(PY) -m pytest -q tests
+	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q tests
 
 demo: build
 	$(PY) python/benchmarks/bench_ops.py --quick

@@ -27,6 +27,15 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def _tool(name: str) -> str:
+    """cmake / ninja from the running Python's environment first (pip-installed), then PATH."""
+    env_bin = pathlib.Path(sys.executable).parent
+    found = shutil.which(name, path=f"{env_bin}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        raise RuntimeError(f"{name} not found: pip install {name}")
+    return found
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         build_dir = pathlib.Path(
@@ -37,7 +46,8 @@ class CMakeBuild(build_ext):
         build_dir.mkdir(parents=True, exist_ok=True)
         out_dir = build_dir / "out"
         cmake_args = [
-            "cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            _tool("cmake"), "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}",
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DTOPG_OUTPUT_DIR={out_dir}",
             f"-DTOPG_CUDA={os.environ.get('TOPG_CUDA', 'AUTO').upper()}",
@@ -46,7 +56,7 @@ class CMakeBuild(build_ext):
             cmake_args.append(f"-DTOPG_CPU_ARCH={os.environ['TOPG_CPU_ARCH']}")
         subprocess.check_call(cmake_args)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-        subprocess.check_call(["cmake", "--build", str(build_dir), "--", f"-j{jobs}"])
+        subprocess.check_call([_tool("cmake"), "--build", str(build_dir), "--", f"-j{jobs}"])
         # Place the library and its build info where setuptools expects the extension
         # (the source tree for editable installs, build_lib for wheels).
         target = pathlib.Path(self.get_ext_fullpath(ext.name))

@@ -62,3 +62,13 @@ def requires_kernel(op: str, key: str = "CPU"):
         reason=f"no native {key} kernel registered for topg::{op} "
         f"({_native.missing_reason(key.lower())})",
     )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # `make test` builds the extension and sets TOPG_REQUIRE_NATIVE=1: a build that did
+    # not load must fail the run, not turn every kernel test into a skip.
+    if os.environ.get("TOPG_REQUIRE_NATIVE") == "1" and not _native.is_loaded():
+        raise pytest.UsageError(
+            f"TOPG_REQUIRE_NATIVE=1 but the native extension is not loaded: "
+            f"{_native.missing_reason('cpu')}"
+        )

@@ -144,6 +144,21 @@ struct Vec8 {
   static Vec8 fma(Vec8 a, Vec8 b, Vec8 c) { return Vec8(_mm256_fmadd_ps(a.v, b.v, c.v)); }
   static Vec8 max(Vec8 a, Vec8 b) { return Vec8(_mm256_max_ps(a.v, b.v)); }
   static Vec8 min(Vec8 a, Vec8 b) { return Vec8(_mm256_min_ps(a.v, b.v)); }
+  // 1/x: hardware estimate plus one Newton step (relative error ~1e-7, far cheaper than
+  // a divide on the hot paths of sigmoid and softmax).
+  Vec8 reciprocal() const {
+    const __m256 r = _mm256_rcp_ps(v);
+    return Vec8(_mm256_mul_ps(r, _mm256_fnmadd_ps(v, r, _mm256_set1_ps(2.f))));
+  }
+
+  // [x0, x1, x2, x3, ...] -> [x1, x0, x3, x2, ...]
+  Vec8 swap_pairs() const { return Vec8(_mm256_permute_ps(v, 0xB1)); }
+  Vec8 abs() const { return Vec8(_mm256_andnot_ps(_mm256_set1_ps(-0.f), v)); }
+  // Copies the sign of `s` onto the magnitude of this.
+  Vec8 with_sign_of(Vec8 s) const {
+    const __m256 m = _mm256_set1_ps(-0.f);
+    return Vec8(_mm256_or_ps(_mm256_andnot_ps(m, v), _mm256_and_ps(m, s.v)));
+  }
 
   float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -159,16 +174,13 @@ struct Vec8 {
   }
 };
 
-// exp(x) for fp32 lanes: range reduction x = n ln2 + r, degree-6 polynomial for e^r,
-// 2^n through the exponent bits. Max relative error about 2 ulp on [-87, 88];
-// below -87.3 returns 0 (so exp(-inf) = 0, which masked softmax relies on).
-inline Vec8 exp(Vec8 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
-  const __m256 underflow = _mm256_cmp_ps(x.v, lo, _CMP_LT_OQ);
-  __m256 xv = _mm256_min_ps(_mm256_max_ps(x.v, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xv, _mm256_set1_ps(1.44269504088896341f)),
+// exp(x) for x already known to lie in [-87, 88]: range reduction x = n ln2 + r, a
+// degree-6 polynomial for e^r, 2^n through the exponent bits (about 2 ulp). No
+// clamping, so callers that bound x themselves (sigmoid) save four instructions.
+inline Vec8 exp_in_range(Vec8 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x.v, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  xv = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xv);
+  __m256 xv = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x.v);
   xv = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), xv);
   __m256 p = _mm256_set1_ps(1.9875691500e-4f);
   p = _mm256_fmadd_ps(p, xv, _mm256_set1_ps(1.3981999507e-3f));
@@ -179,8 +191,16 @@ inline Vec8 exp(Vec8 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(xv, xv), _mm256_add_ps(xv, _mm256_set1_ps(1.0f)));
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return Vec8(_mm256_andnot_ps(underflow, r));
+  return Vec8(_mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// exp(x) for any x: below -87.3 returns 0 (so exp(-inf) = 0, which masked softmax
+// relies on); above 88.3 returns inf.
+inline Vec8 exp(Vec8 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365447504f);
+  const __m256 underflow = _mm256_cmp_ps(x.v, lo, _CMP_LT_OQ);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x.v, lo), _mm256_set1_ps(88.3762626647949f));
+  return Vec8(_mm256_andnot_ps(underflow, exp_in_range(Vec8(xc)).v));
 }
 
 #else  // portable fallback
@@ -224,6 +244,22 @@ struct Vec8 {
     for (int i = 0; i < 8; ++i) a.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
     return a;
   }
+  Vec8 reciprocal() const { return Vec8(1.f) / *this; }
+  Vec8 swap_pairs() const {
+    Vec8 r;
+    for (int i = 0; i < 8; i += 2) r.v[i] = v[i + 1], r.v[i + 1] = v[i];
+    return r;
+  }
+  Vec8 abs() const {
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = std::fabs(v[i]);
+    return r;
+  }
+  Vec8 with_sign_of(Vec8 s) const {
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = std::copysign(v[i], s.v[i]);
+    return r;
+  }
   float sum() const {
     float s = 0.f;
     for (float x : v) s += x;
@@ -240,6 +276,7 @@ inline Vec8 exp(Vec8 x) {
   for (float& f : x.v) f = std::exp(f);
   return x;
 }
+inline Vec8 exp_in_range(Vec8 x) { return exp(x); }
 
 #endif
 
@@ -256,10 +293,28 @@ inline void sum4(const Vec8 x[4], float* out) {
 }
 
 // Element-wise helpers built on exp.
-inline Vec8 sigmoid(Vec8 x) { return Vec8(1.f) / (Vec8(1.f) + exp(Vec8::zero() - x)); }
+// The clamp keeps 1 + exp(-x) finite so the reciprocal's Newton step cannot make NaN;
+// sigmoid(+-80) is already 1 and 1.8e-35.
+inline Vec8 sigmoid(Vec8 x) {
+  const Vec8 xc = Vec8::min(Vec8::max(x, Vec8(-80.f)), Vec8(80.f));
+  return (Vec8(1.f) + exp_in_range(Vec8::zero() - xc)).reciprocal();
+}
 inline Vec8 silu(Vec8 x) { return x * sigmoid(x); }
 // tanh(x) = 1 - 2 / (exp(2x) + 1); exact at the saturated ends.
 inline Vec8 tanh(Vec8 x) { return Vec8(1.f) - Vec8(2.f) / (exp(x + x) + Vec8(1.f)); }
+
+// erf(x), Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, below fp32 test tolerances).
+inline Vec8 erf(Vec8 x) {
+  const Vec8 a = x.abs();
+  const Vec8 t = Vec8(1.f) / Vec8::fma(Vec8(0.3275911f), a, Vec8(1.f));
+  Vec8 p = Vec8(1.061405429f);
+  p = Vec8::fma(p, t, Vec8(-1.453152027f));
+  p = Vec8::fma(p, t, Vec8(1.421413741f));
+  p = Vec8::fma(p, t, Vec8(-0.284496736f));
+  p = Vec8::fma(p, t, Vec8(0.254829592f));
+  const Vec8 y = Vec8(1.f) - p * t * exp(Vec8::zero() - a * a);
+  return y.with_sign_of(x);
+}
 
 // Load / store n < 8 trailing elements (rest padded with `pad`).
 template <typename T>

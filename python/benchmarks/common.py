@@ -45,7 +45,7 @@ class Row:
         return self.ratio(name) >= minimum
 
 
-def ms(timing) -> float:  # noqa: ANN001 - a torch_topg.utils.benchmark.Timing
+def ms(timing) -> float:
     return timing.median_s * 1e3
 
 

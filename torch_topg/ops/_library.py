@@ -82,3 +82,18 @@ def register(
 
     LIB.impl(name, fallback, "CompositeExplicitAutograd")
     torch.library.register_fake(f"topg::{name}", fake_kernel, lib=LIB)
+
+
+def eager_entry(name: str) -> Callable[..., Any]:
+    """The C++ callable behind ``torch.ops.topg.<name>.default``.
+
+    Wrappers call it directly in eager mode: it is what ``OpOverload.__call__`` calls,
+    minus one Python frame (about 1 us per call on the 2-core CI machine, a quarter of
+    a decode-size op). Under ``torch.compile`` wrappers call the ``OpOverload`` instead,
+    which dynamo knows how to put in a graph:
+
+        if torch.compiler.is_compiling():
+            return torch.ops.topg.<name>.default(...)
+        return _<name>(...)
+    """
+    return getattr(torch.ops.topg, name).default._op

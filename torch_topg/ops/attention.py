@@ -7,7 +7,11 @@ import torch
 
 from torch_topg import reference
 from torch_topg.ops._checks import Arg, check_op
-from torch_topg.ops._library import register
+from torch_topg.ops._library import eager_entry, register
+
+_attention = eager_entry("attention")
+_paged_attention = eager_entry("paged_attention")
+_reshape_and_cache = eager_entry("reshape_and_cache")
 
 
 def attention(
@@ -50,7 +54,8 @@ def attention(
         ``query``. A query that sees no key outputs zeros. Math is fp32 (online softmax
         over key tiles, never the full score matrix), rounded once.
     """
-    return torch.ops.topg.attention.default(
+    op = torch.ops.topg.attention.default if torch.compiler.is_compiling() else _attention
+    return op(
         query,
         key,
         value,
@@ -93,7 +98,11 @@ def paged_attention(
     Returns:
         ``[num_seqs, Hq, D]`` in the dtype of ``query``; zeros where ``seq_len == 0``.
     """
-    return torch.ops.topg.paged_attention.default(
+    if torch.compiler.is_compiling():
+        op = torch.ops.topg.paged_attention.default
+    else:
+        op = _paged_attention
+    return op(
         query,
         key_cache,
         value_cache,
@@ -121,7 +130,10 @@ def reshape_and_cache(
         slot_mapping: int64 (or int32) ``[T]``; a negative slot skips the token (vLLM
             padding); slots must be below ``num_blocks * block_size``.
     """
-    torch.ops.topg.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping)
+    if torch.compiler.is_compiling():
+        torch.ops.topg.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 # --- argument checks (shared by the fake kernel and the reference fallback) ----------

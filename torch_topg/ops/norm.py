@@ -6,7 +6,10 @@ import torch
 
 from torch_topg import reference
 from torch_topg.ops._checks import Arg
-from torch_topg.ops._library import register
+from torch_topg.ops._library import eager_entry, register
+
+_rms_norm = eager_entry("rms_norm")
+_fused_add_rms_norm = eager_entry("fused_add_rms_norm")
 
 
 def _check_norm(op: str, input: torch.Tensor, weight: torch.Tensor) -> None:
@@ -27,7 +30,9 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float = 1e-6) -
     Returns:
         ``[..., hidden]`` in the dtype of ``input``. Math is fp32, rounded once.
     """
-    return torch.ops.topg.rms_norm.default(input, weight, epsilon)
+    if torch.compiler.is_compiling():
+        return torch.ops.topg.rms_norm.default(input, weight, epsilon)
+    return _rms_norm(input, weight, epsilon)
 
 
 def fused_add_rms_norm(
@@ -40,7 +45,10 @@ def fused_add_rms_norm(
         residual: same shape and dtype as ``input``, contiguous; overwritten with the sum.
         weight: ``[hidden]``, the dtype of ``input`` or float32.
     """
-    torch.ops.topg.fused_add_rms_norm.default(input, residual, weight, epsilon)
+    if torch.compiler.is_compiling():
+        torch.ops.topg.fused_add_rms_norm.default(input, residual, weight, epsilon)
+    else:
+        _fused_add_rms_norm(input, residual, weight, epsilon)
 
 
 def _check_rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:

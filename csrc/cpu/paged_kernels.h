@@ -48,7 +48,7 @@ struct PagedArgs {
 };
 
 struct Workspace {
-  std::vector<float> q, s, acc;
+  std::vector<float> q, s, acc, pb;
   std::vector<int64_t> rows;
 };
 
@@ -88,37 +88,40 @@ inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* row
   }
 }
 
-// acc[g, :] += sum_t p[g, t] * v_t for HG heads, 16 dims of a token tile at a time.
-template <int HG, typename T>
-inline void pv_heads(const float* p, int64_t ps, const T* vc, const int64_t* rows, int64_t n,
+// acc[g, e:e + 8 * NV] += sum_t p[g, t] * v_t[e:e + 8 * NV] for HG heads over a token
+// tile; dims past d read as zero (acc rows are padded, so always loadable).
+// The weights come pre-broadcast (pb[(t * HG + g) * 8 ..], one Vec8 each): a plain
+// load folds into the FMA, where a broadcast would take a shuffle slot per FMA pair.
+template <int HG, int NV, typename T>
+inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t e,
                      int64_t d, float* acc, int64_t as) {
-  for (int64_t e = 0; e < d; e += 16) {
-    const int64_t w = std::min<int64_t>(16, d - e);
-    Vec8 a[HG][2];
+  const bool full = e + 8 * NV <= d;
+  Vec8 a[HG][NV];
+  for (int g = 0; g < HG; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = Vec8::load(acc + g * as + e + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = vc + rows[t] + e;
+    Vec8 vv[NV];
+    for (int c = 0; c < NV; ++c)
+      vv[c] = full ? Vec8::load(v + 8 * c)
+                   : load_partial(v + 8 * c, int(std::clamp<int64_t>(d - e - 8 * c, 0, 8)));
     for (int g = 0; g < HG; ++g) {
-      a[g][0] = Vec8::load(acc + g * as + e);
-      a[g][1] = Vec8::load(acc + g * as + e + 8);  // acc rows are padded: always loadable
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const T* v = vc + rows[t] + e;
-      Vec8 v0, v1;
-      if (w == 16) {
-        v0 = Vec8::load(v), v1 = Vec8::load(v + 8);
-      } else {
-        v0 = load_partial(v, int(std::min<int64_t>(w, 8)));
-        v1 = w > 8 ? load_partial(v + 8, int(w - 8)) : Vec8::zero();
-      }
-      for (int g = 0; g < HG; ++g) {
-        const Vec8 pb(p[g * ps + t]);
-        a[g][0] = Vec8::fma(pb, v0, a[g][0]);
-        a[g][1] = Vec8::fma(pb, v1, a[g][1]);
-      }
-    }
-    for (int g = 0; g < HG; ++g) {
-      a[g][0].store(acc + g * as + e);
-      a[g][1].store(acc + g * as + e + 8);
+      const Vec8 p = Vec8::load(pb + (t * HG + g) * 8);
+      for (int c = 0; c < NV; ++c) a[g][c] = Vec8::fma(p, vv[c], a[g][c]);
     }
   }
+  for (int g = 0; g < HG; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c].store(acc + g * as + e + 8 * c);
+}
+
+// All dims in strips of as many Vec8 as the registers allow (HG * NV accumulators).
+template <int HG, typename T>
+inline void pv_heads(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t d,
+                     float* acc, int64_t as) {
+  constexpr int NV = HG == 4 ? 3 : HG == 2 ? 4 : 8;
+  int64_t e = 0;
+  for (; e + 8 * NV <= d; e += 8 * NV) pv_strip<HG, NV>(pb, vc, rows, n, e, d, acc, as);
+  for (; e < d; e += 8) pv_strip<HG, 1>(pb, vc, rows, n, e, d, acc, as);
 }
 
 // Largest head group the micro-kernels handle that divides G.
@@ -157,10 +160,11 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
     res[h * rs + dp + 1] = 0.f;
   }
   if (n == 0) return;
-  const int64_t as = dp + 8;  // accumulator row stride: the P.V kernel loads 16 dims past dp - 8
+  const int64_t as = dp;  // accumulator row stride
   ws.q.assign(H * dp, 0.f);
   ws.acc.assign(H * as, 0.f);
   ws.s.resize(H * ps);
+  ws.pb.resize(TOKEN_TILE * 4 * 8);
   ws.rows.resize(n);
   {  // token row offsets, walking the block table (no division per token)
     const int32_t* blocks = a.bt + seq * a.bt_ss;
@@ -179,6 +183,7 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
   }
   const int64_t slice_bytes = d * int64_t(sizeof(T));
   const int64_t* rows = ws.rows.data();
+  float* scores = ws.s.data();
   with_head_group(head_group(G), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
@@ -187,7 +192,7 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
         prefetch_rows(a.kc + kvh * d, rows + pf, nn, slice_bytes);
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
           qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * d, rows + t, nt, d,
-                       ws.s.data() + h * ps + t, ps);
+                       scores + h * ps + t, ps);
       }
     }
   });
@@ -220,9 +225,13 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
       const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
         prefetch_rows(a.vc + kvh * d, rows + pf, nn, slice_bytes);
-        for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
-          pv_heads<HG>(ws.s.data() + h * ps + t, ps, a.vc + kvh * d, rows + t, nt, d, acc + h * as,
-                       as);
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG) {
+          float* const pb = ws.pb.data();
+          for (int64_t j = 0; j < nt; ++j)
+            for (int g = 0; g < HG; ++g)
+              Vec8(scores[(h + g) * ps + t + j]).store(pb + (j * HG + g) * 8);
+          pv_heads<HG>(pb, a.vc + kvh * d, rows + t, nt, d, acc + h * as, as);
+        }
       }
     }
   });

@@ -188,12 +188,15 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
       const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
-      for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
+      for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
         prefetch_rows(a.kc + kvh * d, rows + pf, nn, slice_bytes);
-        for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
-          qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * d, rows + t, nt, d,
-                       scores + h * ps + t, ps);
-      }
+      // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
+      constexpr int64_t TS = 4;
+      for (int64_t u = 0; u < nt; u += TS)
+        for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
+          for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
+            qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * d, rows + t + u,
+                         std::min(TS, nt - u), d, scores + h * ps + t + u, ps);
     }
   });
 

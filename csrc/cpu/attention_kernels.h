@@ -21,7 +21,7 @@
 
 namespace topg::attn {
 
-constexpr int64_t BK = 64;  // keys per tile
+constexpr int64_t BK = 128;  // keys per tile
 constexpr int64_t MR = 6;   // micro-kernel rows (6 x 2 accumulators + 2 loads + 1 broadcast)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -157,25 +157,33 @@ template <typename T>
 inline void load_kv_tile(const PrefillArgs<T>& a, const T* kbase, const T* vbase, int64_t n,
                          int64_t ncols, int64_t dp, Workspace& ws) {
   const int64_t d = a.d;
-  alignas(32) float tmp[8];
-  for (int64_t c = 0; c < n; ++c) {
-    const T* kr = kbase + c * a.k_ss;
+  float* kt = ws.kt.data();
+  // K^T: 8 keys x 8 dims at a time through a register transpose (scalar stores strided
+  // by BK would touch a different cache line per element).
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
     int64_t e = 0;
     for (; e + 8 <= d; e += 8) {
-      Vec8::load(kr + e).store(tmp);
-      for (int t = 0; t < 8; ++t) ws.kt[(e + t) * BK + c] = tmp[t];
+      Vec8 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = Vec8::load(kbase + (c + i) * a.k_ss + e);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) r[i].store(kt + (e + i) * BK + c);
     }
-    for (; e < d; ++e) ws.kt[e * BK + c] = to_float(kr[e]);
-    for (; e < dp; ++e) ws.kt[e * BK + c] = 0.f;
+    for (; e < d; ++e)
+      for (int i = 0; i < 8; ++i) kt[e * BK + c + i] = to_float(kbase[(c + i) * a.k_ss + e]);
+  }
+  for (; c < n; ++c)
+    for (int64_t e = 0; e < d; ++e) kt[e * BK + c] = to_float(kbase[c * a.k_ss + e]);
+  for (int64_t e = d; e < dp; ++e) std::fill_n(kt + e * BK, ncols, 0.f);
+  for (int64_t e = 0; e < d; ++e) std::fill(kt + e * BK + n, kt + e * BK + ncols, 0.f);
+  for (c = 0; c < n; ++c) {
     const T* vr = vbase + c * a.v_ss;
     float* vo = ws.v.data() + c * dp;
-    e = 0;
+    int64_t e = 0;
     for (; e + 8 <= d; e += 8) Vec8::load(vr + e).store(vo + e);
     for (; e < d; ++e) vo[e] = to_float(vr[e]);
     for (; e < dp; ++e) vo[e] = 0.f;
   }
-  for (int64_t e = 0; e < dp; ++e)
-    for (int64_t c = n; c < ncols; ++c) ws.kt[e * BK + c] = 0.f;
 }
 
 // Online-softmax update of one score row s[0, n) (already scaled, softcapped and

@@ -22,7 +22,7 @@ namespace topg::paged {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t TOKEN_TILE = 16;  // tokens per tile: their K or V rows stay in L1/L2
-// How far ahead rows are prefetched (tokens), into L2: the current tile fills L1.
+// How far ahead rows are prefetched (tokens): about two tiles of compute hide DRAM latency.
 constexpr int64_t PREFETCH_AHEAD = 2 * TOKEN_TILE;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -134,8 +134,8 @@ inline void with_head_group(int hg, F&& f) {
   return f.template operator()<1>();
 }
 
-// Prefetch `bytes` bytes at base + rows[t] for n tokens (one kv head's slice of the
-// next token tile; spread over the kv heads so few prefetches are in flight at once).
+// Prefetch (into L2; the current tile occupies L1) `bytes` bytes at base + rows[t]
+// for n tokens of a later token tile.
 template <typename T>
 inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t bytes) {
   for (int64_t t = 0; t < n; ++t) {
@@ -146,7 +146,7 @@ inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t
 
 // One partition: tokens [t0, t1) of sequence `seq`, all heads. Token tiles are the
 // outer loop, so each tile's K (then V) rows of all kv heads, contiguous in the cache,
-// are read from memory once, and the next tile is prefetched meanwhile.
+// are read from memory once, while the tile PREFETCH_AHEAD tokens later is prefetched.
 // Writes, per query head h, the unnormalised output, the max score and the sum of exps
 // to res[h * part_stride(d) ...] (m = -inf, l = 0 for an empty partition).
 template <typename T>
@@ -188,8 +188,7 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
       const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
-      for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
-        prefetch_rows(a.kc + kvh * d, rows + pf, nn, slice_bytes);
+      prefetch_rows(a.kc, rows + pf, nn, a.hkv * slice_bytes);  // whole rows: contiguous
       // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
       constexpr int64_t TS = 4;
       for (int64_t u = 0; u < nt; u += TS)

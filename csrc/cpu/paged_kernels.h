@@ -225,8 +225,8 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
       const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
+      prefetch_rows(a.vc, rows + pf, nn, a.hkv * slice_bytes);  // whole rows: contiguous
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
-        prefetch_rows(a.vc + kvh * d, rows + pf, nn, slice_bytes);
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG) {
           float* const pb = ws.pb.data();
           for (int64_t j = 0; j < nt; ++j)

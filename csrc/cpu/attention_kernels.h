@@ -22,7 +22,7 @@
 namespace topg::attn {
 
 constexpr int64_t BK = 128;  // keys per tile
-constexpr int64_t MR = 6;   // micro-kernel rows (6 x 2 accumulators + 2 loads + 1 broadcast)
+constexpr int64_t MR = 6;    // micro-kernel rows (6 x 2 accumulators + 2 loads + 1 broadcast)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

@@ -181,14 +181,14 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
     const T* src = a.q + seq * a.q_ss + h * a.q_sh;
     for (int64_t e = 0; e < d; ++e) ws.q[h * dp + e] = to_float(src[e]) * qscale;
   }
-  const int64_t slice_bytes = d * int64_t(sizeof(T));
+  const int64_t row_bytes = a.hkv * d * int64_t(sizeof(T));
   const int64_t* rows = ws.rows.data();
   float* scores = ws.s.data();
   with_head_group(head_group(G), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
       const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
-      prefetch_rows(a.kc, rows + pf, nn, a.hkv * slice_bytes);  // whole rows: contiguous
+      prefetch_rows(a.kc, rows + pf, nn, row_bytes);  // whole rows: contiguous
       // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
       constexpr int64_t TS = 4;
       for (int64_t u = 0; u < nt; u += TS)
@@ -225,7 +225,7 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
       const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
-      prefetch_rows(a.vc, rows + pf, nn, a.hkv * slice_bytes);  // whole rows: contiguous
+      prefetch_rows(a.vc, rows + pf, nn, row_bytes);  // whole rows: contiguous
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG) {
           float* const pb = ws.pb.data();

@@ -127,10 +127,11 @@ def _cache(tokens: int, dname: str) -> Row:
     with torch.inference_mode():
         t_topg = ms(bench(lambda: torch_topg.ops.reshape_and_cache(key, value, kc, vc, slots)))
         t_ref = ms(bench(lambda: reference.reshape_and_cache(key, value, kc, vc, slots)))
-    moved = 2 * 2 * key.numel() * key.element_size()  # read K/V, write them into the cache
+    # Read K/V, write them to random slots (whole rows): limit = that traffic at the read
+    # bandwidth. No issue target (the issue asks only for memcpy-like rows).
+    moved = 2 * 2 * key.numel() * key.element_size()
     return Row("attention", "reshape_and_cache", f"T={tokens} Hkv={hkv} D={d} block={bs}", dname,
-               t_topg, {"index_copy_ (reference)": t_ref}, bw_limit_ms(moved), "read bw",
-               ("limit", 0.5) if tokens >= 1024 else None)  # fmt: skip
+               t_topg, {"index_copy_ (reference)": t_ref}, bw_limit_ms(moved), "read bw")  # fmt: skip
 
 
 def run(quick: bool) -> list[Row]:

@@ -292,31 +292,6 @@ void pack_a_tile(const T* const* rows, int64_t K, int64_t mp, int64_t t, float* 
   }
 }
 
-// 8 x 8 transpose of fp32 lanes, in place.
-inline void transpose8(Vec8* r) {
-#if TOPG_AVX2
-  const __m256 t0 = _mm256_unpacklo_ps(r[0].v, r[1].v), t1 = _mm256_unpackhi_ps(r[0].v, r[1].v);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2].v, r[3].v), t3 = _mm256_unpackhi_ps(r[2].v, r[3].v);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4].v, r[5].v), t5 = _mm256_unpackhi_ps(r[4].v, r[5].v);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6].v, r[7].v), t7 = _mm256_unpackhi_ps(r[6].v, r[7].v);
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0].v = _mm256_permute2f128_ps(s0, s4, 0x20);
-  r[1].v = _mm256_permute2f128_ps(s1, s5, 0x20);
-  r[2].v = _mm256_permute2f128_ps(s2, s6, 0x20);
-  r[3].v = _mm256_permute2f128_ps(s3, s7, 0x20);
-  r[4].v = _mm256_permute2f128_ps(s0, s4, 0x31);
-  r[5].v = _mm256_permute2f128_ps(s1, s5, 0x31);
-  r[6].v = _mm256_permute2f128_ps(s2, s6, 0x31);
-  r[7].v = _mm256_permute2f128_ps(s3, s7, 0x31);
-#else
-  for (int i = 0; i < 8; ++i)
-    for (int j = i + 1; j < 8; ++j) std::swap(r[i].v[j], r[j].v[i]);
-#endif
-}
-
 // One 8-column half of a weight panel: `valid` rows starting at `row0` (stride ldw).
 template <typename T>
 struct RowGroup {

@@ -280,6 +280,46 @@ inline Vec8 exp_in_range(Vec8 x) { return exp(x); }
 
 #endif
 
+// In-place 8 x 8 transpose: afterwards r[j].lane(i) is the old r[i].lane(j).
+inline void transpose8(Vec8 r[8]) {
+#if TOPG_AVX2
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i].v, r[i + 1].v);
+    t[i + 1] = _mm256_unpackhi_ps(r[i].v, r[i + 1].v);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int j = i + 1; j < 8; ++j) {
+      const float x = r[i].v[j];
+      r[i].v[j] = r[j].v[i];
+      r[j].v[i] = x;
+    }
+#endif
+}
+
+// Horizontal sums of four vectors at once: out[i] = x[i].sum(). Cheaper than four
+// separate reductions (decode attention reduces one dot product per head and token).
+inline void sum4(const Vec8 x[4], float* out) {
+#if TOPG_AVX2
+  const __m256 ab = _mm256_hadd_ps(x[0].v, x[1].v), cd = _mm256_hadd_ps(x[2].v, x[3].v);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = x[i].sum();
+#endif
+}
+
 // Element-wise helpers built on exp.
 // The clamp keeps 1 + exp(-x) finite so the reciprocal's Newton step cannot make NaN;
 // sigmoid(+-80) is already 1 and 1.8e-35.

@@ -1,6 +1,7 @@
 """Typed wrappers of the ``topg`` ops (``torch.ops.topg.*``); importing registers them."""
 
 from torch_topg.ops.activation import gelu_and_mul, silu_and_mul
+from torch_topg.ops.attention import attention, paged_attention, reshape_and_cache
 from torch_topg.ops.fused_moe import fused_moe
 from torch_topg.ops.linear import linear
 from torch_topg.ops.moe_topk import moe_topk
@@ -8,11 +9,14 @@ from torch_topg.ops.norm import fused_add_rms_norm, rms_norm
 from torch_topg.ops.rotary import rotary_embedding
 
 __all__ = [
+    "attention",
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_and_mul",
     "linear",
     "moe_topk",
+    "paged_attention",
+    "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

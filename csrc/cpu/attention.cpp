@@ -1,0 +1,166 @@
+// CPU kernel: topg::attention (prefill, dense or ragged). Checks, dtype dispatch and
+// scheduling; the math is in attention_kernels.h.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/where.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "attention_kernels.h"
+#include "checks.h"
+#include "dispatch.h"
+#include "parallel.h"
+
+namespace topg {
+namespace {
+
+constexpr const char* OP = "attention";
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t nd) {
+  Arg(OP, "query", q).dim(nd).floating().device(at::kCPU).last_dim_contiguous();
+  Arg(OP, "key", k).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
+  Arg(OP, "key", k).size(nd - 1, q.size(-1), "head_dim of 'query'");
+  Arg(OP, "value", v).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
+  for (int64_t d = 0; d < nd - 1; ++d) Arg(OP, "value", v).size(d, k.size(d), "the shape of 'key'");
+  Arg(OP, "value", v).size(nd - 1, q.size(-1), "head_dim of 'query'");
+  const int64_t hq = q.size(-2), hkv = k.size(-2);
+  TOPG_CHECK(hkv > 0 && hq % hkv == 0, OP, "query heads (", hq,
+             ") must be a multiple of key/value heads (", hkv, ")");
+}
+
+// Validated cumulative offsets of a ragged batch.
+std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total) {
+  Arg(OP, name, cu).dim(1).dtype(at::kInt).device(at::kCPU);
+  const at::Tensor c = cu.contiguous();
+  const int32_t* p = c.const_data_ptr<int32_t>();
+  std::vector<int64_t> out(p, p + c.numel());
+  bool ok = !out.empty() && out.front() == 0 && out.back() == total;
+  for (size_t i = 1; ok && i < out.size(); ++i) ok = out[i - 1] <= out[i];
+  if (!ok)
+    Arg(OP, name, cu)
+        .fail("non-decreasing offsets from 0 to " + std::to_string(total) + " (the token count)");
+  return out;
+}
+
+// Bool -> additive (0 / -inf) fp32, floating -> fp32; then broadcast strides.
+at::Tensor prepare_mask(const at::Tensor& mask, const at::Tensor& q, int64_t sk) {
+  Arg a(OP, "mask", mask);
+  a.same_device(q, "query");
+  if (mask.scalar_type() != at::kBool) a.floating();
+  if (mask.dim() > 4) a.fail("at most 4 dimensions (broadcastable to [B, Hq, Sq, Sk])");
+  const int64_t full[4] = {q.size(0), q.size(2), q.size(1), sk};
+  for (int64_t d = 1; d <= mask.dim(); ++d) {
+    const int64_t s = mask.size(-d), want = full[4 - d];
+    TOPG_CHECK(s == 1 || s == want, OP, "argument 'mask' (shape ", mask.sizes(),
+               ") expected a shape broadcastable to [B, Hq, Sq, Sk] = [", full[0], ", ", full[1],
+               ", ", full[2], ", ", full[3], "]");
+  }
+  at::Tensor m = mask.scalar_type() == at::kBool
+                     ? at::where(mask, 0.0, -std::numeric_limits<double>::infinity())
+                     : mask.to(at::kFloat);
+  return m.expand({full[0], full[1], full[2], full[3]});
+}
+
+at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& cu_seqlens_q,
+                         const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
+                         std::optional<double> scale, int64_t window_left, double softcap,
+                         const std::optional<at::Tensor>& mask) {
+  const bool ragged = cu_seqlens_q.has_value();
+  const int64_t nd = ragged ? 3 : 4;
+  check_qkv(query, key, value, nd);
+  TOPG_CHECK(window_left >= -1, OP, "window_left must be >= -1, got ", window_left);
+  TOPG_CHECK(softcap >= 0, OP, "softcap must be >= 0, got ", softcap);
+
+  // Per-sequence offsets (elements) and lengths; token / head strides are shared.
+  std::vector<int64_t> q_off, k_off, v_off, o_off, sq, sk;
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  at::Tensor mask_f;
+  if (ragged) {
+    if (mask.has_value()) Arg(OP, "mask", *mask).fail("None with ragged (cu_seqlens) input");
+    const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query.size(0));
+    std::vector<int64_t> ck = cq;
+    if (cu_seqlens_k.has_value()) {
+      Arg(OP, "cu_seqlens_k", *cu_seqlens_k)
+          .dim(1)
+          .size(0, int64_t(cq.size()), "batch + 1, the size of 'cu_seqlens_q'");
+      ck = read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", key.size(0));
+    } else {
+      TOPG_CHECK(key.size(0) == query.size(0), OP, "argument 'key' ", describe(key), " expected ",
+                 query.size(0),
+                 " tokens (the tokens of 'query', as "
+                 "'cu_seqlens_k' is None)");
+    }
+    for (size_t b = 0; b + 1 < cq.size(); ++b) {
+      q_off.push_back(cq[b] * query.stride(0));
+      k_off.push_back(ck[b] * key.stride(0));
+      v_off.push_back(ck[b] * value.stride(0));
+      o_off.push_back(cq[b] * out.stride(0));
+      sq.push_back(cq[b + 1] - cq[b]);
+      sk.push_back(ck[b + 1] - ck[b]);
+    }
+  } else {
+    if (cu_seqlens_k.has_value())
+      Arg(OP, "cu_seqlens_k", *cu_seqlens_k).fail("None without 'cu_seqlens_q'");
+    Arg(OP, "key", key).size(0, query.size(0), "the batch of 'query'");
+    for (int64_t b = 0; b < query.size(0); ++b) {
+      q_off.push_back(b * query.stride(0));
+      k_off.push_back(b * key.stride(0));
+      v_off.push_back(b * value.stride(0));
+      o_off.push_back(b * out.stride(0));
+      sq.push_back(query.size(1));
+      sk.push_back(key.size(1));
+    }
+    if (mask.has_value()) mask_f = prepare_mask(*mask, query, key.size(1));
+  }
+  if (out.numel() == 0) return out;
+
+  const int64_t hq = query.size(-2), hkv = key.size(-2), d = query.size(-1);
+  const int64_t group = hq / hkv, bq = attn::query_block(group);
+  TOPG_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
+    attn::PrefillArgs<T> a{};
+    a.q = cptr<T>(query), a.k = cptr<T>(key), a.v = cptr<T>(value), a.out = ptr<T>(out);
+    a.q_ss = query.stride(-3), a.q_sh = query.stride(-2);
+    a.k_ss = key.stride(-3), a.k_sh = key.stride(-2);
+    a.v_ss = value.stride(-3), a.v_sh = value.stride(-2);
+    a.o_ss = out.stride(-3), a.o_sh = out.stride(-2);
+    a.q_off = q_off.data(), a.k_off = k_off.data(), a.v_off = v_off.data();
+    a.o_off = o_off.data(), a.sq = sq.data(), a.sk = sk.data();
+    a.hq = hq, a.hkv = hkv, a.d = d;
+    a.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
+    a.softcap = float(softcap), a.causal = causal, a.window = window_left;
+    if (mask_f.defined()) {
+      a.mask = mask_f.const_data_ptr<float>();
+      a.m_sb = mask_f.stride(0), a.m_sh = mask_f.stride(1);
+      a.m_si = mask_f.stride(2), a.m_sj = mask_f.stride(3);
+    }
+    // Work items (sequence, kv head, query block), most keys first.
+    struct Item {
+      int64_t cost, b, h, i0, i1;
+    };
+    std::vector<Item> items;
+    for (int64_t b = 0; b < int64_t(sq.size()); ++b)
+      for (int64_t i0 = 0; i0 < sq[b]; i0 += bq) {
+        const int64_t i1 = std::min(sq[b], i0 + bq);
+        const int64_t keys = std::max<int64_t>(0, a.hi(b, i1 - 1) + 1 - a.lo(b, i0));
+        for (int64_t h = 0; h < hkv; ++h) items.push_back({keys * (i1 - i0) + 1, b, h, i0, i1});
+      }
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    parallel_items_with<attn::Workspace>(int64_t(items.size()),
+                                         [&](int64_t n, attn::Workspace& ws) {
+                                           const Item& it = items[n];
+                                           attn::prefill_block(a, it.b, it.h, it.i0, it.i1, ws);
+                                         });
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace topg
+
+TORCH_LIBRARY_IMPL(topg, CPU, m) { m.impl("attention", &topg::attention_cpu); }

@@ -1,0 +1,290 @@
+// Decode attention over a paged KV cache, and the cache writer (no torch).
+//
+// paged_attention: one work item = (sequence, partition of the context), all heads.
+// The G = Hq / Hkv query heads of a kv head are computed together, so each K/V row is
+// read once per group, and all kv heads of a token tile are processed back to back, so
+// the cache is read in long contiguous runs (decode is bound by reading it). A partition
+// produces an unnormalised output, its max score m and its sum l; partitions of one
+// sequence are merged with their log-sum-exp afterwards (split-KV, like vLLM's
+// paged_attention_v2), which keeps both cores busy when there are few sequences.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace topg::paged {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t TOKEN_TILE = 16;  // tokens per tile: their K or V rows stay in L1/L2
+// How far ahead rows are prefetched (tokens): about two tiles of compute hide DRAM latency.
+constexpr int64_t PREFETCH_AHEAD = 2 * TOKEN_TILE;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+struct PagedArgs {
+  const T* q;
+  int64_t q_ss, q_sh;  // query token / head strides
+  const T* kc;         // [num_blocks, block_size, hkv, d], contiguous
+  const T* vc;
+  const int32_t* bt;  // block tables, row stride bt_ss
+  int64_t bt_ss;
+  const int32_t* seq_lens;
+  int64_t hq, hkv, d, block_size;
+  float scale, softcap;
+  int64_t window;     // -1 = unlimited
+  int64_t part_size;  // tokens per partition (multiple of 16)
+
+  // First key the query (at position n - 1) may see.
+  int64_t first_key(int64_t n) const {
+    return window >= 0 ? std::max<int64_t>(0, n - 1 - window) : 0;
+  }
+};
+
+struct Workspace {
+  std::vector<float> q, s, acc, pb;
+  std::vector<int64_t> rows;
+};
+
+// Partition result layout: per head g, [acc (dp floats), m, l].
+inline int64_t part_stride(int64_t d) { return round_up(d, 8) + 2; }
+
+// Scores s[g * ps + (t - t0)] = q_g . k_t for HG heads at a time, two tokens at a time.
+template <int HG, typename T>
+inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* rows, int64_t n,
+                     int64_t d, float* s, int64_t ps) {
+  constexpr int TT = HG == 4 ? 2 : 4;  // HG * TT = 8 or 4 accumulators
+  for (int64_t t = 0; t < n; t += TT) {
+    const T* k[TT];
+    for (int j = 0; j < TT; ++j) k[j] = kc + rows[std::min<int64_t>(t + j, n - 1)];
+    Vec8 acc[HG * TT];
+    for (Vec8& x : acc) x = Vec8::zero();
+    int64_t e = 0;
+    for (; e + 8 <= d; e += 8) {
+      Vec8 kv[TT];
+      for (int j = 0; j < TT; ++j) kv[j] = Vec8::load(k[j] + e);
+      for (int g = 0; g < HG; ++g) {
+        const Vec8 qv = Vec8::load(q + g * dp + e);
+        for (int j = 0; j < TT; ++j) acc[g * TT + j] = Vec8::fma(qv, kv[j], acc[g * TT + j]);
+      }
+    }
+    if (e < d) {  // head_dim tail; q is zero-padded
+      for (int j = 0; j < TT; ++j) {
+        const Vec8 kv = load_partial(k[j] + e, int(d - e));
+        for (int g = 0; g < HG; ++g)
+          acc[g * TT + j] = Vec8::fma(Vec8::load(q + g * dp + e), kv, acc[g * TT + j]);
+      }
+    }
+    float sums[HG * TT];
+    for (int i = 0; i < HG * TT; i += 4) sum4(acc + i, sums + i);
+    for (int g = 0; g < HG; ++g)
+      for (int j = 0; j < TT && t + j < n; ++j) s[g * ps + t + j] = sums[g * TT + j];
+  }
+}
+
+// acc[g, e:e + 8 * NV] += sum_t p[g, t] * v_t[e:e + 8 * NV] for HG heads over a token
+// tile; dims past d read as zero (acc rows are padded, so always loadable).
+// The weights come pre-broadcast (pb[(t * HG + g) * 8 ..], one Vec8 each): a plain
+// load folds into the FMA, where a broadcast would take a shuffle slot per FMA pair.
+template <int HG, int NV, typename T>
+inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t e,
+                     int64_t d, float* acc, int64_t as) {
+  const bool full = e + 8 * NV <= d;
+  Vec8 a[HG][NV];
+  for (int g = 0; g < HG; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = Vec8::load(acc + g * as + e + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = vc + rows[t] + e;
+    Vec8 vv[NV];
+    for (int c = 0; c < NV; ++c)
+      vv[c] = full ? Vec8::load(v + 8 * c)
+                   : load_partial(v + 8 * c, int(std::clamp<int64_t>(d - e - 8 * c, 0, 8)));
+    for (int g = 0; g < HG; ++g) {
+      const Vec8 p = Vec8::load(pb + (t * HG + g) * 8);
+      for (int c = 0; c < NV; ++c) a[g][c] = Vec8::fma(p, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < HG; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c].store(acc + g * as + e + 8 * c);
+}
+
+// All dims in strips of as many Vec8 as the registers allow (HG * NV accumulators).
+template <int HG, typename T>
+inline void pv_heads(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t d,
+                     float* acc, int64_t as) {
+  constexpr int NV = HG == 4 ? 3 : HG == 2 ? 4 : 8;
+  int64_t e = 0;
+  for (; e + 8 * NV <= d; e += 8 * NV) pv_strip<HG, NV>(pb, vc, rows, n, e, d, acc, as);
+  for (; e < d; e += 8) pv_strip<HG, 1>(pb, vc, rows, n, e, d, acc, as);
+}
+
+// Largest head group the micro-kernels handle that divides G.
+inline int head_group(int64_t G) { return G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1; }
+
+template <typename F>
+inline void with_head_group(int hg, F&& f) {
+  if (hg == 4) return f.template operator()<4>();
+  if (hg == 2) return f.template operator()<2>();
+  return f.template operator()<1>();
+}
+
+// Prefetch (into L2; the current tile occupies L1) `bytes` bytes at base + rows[t]
+// for n tokens of a later token tile.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t bytes) {
+  for (int64_t t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(base + rows[t]);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+  }
+}
+
+// One partition: tokens [t0, t1) of sequence `seq`, all heads. Token tiles are the
+// outer loop, so each tile's K (then V) rows of all kv heads, contiguous in the cache,
+// are read from memory once, while the tile PREFETCH_AHEAD tokens later is prefetched.
+// Writes, per query head h, the unnormalised output, the max score and the sum of exps
+// to res[h * part_stride(d) ...] (m = -inf, l = 0 for an empty partition).
+template <typename T>
+void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Workspace& ws,
+               float* res) {
+  const int64_t H = a.hq, G = a.hq / a.hkv, d = a.d, dp = round_up(d, 8), rs = part_stride(d);
+  const int64_t n = std::max<int64_t>(0, t1 - t0), ps = round_up(std::max<int64_t>(n, 1), 8);
+  for (int64_t h = 0; h < H; ++h) {
+    std::fill_n(res + h * rs, dp, 0.f);
+    res[h * rs + dp] = NEG_INF;
+    res[h * rs + dp + 1] = 0.f;
+  }
+  if (n == 0) return;
+  const int64_t as = dp;  // accumulator row stride
+  ws.q.assign(H * dp, 0.f);
+  ws.acc.assign(H * as, 0.f);
+  ws.s.resize(H * ps);
+  ws.pb.resize(TOKEN_TILE * 4 * 8);
+  ws.rows.resize(n);
+  {  // token row offsets, walking the block table (no division per token)
+    const int32_t* blocks = a.bt + seq * a.bt_ss;
+    int64_t blk = t0 / a.block_size, off = t0 % a.block_size;
+    const int64_t row = a.hkv * d;
+    for (int64_t t = 0; t < n; ++t) {
+      ws.rows[t] = (int64_t(blocks[blk]) * a.block_size + off) * row;
+      if (++off == a.block_size) off = 0, ++blk;
+    }
+  }
+
+  const float qscale = a.softcap > 0 ? a.scale / a.softcap : a.scale;
+  for (int64_t h = 0; h < H; ++h) {
+    const T* src = a.q + seq * a.q_ss + h * a.q_sh;
+    for (int64_t e = 0; e < d; ++e) ws.q[h * dp + e] = to_float(src[e]) * qscale;
+  }
+  const int64_t row_bytes = a.hkv * d * int64_t(sizeof(T));
+  const int64_t* rows = ws.rows.data();
+  float* scores = ws.s.data();
+  with_head_group(head_group(G), [&]<int HG>() {
+    for (int64_t t = 0; t < n; t += TOKEN_TILE) {
+      const int64_t nt = std::min(TOKEN_TILE, n - t);
+      const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
+      prefetch_rows(a.kc, rows + pf, nn, row_bytes);  // whole rows: contiguous
+      // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
+      constexpr int64_t TS = 4;
+      for (int64_t u = 0; u < nt; u += TS)
+        for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
+          for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
+            qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * d, rows + t + u,
+                         std::min(TS, nt - u), d, scores + h * ps + t + u, ps);
+    }
+  });
+
+  // Softmax over the partition, per head (softcap first; pad lanes are -inf).
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = ws.s.data() + h * ps;
+    if (a.softcap > 0)
+      for (int64_t c = 0; c < round_up(n, 8); c += 8)
+        (Vec8(a.softcap) * tanh(Vec8::load(s + c))).store(s + c);
+    for (int64_t c = n; c < ps; ++c) s[c] = NEG_INF;
+    Vec8 mx(NEG_INF);
+    for (int64_t c = 0; c < ps; c += 8) mx = Vec8::max(mx, Vec8::load(s + c));
+    const Vec8 m(mx.max());
+    Vec8 sum = Vec8::zero();
+    for (int64_t c = 0; c < ps; c += 8) {
+      const Vec8 p = exp(Vec8::load(s + c) - m);
+      p.store(s + c);
+      sum = sum + p;
+    }
+    res[h * rs + dp] = mx.max();
+    res[h * rs + dp + 1] = sum.sum();
+  }
+
+  // acc = P V, same tiling.
+  float* acc = ws.acc.data();
+  with_head_group(head_group(G), [&]<int HG>() {
+    for (int64_t t = 0; t < n; t += TOKEN_TILE) {
+      const int64_t nt = std::min(TOKEN_TILE, n - t);
+      const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
+      prefetch_rows(a.vc, rows + pf, nn, row_bytes);  // whole rows: contiguous
+      for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG) {
+          float* const pb = ws.pb.data();
+          for (int64_t j = 0; j < nt; ++j)
+            for (int g = 0; g < HG; ++g)
+              Vec8(scores[(h + g) * ps + t + j]).store(pb + (j * HG + g) * 8);
+          pv_heads<HG>(pb, a.vc + kvh * d, rows + t, nt, d, acc + h * as, as);
+        }
+      }
+    }
+  });
+  for (int64_t h = 0; h < H; ++h) std::copy_n(acc + h * as, dp, res + h * rs);
+}
+
+// Merge the partitions of one sequence and write its `heads` output rows.
+template <typename T>
+void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, int64_t out_sh) {
+  const int64_t dp = round_up(d, 8), rs = part_stride(d);
+  std::vector<float> o(dp);
+  for (int64_t g = 0; g < heads; ++g) {
+    float m = NEG_INF;
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, res[(p * heads + g) * rs + dp]);
+    std::fill(o.begin(), o.end(), 0.f);
+    float l = 0.f;
+    if (m != NEG_INF) {
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* r = res + (p * heads + g) * rs;
+        if (r[dp + 1] == 0.f) continue;
+        const float w = std::exp(r[dp] - m);
+        l += w * r[dp + 1];
+        for (int64_t e = 0; e < dp; e += 8)
+          Vec8::fma(Vec8(w), Vec8::load(r + e), Vec8::load(o.data() + e)).store(o.data() + e);
+      }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // seq_len 0 -> zeros
+    T* dst = out + g * out_sh;
+    int64_t e = 0;
+    for (; e + 8 <= d; e += 8) (Vec8::load(o.data() + e) * Vec8(inv)).store(dst + e);
+    for (; e < d; ++e) dst[e] = from_float<T>(o[e] * inv);
+  }
+}
+
+// reshape_and_cache for tokens [begin, end): copy each token's [hkv, d] K and V rows
+// (elements of `esize` bytes) into its cache slot; negative slots are skipped.
+template <typename Index>
+void cache_tokens(const char* key, const char* value, int64_t k_ts, int64_t k_hs, int64_t v_ts,
+                  int64_t v_hs, char* kc, char* vc, const Index* slots, int64_t hkv, int64_t d,
+                  int64_t esize, int64_t begin, int64_t end) {
+  const int64_t row = d * esize;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t slot = int64_t(slots[t]);
+    if (slot < 0) continue;
+    char* kd = kc + slot * hkv * row;
+    char* vd = vc + slot * hkv * row;
+    for (int64_t h = 0; h < hkv; ++h) {
+      std::memcpy(kd + h * row, key + (t * k_ts + h * k_hs) * esize, row);
+      std::memcpy(vd + h * row, value + (t * v_ts + h * v_hs) * esize, row);
+    }
+  }
+}
+
+}  // namespace topg::paged

@@ -1,0 +1,285 @@
+"""Attention ops: ``attention`` (prefill), ``paged_attention`` (decode) and
+``reshape_and_cache`` (writing new K/V into the paged cache)."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_topg import reference
+from torch_topg.ops._checks import Arg, check_op
+from torch_topg.ops._library import eager_entry, register
+
+_attention = eager_entry("attention")
+_paged_attention = eager_entry("paged_attention")
+_reshape_and_cache = eager_entry("reshape_and_cache")
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill attention (FlashAttention semantics), dense or ragged.
+
+    Args:
+        query: dense ``[B, Sq, Hq, D]`` or ragged ``[Tq, Hq, D]``.
+        key, value: dense ``[B, Sk, Hkv, D]`` or ragged ``[Tk, Hkv, D]``; same dtype as
+            ``query`` (float32 / bfloat16 / float16). Only the last dimension of q/k/v
+            must be contiguous (a transposed view of ``[B, H, S, D]`` works, no copy).
+            ``Hq % Hkv == 0``: query head ``h`` uses kv head ``h // (Hq // Hkv)``
+            (GQA / MQA).
+        cu_seqlens_q: ragged only, int32 ``[B + 1]``, cumulative lengths from 0 to ``Tq``.
+        cu_seqlens_k: ragged only, int32 ``[B + 1]`` from 0 to ``Tk``; None = the same
+            as ``cu_seqlens_q``.
+        causal: bottom-right aligned (FlashAttention 2.1+): query ``i`` of a sequence
+            sees key ``j`` iff ``j <= i + Sk - Sq``.
+        scale: score scale, default ``1 / sqrt(D)``.
+        window_left: ``>= 0`` also requires ``j >= i + Sk - Sq - window_left`` (with or
+            without ``causal``); ``-1`` = unlimited.
+        softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)`` (Gemma-2),
+            before masking.
+        mask: dense only; bool (True = may attend) or floating additive, broadcastable
+            to ``[B, Hq, Sq, Sk]``; combined with ``causal`` / ``window_left``.
+
+    Returns:
+        Contiguous ``[B, Sq, Hq, D]`` (dense) or ``[Tq, Hq, D]`` (ragged) in the dtype of
+        ``query``. A query that sees no key outputs zeros. Math is fp32 (online softmax
+        over key tiles, never the full score matrix), rounded once.
+    """
+    op = torch.ops.topg.attention.default if torch.compiler.is_compiling() else _attention
+    return op(
+        query,
+        key,
+        value,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        causal=causal,
+        scale=scale,
+        window_left=window_left,
+        softcap=softcap,
+        mask=mask,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache (one query token per sequence, vLLM layout).
+
+    Args:
+        query: ``[num_seqs, Hq, D]``, float32 / bfloat16 / float16, last dim contiguous.
+        key_cache, value_cache: contiguous ``[num_blocks, block_size, Hkv, D]``, the
+            dtype of ``query``; ``Hq % Hkv == 0``.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``: token ``t`` of sequence
+            ``s`` lives in block ``block_tables[s, t // block_size]`` at offset
+            ``t % block_size``. The first ``ceil(seq_len / block_size)`` ids of a row
+            must be in ``[0, num_blocks)``.
+        seq_lens: int32 ``[num_seqs]``: cached tokens including the current one (its K/V
+            is already in the cache), at most ``max_blocks_per_seq * block_size``.
+        scale, window_left, softcap: as in :func:`attention`. The query sits at position
+            ``seq_len - 1`` and sees keys ``0 .. seq_len - 1`` (implicitly causal).
+
+    Returns:
+        ``[num_seqs, Hq, D]`` in the dtype of ``query``; zeros where ``seq_len == 0``.
+    """
+    if torch.compiler.is_compiling():
+        op = torch.ops.topg.paged_attention.default
+    else:
+        op = _paged_attention
+    return op(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        window_left=window_left,
+        softcap=softcap,
+    )
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: write token ``t``'s K/V into cache slot ``slot_mapping[t]``.
+
+    Args:
+        key, value: ``[T, Hkv, D]``, last dim contiguous, the dtype of the caches.
+        key_cache, value_cache: contiguous ``[num_blocks, block_size, Hkv, D]``;
+            ``slot = block * block_size + offset``.
+        slot_mapping: int64 (or int32) ``[T]``; a negative slot skips the token (vLLM
+            padding); slots must be below ``num_blocks * block_size``.
+    """
+    if torch.compiler.is_compiling():
+        torch.ops.topg.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+# --- argument checks (shared by the fake kernel and the reference fallback) ----------
+
+
+def _check_qkv(
+    op: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    nd: int,
+    names: tuple[str, str] = ("key", "value"),
+) -> None:
+    """q and k/v (named ``names``) with ``nd`` dims ``[..., H, D]``: dtypes, GQA, head_dim."""
+    kn, vn = names
+    Arg(op, "query", query).floating().last_dim_contiguous()
+    Arg(op, kn, key).dim(nd).same_dtype(query, "query").same_device(query, "query")
+    Arg(op, kn, key).last_dim_contiguous().size(nd - 1, query.shape[-1], "head_dim of 'query'")
+    Arg(op, vn, value).dim(nd).same_dtype(query, "query").same_device(query, "query")
+    Arg(op, vn, value).last_dim_contiguous()
+    for d in range(nd - 1):
+        Arg(op, vn, value).size(d, key.shape[d], f"the shape of '{kn}'")
+    Arg(op, vn, value).size(nd - 1, query.shape[-1], "head_dim of 'query'")
+    hq, hkv = query.shape[-2], key.shape[-2]
+    torch._check(
+        hkv > 0 and hq % hkv == 0,
+        lambda: f"topg::{op}: query heads ({hq}) must be a multiple of key/value heads ({hkv})",
+    )
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, query: torch.Tensor, batch) -> None:
+    a = Arg("attention", name, cu).dim(1).dtype([torch.int32]).same_device(query, "query")
+    if batch is not None:
+        a.size(0, batch, "batch + 1, the size of 'cu_seqlens_q'")
+
+
+def _check_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> None:
+    op = "attention"
+    ragged = cu_seqlens_q is not None
+    Arg(op, "query", query).dim(3 if ragged else 4)
+    _check_qkv(op, query, key, value, 3 if ragged else 4)
+    check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
+    check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap}")
+    if ragged:
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query, None)
+        if cu_seqlens_k is not None:
+            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, query, cu_seqlens_q.shape[0])
+        if mask is not None:
+            Arg(op, "mask", mask).fail("None with ragged (cu_seqlens) input")
+        return
+    if cu_seqlens_k is not None:
+        Arg(op, "cu_seqlens_k", cu_seqlens_k).fail("None without 'cu_seqlens_q'")
+    Arg(op, "key", key).size(0, query.shape[0], "the batch of 'query'")
+    if mask is not None:
+        m = Arg(op, "mask", mask).same_device(query, "query")
+        if mask.dtype != torch.bool:
+            m.floating()
+        if mask.dim() > 4:
+            m.fail("at most 4 dimensions (broadcastable to [B, Hq, Sq, Sk])")
+        full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+        for d in range(1, mask.dim() + 1):
+            size, want = mask.shape[-d], full[-d]
+            torch._check(
+                size == 1 or size == want,
+                lambda: (
+                    f"topg::{op}: argument 'mask' (shape {list(mask.shape)}) expected "
+                    f"a shape broadcastable to [B, Hq, Sq, Sk] = {list(full)}"
+                ),
+            )
+
+
+def _check_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    op = "paged_attention"
+    Arg(op, "query", query).dim(3)
+    _check_qkv(op, query, key_cache, value_cache, 4, ("key_cache", "value_cache"))
+    Arg(op, "key_cache", key_cache).contiguous()
+    Arg(op, "value_cache", value_cache).contiguous()
+    Arg(op, "block_tables", block_tables).dim(2).dtype([torch.int32]).same_device(query, "query")
+    Arg(op, "block_tables", block_tables).size(0, query.shape[0], "num_seqs of 'query'")
+    Arg(op, "seq_lens", seq_lens).dim(1).dtype([torch.int32]).same_device(query, "query")
+    Arg(op, "seq_lens", seq_lens).size(0, query.shape[0], "num_seqs of 'query'")
+    check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
+    check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap}")
+
+
+def _check_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    op = "reshape_and_cache"
+    Arg(op, "key", key).dim(3).floating().last_dim_contiguous()
+    Arg(op, "value", value).dim(3).same_dtype(key, "key").last_dim_contiguous()
+    Arg(op, "key_cache", key_cache).dim(4).same_dtype(key, "key").contiguous()
+    Arg(op, "value_cache", value_cache).dim(4).same_dtype(key, "key").contiguous()
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        Arg(op, name, t).same_device(key, "key")
+    for d in range(3):
+        Arg(op, "value", value).size(d, key.shape[d], "the shape of 'key'")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        Arg(op, name, t).size(2, key.shape[1], "kv heads of 'key'")
+        Arg(op, name, t).size(3, key.shape[2], "head_dim of 'key'")
+    for d in range(2):
+        Arg(op, "value_cache", value_cache).size(d, key_cache.shape[d], "the shape of 'key_cache'")
+    Arg(op, "slot_mapping", slot_mapping).dim(1).index().same_device(key, "key")
+    Arg(op, "slot_mapping", slot_mapping).size(0, key.shape[0], "tokens of 'key'")
+
+
+def _empty_out(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+
+register("attention", check=_check_attention, fake=_empty_out, reference=reference.attention)
+register(
+    "paged_attention",
+    check=_check_paged_attention,
+    fake=_empty_out,
+    reference=reference.paged_attention,
+)
+register(
+    "reshape_and_cache",
+    check=_check_reshape_and_cache,
+    fake=lambda *args: None,
+    reference=reference.reshape_and_cache,
+)

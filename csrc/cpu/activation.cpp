@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string_view>
 
 #include "activation_kernels.h"
@@ -28,13 +29,13 @@ at::Tensor gated_cpu(const char* op, const at::Tensor& input_) {
   TOPG_DISPATCH_FLOAT(input.scalar_type(), op, T, [&] {
     const T* in = cptr<T>(input);
     T* o = ptr<T>(out);
-    // Work items are (row, column chunk) so that one long decode row still splits
-    // across threads; a task gets >= 8k elements (~10 us of exp/rcp math on an
-    // AVX2 core), more than it costs to wake a pool thread.
-    const int64_t pieces = std::max<int64_t>(1, d / 8192);
+    // Work items are (row, column chunk), each >= 16k elements (~20 us of exp/rcp math
+    // on one core): a shorter task does not pay for waking a pool thread, and on a
+    // loaded machine the woken thread may wait a whole scheduler tick (~4-8 ms).
+    const int64_t pieces = std::clamp<int64_t>(d / 16384, 1, at::get_num_threads());
     const int64_t chunk = ((d + pieces - 1) / pieces + 7) / 8 * 8;
     const int64_t chunks = (d + chunk - 1) / chunk;
-    const int64_t grain = std::max<int64_t>(1, 8192 / chunk);
+    const int64_t grain = std::max<int64_t>(1, 16384 / chunk);
     at::parallel_for(0, rows * chunks, grain, [&](int64_t b, int64_t e) {
       for (int64_t w = b; w < e; ++w) {
         const int64_t c0 = (w % chunks) * chunk;

@@ -21,8 +21,11 @@ venv: $(VENV)/.deps
 build: venv
 	$(PIP) install -q --no-build-isolation -e .
 
+# The suite twice: with the native kernels (they must load), then with them disabled,
+# so every op's reference fallback and its argument and value checks run as well.
 test: build
 	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q tests
+	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q -p no:warnings tests
 
 demo: build
 	$(PY) python/benchmarks/bench_ops.py --quick

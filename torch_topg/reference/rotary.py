@@ -22,7 +22,16 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
 ) -> None:
-    rot_dim = cos_sin_cache.shape[1]
+    rot_dim, max_pos = cos_sin_cache.shape[1], cos_sin_cache.shape[0]
+    if positions.numel() and (positions.min() < 0 or positions.max() >= max_pos):
+        # A value check: the fake kernel cannot see values, the native kernel and this
+        # reference both refuse (a negative index would otherwise wrap around silently).
+        raise RuntimeError(
+            f"topg::rotary_embedding: argument 'positions' (shape {list(positions.shape)}, "
+            f"dtype {str(positions.dtype).removeprefix('torch.')}, device {positions.device}) "
+            f"expected values in [0, {max_pos}) (rows of 'cos_sin_cache'), got "
+            f"[{int(positions.min())}, {int(positions.max())}]"
+        )
     cos, sin = cos_sin_cache[positions.reshape(-1).long()].float().chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     for t in (query, key):

@@ -22,8 +22,10 @@ namespace topg::paged {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t TOKEN_TILE = 16;  // tokens per tile: their K or V rows stay in L1/L2
-// How far ahead rows are prefetched (tokens): about two tiles of compute hide DRAM latency.
-constexpr int64_t PREFETCH_AHEAD = 2 * TOKEN_TILE;
+// How far ahead (bytes of cache rows) the rows are prefetched, a line at a time spread
+// through the compute. Measured on Zen 1: 8-12 KiB is best; 64-128 KiB ahead (in
+// bursts of whole tiles) ran at 0.45-0.5 of the read bandwidth instead of ~0.6.
+constexpr int64_t PREFETCH_BYTES = 12 << 10;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -50,17 +52,28 @@ struct PagedArgs {
 struct Workspace {
   std::vector<float> q, s, acc, pb;
   std::vector<int64_t> rows;
+  // Per token of the K (V) pass: the row start to prefetch meanwhile, or null.
+  std::vector<const char*> pfk, pfv;
 };
 
 // Partition result layout: per head g, [acc (dp floats), m, l].
 inline int64_t part_stride(int64_t d) { return round_up(d, 8) + 2; }
 
+// Prefetch the cache lines starting in [b0, b1) bytes past p (lines are 64 bytes;
+// rows start line-aligned when the cache does). Callers spread these through the
+// compute: a burst of hundreds would fill the miss buffers and stall the loads.
+inline void prefetch_bytes(const char* c, int64_t b0, int64_t b1) {
+  for (int64_t o = (b0 + 63) / 64 * 64; o < b1; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
 // Scores s[g * ps + (t - t0)] = q_g . k_t for HG heads at a time, two tokens at a time.
 template <int HG, typename T>
 inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* rows, int64_t n,
-                     int64_t d, float* s, int64_t ps) {
+                     int64_t d, float* s, int64_t ps, const char* const* pf, int64_t pf_off) {
   constexpr int TT = HG == 4 ? 2 : 4;  // HG * TT = 8 or 4 accumulators
   for (int64_t t = 0; t < n; t += TT) {
+    for (int j = 0; j < TT && t + j < n; ++j)
+      if (pf && pf[t + j]) prefetch_bytes(pf[t + j] + pf_off, 0, d * int64_t(sizeof(T)));
     const T* k[TT];
     for (int j = 0; j < TT; ++j) k[j] = kc + rows[std::min<int64_t>(t + j, n - 1)];
     Vec8 acc[HG * TT];
@@ -94,8 +107,14 @@ inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* row
 // load folds into the FMA, where a broadcast would take a shuffle slot per FMA pair.
 template <int HG, int NV, typename T>
 inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t e,
-                     int64_t d, float* acc, int64_t as) {
+                     int64_t d, float* acc, int64_t as, const char* const* pf, int64_t pf_off) {
   const bool full = e + 8 * NV <= d;
+  {  // this strip's lines of the rows to be read later
+    const int64_t b0 = e * int64_t(sizeof(T)), b1 = std::min(e + 8 * NV, d) * int64_t(sizeof(T));
+    if (pf)
+      for (int64_t t = 0; t < n; ++t)
+        if (pf[t]) prefetch_bytes(pf[t] + pf_off, b0, b1);
+  }
   Vec8 a[HG][NV];
   for (int g = 0; g < HG; ++g)
     for (int c = 0; c < NV; ++c) a[g][c] = Vec8::load(acc + g * as + e + 8 * c);
@@ -117,11 +136,11 @@ inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t 
 // All dims in strips of as many Vec8 as the registers allow (HG * NV accumulators).
 template <int HG, typename T>
 inline void pv_heads(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t d,
-                     float* acc, int64_t as) {
+                     float* acc, int64_t as, const char* const* pf, int64_t pf_off) {
   constexpr int NV = HG == 4 ? 3 : HG == 2 ? 4 : 8;
   int64_t e = 0;
-  for (; e + 8 * NV <= d; e += 8 * NV) pv_strip<HG, NV>(pb, vc, rows, n, e, d, acc, as);
-  for (; e < d; e += 8) pv_strip<HG, 1>(pb, vc, rows, n, e, d, acc, as);
+  for (; e + 8 * NV <= d; e += 8 * NV) pv_strip<HG, NV>(pb, vc, rows, n, e, d, acc, as, pf, pf_off);
+  for (; e < d; e += 8) pv_strip<HG, 1>(pb, vc, rows, n, e, d, acc, as, pf, pf_off);
 }
 
 // Largest head group the micro-kernels handle that divides G.
@@ -134,19 +153,9 @@ inline void with_head_group(int hg, F&& f) {
   return f.template operator()<1>();
 }
 
-// Prefetch (into L2; the current tile occupies L1) `bytes` bytes at base + rows[t]
-// for n tokens of a later token tile.
-template <typename T>
-inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t bytes) {
-  for (int64_t t = 0; t < n; ++t) {
-    const char* p = reinterpret_cast<const char*>(base + rows[t]);
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
-  }
-}
-
 // One partition: tokens [t0, t1) of sequence `seq`, all heads. Token tiles are the
 // outer loop, so each tile's K (then V) rows of all kv heads, contiguous in the cache,
-// are read from memory once, while the tile PREFETCH_AHEAD tokens later is prefetched.
+// are read from memory once, while the rows PREFETCH_BYTES later are prefetched.
 // Writes, per query head h, the unnormalised output, the max score and the sum of exps
 // to res[h * part_stride(d) ...] (m = -inf, l = 0 for an empty partition).
 template <typename T>
@@ -181,21 +190,36 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
     const T* src = a.q + seq * a.q_ss + h * a.q_sh;
     for (int64_t e = 0; e < d; ++e) ws.q[h * dp + e] = to_float(src[e]) * qscale;
   }
-  const int64_t row_bytes = a.hkv * d * int64_t(sizeof(T));
   const int64_t* rows = ws.rows.data();
+  {  // prefetch targets: K rows PF tokens ahead, running on into the V rows
+    const int64_t PF = std::max<int64_t>(1, PREFETCH_BYTES / (a.hkv * d * int64_t(sizeof(T))));
+    ws.pfk.assign(n, nullptr);
+    ws.pfv.assign(n, nullptr);
+    const char* kb = reinterpret_cast<const char*>(a.kc);
+    const char* vb = reinterpret_cast<const char*>(a.vc);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t f = t + PF;
+      if (f < n) {
+        ws.pfk[t] = kb + rows[f] * int64_t(sizeof(T));
+        ws.pfv[t] = vb + rows[f] * int64_t(sizeof(T));
+      } else if (f < 2 * n) {
+        ws.pfk[t] = vb + rows[f - n] * int64_t(sizeof(T));
+      }
+    }
+  }
+  const int64_t rsz = d * int64_t(sizeof(T));  // bytes of one kv head's row
   float* scores = ws.s.data();
   with_head_group(head_group(G), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
-      const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
-      prefetch_rows(a.kc, rows + pf, nn, row_bytes);  // whole rows: contiguous
       // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
       constexpr int64_t TS = 4;
       for (int64_t u = 0; u < nt; u += TS)
         for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
           for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG)
             qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * d, rows + t + u,
-                         std::min(TS, nt - u), d, scores + h * ps + t + u, ps);
+                         std::min(TS, nt - u), d, scores + h * ps + t + u, ps,
+                         h == kvh * G ? ws.pfk.data() + t + u : nullptr, kvh * rsz);
     }
   });
 
@@ -224,15 +248,14 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
   with_head_group(head_group(G), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
-      const int64_t pf = t + PREFETCH_AHEAD, nn = std::clamp<int64_t>(n - pf, 0, TOKEN_TILE);
-      prefetch_rows(a.vc, rows + pf, nn, row_bytes);  // whole rows: contiguous
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HG) {
           float* const pb = ws.pb.data();
           for (int64_t j = 0; j < nt; ++j)
             for (int g = 0; g < HG; ++g)
               Vec8(scores[(h + g) * ps + t + j]).store(pb + (j * HG + g) * 8);
-          pv_heads<HG>(pb, a.vc + kvh * d, rows + t, nt, d, acc + h * as, as);
+          pv_heads<HG>(pb, a.vc + kvh * d, rows + t, nt, d, acc + h * as, as,
+                       h == kvh * G ? ws.pfv.data() + t : nullptr, kvh * rsz);
         }
       }
     }

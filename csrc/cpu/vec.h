@@ -175,15 +175,16 @@ struct Vec8 {
 };
 
 // exp(x) for x already known to lie in [-87, 88]: range reduction x = n ln2 + r, a
-// degree-6 polynomial for e^r, 2^n through the exponent bits (about 2 ulp). No
+// degree-6 polynomial for e^r, 2^n through the exponent bits (about 3 ulp). No
 // clamping, so callers that bound x themselves (sigmoid) save four instructions.
 inline Vec8 exp_in_range(Vec8 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x.v, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 xv = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x.v);
   xv = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), xv);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, xv, _mm256_set1_ps(1.3981999507e-3f));
+  // Cephes' expf polynomial without its x^7 term: that term is below 1.2e-7 on
+  // |r| <= ln2/2, so dropping it costs < 1 ulp and saves an FMA per 8 values.
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
   p = _mm256_fmadd_ps(p, xv, _mm256_set1_ps(8.3334519073e-3f));
   p = _mm256_fmadd_ps(p, xv, _mm256_set1_ps(4.1665795894e-2f));
   p = _mm256_fmadd_ps(p, xv, _mm256_set1_ps(1.6666665459e-1f));

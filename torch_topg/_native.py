@@ -24,9 +24,7 @@ _ISA_ORDER = ["DEFAULT", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX"]
 
 
 def _find_library() -> pathlib.Path | None:
-    for cand in sorted(_PKG.glob("_C*.so")):
-        return cand
-    return None
+    return next(iter(sorted(_PKG.glob("_C*.so"))), None)
 
 
 def load() -> bool:

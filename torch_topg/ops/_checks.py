@@ -8,6 +8,7 @@ Size comparisons go through ``torch._check`` so they also hold for symbolic size
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import torch
 
@@ -30,20 +31,16 @@ class Arg:
             )
         self.t = t
 
-    def fail(self, what: str) -> None:
-        t = self.t
-        shape = ", ".join(str(s) for s in t.shape)
-        raise RuntimeError(
-            f"topg::{self.op}: argument '{self.name}' (shape [{shape}], dtype "
-            f"{_dtype_name(t.dtype)}, device {t.device}) expected {what}"
-        )
-
     def _msg(self, what: str) -> Callable[[], str]:
+        """The message, built lazily (torch._check only formats it on failure)."""
         t = self.t
         return lambda: (
             f"topg::{self.op}: argument '{self.name}' (shape [{', '.join(map(str, t.shape))}], "
             f"dtype {_dtype_name(t.dtype)}, device {t.device}) expected {what}"
         )
+
+    def fail(self, what: str) -> NoReturn:
+        raise RuntimeError(self._msg(what)())
 
     def dim(self, *ndims: int) -> Arg:
         if self.t.dim() not in ndims:

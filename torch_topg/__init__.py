@@ -12,9 +12,17 @@ __version__ = "0.1.0"
 
 _native.load()
 
-__all__ = ["__version__", "native_available", "ops", "reference"]
+__all__ = ["__version__", "explain", "native_available", "ops", "reference"]
 
 
 def native_available() -> bool:
     """True when the compiled kernels (``torch_topg/_C.so``) are loaded."""
     return _native.is_loaded()
+
+
+def explain(model, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """What ``torch.compile(model, backend="topg")`` replaces; see
+    :func:`torch_topg.compile.explain` (imported on first use: it loads the backend)."""
+    from torch_topg.compile import explain as _explain
+
+    return _explain(model, *args, **kwargs)

@@ -1,9 +1,9 @@
 // CPU kernel: topg::rotary_embedding (in place on query and key).
 #include <ATen/Parallel.h>
 #include <ATen/TensorUtils.h>
-#include <ATen/ops/aminmax.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -65,14 +65,19 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query,
         .fail("an even rotary dimension (size at dim 1) in [2, head_size=" +
               std::to_string(head_size) + "]");
   if (num_tokens == 0) return;
-  const auto [pmin, pmax] = at::aminmax(positions);
-  if (pmin.item<int64_t>() < 0 || pmax.item<int64_t>() >= max_pos)
+  // A plain loop, not at::aminmax: at decode sizes the reduction machinery costs more
+  // than the rotation itself.
+  const at::Tensor pos = positions.reshape({num_tokens}).to(at::kLong).contiguous();
+  const int64_t* p = pos.const_data_ptr<int64_t>();
+  int64_t pmin = p[0], pmax = p[0];
+  for (int64_t i = 1; i < num_tokens; ++i) {
+    pmin = std::min(pmin, p[i]);
+    pmax = std::max(pmax, p[i]);
+  }
+  if (pmin < 0 || pmax >= max_pos)
     Arg(kOp, "positions", positions)
         .fail("values in [0, " + std::to_string(max_pos) + ") (rows of 'cos_sin_cache'), got [" +
-              std::to_string(pmin.item<int64_t>()) + ", " + std::to_string(pmax.item<int64_t>()) +
-              "]");
-  const at::Tensor pos = positions.reshape({num_tokens}).to(at::kLong);
-  const int64_t* p = pos.const_data_ptr<int64_t>();
+              std::to_string(pmin) + ", " + std::to_string(pmax) + "]");
   const at::Tensor cache = cos_sin_cache.scalar_type() == at::kFloat ||
                                    cos_sin_cache.scalar_type() == query.scalar_type()
                                ? cos_sin_cache

@@ -1,0 +1,230 @@
+"""The ``topg`` torch.compile backend: run the passes over dynamo's graph, then execute it.
+
+``torch.compile(model, backend="topg")`` finds this function through the
+``torch_dynamo_backends`` entry point (no ``import torch_topg`` needed). Dynamo hands it
+a torch-level FX graph and the example inputs (the real tensors, parameters included).
+The pass manager runs the passes of ``torch_topg.compile.passes`` in order; each pass
+either completes or leaves the graph exactly as it found it (a snapshot is restored and
+a warning given once; ``strict=True`` raises instead). The rewritten graph runs as
+generated Python calling native ops (or, with ``inductor=True``, goes to Inductor).
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from torch_topg.compile import experts
+from torch_topg.compile.options import Options
+from torch_topg.compile.passes import PASSES, Context, Site
+
+_INPLACE_FUNCTIONS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.setitem,
+}
+_warned: set[tuple[str, str]] = set()
+
+
+@dataclass
+class GraphReport:
+    """What the backend did to one graph (explain reads these)."""
+
+    sites: list[Site] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    seconds: float = 0.0
+    skipped: str = ""
+
+
+def _warn_once(key: tuple[str, str], message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _snapshot(gm: fx.GraphModule) -> fx.Graph:
+    g = fx.Graph(owning_module=gm)
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return g
+
+
+def dce(graph: fx.Graph) -> None:
+    """Removes unused nodes, keeping anything that may write memory (in-place methods,
+    augmented assignment, mutating ops): FX's own DCE treats ``call_method`` as pure."""
+    for n in reversed(list(graph.nodes)):
+        if n.users or n.op in ("placeholder", "output", "get_attr", "call_module"):
+            continue
+        if n.op == "call_method" and n.target.endswith("_"):
+            continue
+        if n.op == "call_function" and (n.target in _INPLACE_FUNCTIONS or n.is_impure()):
+            continue
+        graph.erase_node(n)
+
+
+def simplify(graph: fx.Graph) -> None:
+    """Peephole clean-up after the passes: ``x.transpose(a, b).transpose(a, b)`` -> ``x``
+    (the passes leave such pairs where a ``[B, S, H, D]`` op meets ``[B, H, S, D]`` code).
+    Every node left is one Python call per step in decode, so this is measurable."""
+    for n in list(graph.nodes):
+        if n.op == "call_method" and n.target == "transpose" and len(n.args) == 3 and not n.kwargs:
+            src = n.args[0]
+            if (
+                isinstance(src, fx.Node)
+                and src.op == "call_method"
+                and src.target == "transpose"
+                and len(src.args) == 3
+                and not src.kwargs
+                and sorted(src.args[1:]) == sorted(n.args[1:])
+            ):
+                n.replace_all_uses_with(src.args[0])
+                graph.erase_node(n)
+    dce(graph)
+
+
+def rewrite(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> GraphReport:
+    """Runs the enabled passes over ``gm`` in place; returns what each found."""
+    t0 = time.perf_counter()
+    report = GraphReport(nodes_before=len(gm.graph.nodes))
+    ctx = Context(gm, list(example_inputs), opts)
+    with torch.inference_mode(False), torch.no_grad():
+        for cls in PASSES:
+            if cls.name in opts.disable:
+                continue
+            backup = _snapshot(gm)
+            try:
+                sites = cls().run(ctx)
+                dce(gm.graph)
+                gm.graph.lint()
+            except Exception as e:
+                if opts.strict:
+                    raise RuntimeError(f"topg backend: pass '{cls.name}' failed: {e}") from e
+                gm.graph = backup
+                ctx.__post_init__()
+                report.errors.append((cls.name, f"{type(e).__name__}: {e}"))
+                _warn_once(
+                    (cls.name, type(e).__name__),
+                    f"topg backend: pass '{cls.name}' failed ({type(e).__name__}: {e}); "
+                    "its part of the graph runs unchanged. options={'strict': True} raises.",
+                )
+                continue
+            report.sites.extend(sites)
+            if opts.verbose:
+                for s in sites:
+                    print(
+                        f"[topg] {s.pattern:<12} {'yes' if s.replaced else 'no ':<3} "
+                        f"{s.where}: {s.detail}"
+                    )
+        try:
+            simplify(gm.graph)
+        except Exception as e:  # pragma: no cover - defensive, like the passes
+            if opts.strict:
+                raise
+            report.errors.append(("simplify", f"{type(e).__name__}: {e}"))
+    gm.recompile()
+    report.nodes_after = len(gm.graph.nodes)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+#: Reports of the graphs compiled since the last ``clear_reports()`` (explain, tests).
+REPORTS: list[GraphReport] = []
+_MAX_REPORTS = 256
+
+
+def clear_reports() -> None:
+    REPORTS.clear()
+
+
+def _needs_grad(example_inputs: list[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    )
+
+
+def topg_backend(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    *,
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """The ``topg`` backend (``torch.compile(model, backend="topg", options={...})``).
+
+    ``options`` are :class:`~torch_topg.compile.options.Options` fields. ``mode`` is
+    accepted for compatibility and ignored.
+    """
+    opts = Options.parse(options)
+    if opts.experts:
+        experts.install()  # experts classes imported since: covered from the next trace
+    if _needs_grad(example_inputs):
+        # topg kernels have no backward. Training or autograd through the model keeps the
+        # traced graph as is (correct, not fused); inference (no_grad) is rewritten.
+        report = GraphReport(nodes_before=len(gm.graph.nodes), skipped="grad mode")
+        report.nodes_after = report.nodes_before
+        _warn_once(
+            ("backend", "grad"),
+            "topg backend: grad mode is on and inputs require grad, so this graph runs "
+            "unfused (topg kernels are inference-only). Call the model under "
+            "torch.no_grad() or torch.inference_mode() (generate() does).",
+        )
+    else:
+        report = rewrite(gm, example_inputs, opts)
+    if len(REPORTS) < _MAX_REPORTS:
+        REPORTS.append(report)
+    growing = _growing_outputs(gm)
+    if opts.inductor:
+        from torch._inductor.compile_fx import compile_fx
+
+        fn = compile_fx(gm, example_inputs)
+    else:
+        fn = gm.forward
+    return _mark_growing(fn, growing) if growing else fn
+
+
+def _growing_outputs(gm: fx.GraphModule) -> list[int]:
+    """Output positions that are KV-cache-like: ``torch.cat([past, new], dim=-2)`` of 4-d
+    ``[B, H, S, D]`` tensors (transformers' ``DynamicCache`` update)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    idx = []
+    for i, r in enumerate(results):
+        if (
+            isinstance(r, fx.Node)
+            and r.op == "call_function"
+            and r.target in (torch.cat, torch.concat)
+            and (r.kwargs.get("dim", r.args[1] if len(r.args) > 1 else 0) in (-2, 2))
+        ):
+            v = r.meta.get("example_value")
+            if isinstance(v, torch.Tensor) and v.dim() == 4:
+                idx.append(i)
+    return idx
+
+
+def _mark_growing(fn: Callable[..., Any], idx: list[int]) -> Callable[..., Any]:
+    """Marks the sequence dim of KV-cache outputs as dynamic, so that the next call (the
+    first decode step) compiles once for every context length instead of once for
+    this length and again when it changes (dynamo's automatic dynamic shapes would)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def run(*args: Any) -> Any:
+        outs = fn(*args)
+        for i in idx:
+            t = outs[i]
+            if t.size(2) > 1:
+                mark(t, 2)
+        return outs
+
+    return run

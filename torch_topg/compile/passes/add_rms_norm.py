@@ -1,0 +1,91 @@
+"""Residual add + RMSNorm -> ``topg::fused_add_rms_norm`` (in place, vLLM semantics).
+
+Before (every decoder layer: the residual stream is added, then normalised)::
+
+    h = a + b                  # h is also the next residual
+    y = topg.rms_norm(h, w, eps)
+
+After::
+
+    topg.fused_add_rms_norm(b, a, w, eps)   # a <- a + b ; b <- rms_norm(a + b)
+    # uses of h read a, uses of y read b
+
+Runs after the RMSNorm pass. Only when ``a`` and ``b`` are private temporaries that the
+add is the last reader of (so overwriting them is invisible), of the same shape and
+dtype (no broadcasting or promotion), and not graph inputs or outputs.
+"""
+
+from __future__ import annotations
+
+from torch_topg.compile.passes.base import F, Pass, Site, topg
+
+# Producers whose output is a fresh tensor (never a view of something else).
+_FRESH_KINDS = {"linear", "add", "mul", "sdpa", "matmul"}
+_FRESH_TOPG = {"linear", "attention", "fused_moe", "rms_norm", "silu_and_mul", "gelu_and_mul"}
+
+
+def _fresh(node) -> bool:
+    if not isinstance(node, F.Node) or node.op in ("placeholder", "get_attr"):
+        return False
+    if F.is_kind(node, "view", "reshape"):  # a reshaped temporary nobody else reads
+        src = node.args[0]
+        return isinstance(src, F.Node) and len(src.users) == 1 and _fresh(src)
+    if F.kind(node) in _FRESH_KINDS:
+        return True
+    if F.kind(node) is None and node.op == "call_function":
+        t = node.target
+        if getattr(t, "namespace", None) == "topg":
+            return t._opname in _FRESH_TOPG
+        name = getattr(t, "__name__", "")
+        return name in ("embedding",)
+    return False
+
+
+def _dies_at(node, at, order) -> bool:
+    """``node`` is read by no one after ``at`` and is not a graph output."""
+    for u in node.users:
+        if u.op == "output" or (u is not at and order.get(u, -1) > order[at]):
+            return False
+    return True
+
+
+class AddRMSNormPass(Pass):
+    name = "add_rms_norm"
+    pattern = "add_rms_norm"
+
+    def run(self, ctx) -> list[Site]:
+        graph = ctx.gm.graph
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        rms = topg("rms_norm")
+        sites = []
+        for n in list(graph.nodes):
+            if n.op != "call_function" or n.target is not rms:
+                continue
+            h = n.args[0]
+            if not F.is_kind(h, "add") or h.op != "call_function" or len(h.args) != 2:
+                continue
+            if h.kwargs or any(u.op == "output" for u in h.users):
+                sites.append(self.site(n, False, "the sum is a graph output or has alpha"))
+                continue
+            a, b = h.args
+            why = None
+            if not (F.is_tensor(a) and F.is_tensor(b)):
+                why = "not a tensor + tensor add"
+            elif F.shape(a) != F.shape(b) or F.dtype(a) != F.dtype(b) or F.dtype(a) != F.dtype(h):
+                why = "operands differ in shape or dtype (broadcast / promotion)"
+            elif not (_fresh(a) and _fresh(b)):
+                why = "an operand is not a private temporary"
+            elif not (_dies_at(a, h, order) and _dies_at(b, h, order)):
+                why = "an operand is read after the add"
+            if why:
+                sites.append(self.site(n, False, why))
+                continue
+            _, w, eps = n.args
+            with graph.inserting_before(h):
+                graph.call_function(topg("fused_add_rms_norm"), (b, a, w, eps))
+            n.replace_all_uses_with(b)
+            h.replace_all_uses_with(a)
+            graph.erase_node(n)
+            graph.erase_node(h)
+            sites.append(self.site(n, True, "h = a + b; rms_norm(h)"))
+        return sites

@@ -1,0 +1,107 @@
+"""What every pass shares: the :class:`Site` record, the :class:`Pass` base and the
+:class:`Context` a pass reads real tensors and adds constants through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import fx
+
+from torch_topg.compile import fx as F
+
+
+@dataclass
+class Site:
+    """One occurrence of a pattern in a graph, replaced or not (and why)."""
+
+    pattern: str
+    where: str
+    replaced: bool
+    detail: str = ""
+
+
+def where(node: fx.Node) -> str:
+    """The module path a node came from (``model.layers.3.self_attn``), else its name."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        for prefix in ("L['self'].", "L['self']", "L['fn']."):
+            if path.startswith(prefix):
+                path = path[len(prefix) :]
+        return f"{path or 'model'} ({node.name})"
+    return node.name
+
+
+@dataclass
+class Context:
+    """Per-graph state shared by the passes of one compile."""
+
+    gm: fx.GraphModule
+    example_inputs: list[Any]
+    options: Any
+    placeholders: dict[fx.Node, Any] = field(default_factory=dict)
+    _n_consts: int = 0
+
+    def __post_init__(self) -> None:
+        phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.placeholders = dict(zip(phs, self.example_inputs, strict=False))
+
+    def parameter(self, node: Any) -> torch.nn.Parameter | None:
+        """The real ``nn.Parameter`` a placeholder carries (a model weight), else None."""
+        if isinstance(node, fx.Node) and node.op == "placeholder":
+            t = self.placeholders.get(node)
+            if isinstance(t, torch.nn.Parameter):
+                return t
+        return None
+
+    def constant(self, tensor: torch.Tensor, hint: str) -> fx.Node:
+        """A ``get_attr`` node holding ``tensor``, placed before the first non-input node."""
+        name = f"_topg_{hint}_{self._n_consts}"
+        self._n_consts += 1
+        self.gm.register_buffer(name, tensor, persistent=False)
+        graph = self.gm.graph
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            node = graph.get_attr(name)
+        node.meta["example_value"] = tensor
+        return node
+
+    def fuse_weights(self, params: list[torch.nn.Parameter], hint: str) -> fx.Node:
+        """One buffer holding ``params`` concatenated along dim 0; each parameter's data is
+        re-pointed at its slice of it, so the weights stay resident once (not twice) and
+        in-place updates of a parameter (``load_state_dict``) reach the fused buffer."""
+        fused = torch.cat([p.detach() for p in params], dim=0)
+        offset = 0
+        for p in params:
+            n = p.shape[0]
+            p.data = fused[offset : offset + n]
+            offset += n
+        return self.constant(fused, hint)
+
+
+class Pass:
+    """A graph rewrite. Subclasses set ``name`` / ``pattern`` and implement ``run``.
+
+    ``run`` must either finish its rewrite or raise before changing the graph is
+    unsafe: the pass manager restores the graph it had before the pass on any error.
+    """
+
+    name: ClassVar[str]
+    #: The pattern family the sites are reported under (explain).
+    pattern: ClassVar[str]
+
+    def run(self, ctx: Context) -> list[Site]:
+        raise NotImplementedError
+
+    # helpers -------------------------------------------------------------------------
+    def site(self, node: fx.Node, replaced: bool, detail: str = "") -> Site:
+        return Site(self.pattern, where(node), replaced, detail)
+
+
+def topg(name: str) -> Any:
+    return getattr(torch.ops.topg, name).default
+
+
+__all__ = ["Context", "F", "Pass", "Site", "topg", "where"]

@@ -46,6 +46,8 @@ class GraphReport:
     nodes_after: int = 0
     seconds: float = 0.0
     skipped: str = ""
+    #: topg op name -> calls in the final graph (``fused_moe`` comes from tracing).
+    topg_ops: dict[str, int] = field(default_factory=dict)
 
 
 def _warn_once(key: tuple[str, str], message: str) -> None:
@@ -134,6 +136,10 @@ def rewrite(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> Gra
                 raise
             report.errors.append(("simplify", f"{type(e).__name__}: {e}"))
     gm.recompile()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "topg":
+            name = n.target._opname
+            report.topg_ops[name] = report.topg_ops.get(name, 0) + 1
     report.nodes_after = len(gm.graph.nodes)
     report.seconds = time.perf_counter() - t0
     return report

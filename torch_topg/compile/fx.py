@@ -54,6 +54,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.sum: "sum",
     F.dropout: "dropout",
     F.rms_norm: "rms_norm",
+    torch.rms_norm: "rms_norm",
 }
 _METHODS = {
     "__add__": "add",

@@ -1,0 +1,59 @@
+"""Command line: ``python -m torch_topg explain [--model NAME] [--dtype DTYPE] [--tokens N]``.
+
+Prints what ``torch.compile(model, backend="topg")`` replaces in a model's prefill and
+decode graphs: per pattern site replaced or not (and why), graph and graph-break counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _load(name: str, dtype: torch.dtype, experts: str | None):
+    from torch_topg.models import MODEL_PRESETS, build_model, load_smollm2
+
+    kw = {"experts_implementation": experts} if experts else {}
+    if name == "smollm2":
+        return load_smollm2(dtype, **kw)[0]
+    if name not in MODEL_PRESETS:
+        raise SystemExit(f"unknown model {name!r}: smollm2 or one of {sorted(MODEL_PRESETS)}")
+    return build_model(name, dtype, **kw)
+
+
+def explain_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m torch_topg explain")
+    p.add_argument("--model", default="smollm2", help="smollm2 or a torch_topg.models preset")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tokens", type=int, default=16, help="prompt length of the prefill")
+    p.add_argument("--experts", default=None, help="experts_implementation for MoE models")
+    args = p.parse_args(argv)
+    import torch_topg
+
+    model = _load(args.model, getattr(torch, args.dtype), args.experts)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    print(f"== {args.model} {args.dtype}: prefill of {args.tokens} tokens")
+    print(torch_topg.explain(model, input_ids=ids, use_cache=True).summary())
+    with torch.inference_mode():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    print(f"\n== {args.model} {args.dtype}: one decode step after it")
+    print(torch_topg.explain(model, input_ids=ids[:, -1:], past_key_values=cache).summary())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv[0] == "explain":
+        return explain_main(argv[1:])
+    print(f"unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -72,6 +72,9 @@ class Context:
         """One buffer holding ``params`` concatenated along dim 0; each parameter's data is
         re-pointed at its slice of it, so the weights stay resident once (not twice) and
         in-place updates of a parameter (``load_state_dict``) reach the fused buffer."""
+        fused = _adjacent(params)
+        if fused is not None:  # fused by an earlier compile (another graph): share it
+            return self.constant(fused, hint)
         fused = torch.cat([p.detach() for p in params], dim=0)
         offset = 0
         for p in params:
@@ -79,6 +82,30 @@ class Context:
             p.data = fused[offset : offset + n]
             offset += n
         return self.constant(fused, hint)
+
+
+def _adjacent(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """A view spanning ``params`` when they already lie back to back, in order, in one
+    storage (each contiguous, same dtype and trailing shape); else None."""
+    p0 = params[0]
+    storage = p0.untyped_storage()
+    offset = p0.storage_offset()
+    rows = 0
+    for p in params:
+        if (
+            p.untyped_storage().data_ptr() != storage.data_ptr()
+            or p.dtype != p0.dtype
+            or p.shape[1:] != p0.shape[1:]
+            or not p.is_contiguous()
+            or p.storage_offset() != offset
+        ):
+            return None
+        offset += p.numel()
+        rows += p.shape[0]
+    view = torch.empty(0, dtype=p0.dtype, device=p0.device)
+    stride = p0.detach().stride()
+    view.set_(storage, p0.storage_offset(), (rows, *p0.shape[1:]), stride)
+    return view
 
 
 class Pass:

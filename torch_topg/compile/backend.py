@@ -57,9 +57,12 @@ def _warn_once(key: tuple[str, str], message: str) -> None:
 
 
 def _snapshot(gm: fx.GraphModule) -> fx.Graph:
+    return _snapshot_of(gm.graph, gm)
+
+
+def _snapshot_of(graph: fx.Graph, gm: fx.GraphModule) -> fx.Graph:
     g = fx.Graph(owning_module=gm)
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
+    g.output(g.graph_copy(graph, {}))
     return g
 
 
@@ -97,44 +100,53 @@ def simplify(graph: fx.Graph) -> None:
 
 
 def rewrite(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> GraphReport:
-    """Runs the enabled passes over ``gm`` in place; returns what each found."""
+    """Runs the enabled passes over ``gm`` in place; returns what each found.
+
+    One snapshot of the graph is taken first. When a pass raises, the graph is restored
+    from it and the passes run again without the failing one, so a failure costs a
+    re-run and the normal case one copy (a copy per pass was most of the pass time)."""
     t0 = time.perf_counter()
     report = GraphReport(nodes_before=len(gm.graph.nodes))
-    ctx = Context(gm, list(example_inputs), opts)
+    original = _snapshot(gm)
+    skip = set(opts.disable)
     with torch.inference_mode(False), torch.no_grad():
-        for cls in PASSES:
-            if cls.name in opts.disable:
-                continue
-            backup = _snapshot(gm)
+        while True:
+            ctx = Context(gm, list(example_inputs), opts)
+            sites: list[Site] = []
+            current = ""
             try:
-                sites = cls().run(ctx)
-                dce(gm.graph)
+                for cls in PASSES:
+                    if cls.name in skip:
+                        continue
+                    current = cls.name
+                    sites.extend(cls().run(ctx))
+                    dce(gm.graph)
+                if "simplify" not in skip:
+                    current = "simplify"
+                    simplify(gm.graph)
+                current = "lint"
                 gm.graph.lint()
+                break
             except Exception as e:
                 if opts.strict:
-                    raise RuntimeError(f"topg backend: pass '{cls.name}' failed: {e}") from e
-                gm.graph = backup
-                ctx.__post_init__()
-                report.errors.append((cls.name, f"{type(e).__name__}: {e}"))
+                    raise RuntimeError(f"topg backend: pass '{current}' failed: {e}") from e
+                report.errors.append((current, f"{type(e).__name__}: {e}"))
                 _warn_once(
-                    (cls.name, type(e).__name__),
-                    f"topg backend: pass '{cls.name}' failed ({type(e).__name__}: {e}); "
-                    "its part of the graph runs unchanged. options={'strict': True} raises.",
+                    (current, type(e).__name__),
+                    f"topg backend: pass '{current}' failed ({type(e).__name__}: {e}); "
+                    "the graph runs without it. options={'strict': True} raises.",
                 )
-                continue
-            report.sites.extend(sites)
-            if opts.verbose:
-                for s in sites:
-                    print(
-                        f"[topg] {s.pattern:<12} {'yes' if s.replaced else 'no ':<3} "
-                        f"{s.where}: {s.detail}"
-                    )
-        try:
-            simplify(gm.graph)
-        except Exception as e:  # pragma: no cover - defensive, like the passes
-            if opts.strict:
-                raise
-            report.errors.append(("simplify", f"{type(e).__name__}: {e}"))
+                skip.add(current)
+                if current == "lint":  # the original graph itself: nothing to retry
+                    raise
+                gm.graph = _snapshot_of(original, gm)
+    report.sites = sites
+    if opts.verbose:
+        for site in report.sites:
+            print(
+                f"[topg] {site.pattern:<12} {'yes' if site.replaced else 'no ':<3} "
+                f"{site.where}: {site.detail}"
+            )
     gm.recompile()
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "topg":

@@ -33,8 +33,13 @@ test: build
 demo: build
 	$(PY) python/examples/smollm2_demo.py
 
+# Op benchmark, then whole models (eager / Inductor / topg / llama.cpp; ~30 min, most of
+# it Inductor compiling). llama-cpp-python builds from source once (~6 min on 2 cores);
+# if that fails the llama.cpp column says so and the rest runs.
 bench: build
 	$(PY) python/benchmarks/bench_ops.py
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python==0.3.36 || true
+	$(PY) python/benchmarks/bench_models.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -63,32 +63,40 @@ class LinearPass(Pass):
     def _fuse_siblings(self, ctx, graph, sites) -> None:
         groups: dict = {}
         for n in graph.nodes:
-            if F.is_kind(n, "linear") and F.arg(n, 2, "bias") is None:
-                p = ctx.parameter(F.arg(n, 1, "weight"))
-                if p is not None and p.dim() == 2 and p.dtype in _FLOAT and p.is_contiguous():
-                    groups.setdefault(n.args[0], []).append((n, p))
-        for x, members in groups.items():
+            if not F.is_kind(n, "linear"):
+                continue
+            p = ctx.parameter(F.arg(n, 1, "weight"))
+            b = F.arg(n, 2, "bias")
+            bp = ctx.parameter(b) if b is not None else None
+            if b is not None and (bp is None or bp.dtype != getattr(p, "dtype", None)):
+                continue
+            if p is not None and p.dim() == 2 and p.dtype in _FLOAT and p.is_contiguous():
+                groups.setdefault((n.args[0], b is None), []).append((n, p, bp))
+        for (x, _), members in groups.items():
             if len(members) < 2:
                 continue
             p0 = members[0][1]
-            if any(p.dtype != p0.dtype or p.shape[1] != p0.shape[1] for _, p in members):
+            if any(p.dtype != p0.dtype or p.shape[1] != p0.shape[1] for _, p, _ in members):
                 continue
-            if F.dtype(x) != p0.dtype or any(F.shape(n)[-1] != p.shape[0] for n, p in members):
+            if F.dtype(x) != p0.dtype or any(F.shape(n)[-1] != p.shape[0] for n, p, _ in members):
                 continue
             # Only projections that are reshaped into heads (q/k/v): a strided slice is
             # then as good as a contiguous output.
             if not all(
                 u.op == "call_method" and u.target in ("view", "reshape")
-                for n, _ in members
+                for n, _, _ in members
                 for u in n.users
             ):
                 continue
-            w = ctx.fuse_weights([p for _, p in members], "proj")
+            w = ctx.fuse_weights([p for _, p, _ in members], "proj")
+            b = None
+            if members[0][2] is not None:
+                b = ctx.fuse_weights([bp for _, _, bp in members], "proj_bias")
             first = members[0][0]
             with graph.inserting_before(first):
-                y = graph.call_function(topg("linear"), (x, w, None))
+                y = graph.call_function(topg("linear"), (x, w, b))
                 start = 0
-                for n, p in members:
+                for n, p, _ in members:
                     stop = start + p.shape[0]
                     part = graph.call_function(
                         F.operator.getitem, (y, (Ellipsis, slice(start, stop)))
@@ -99,7 +107,7 @@ class LinearPass(Pass):
                     for u in list(part.users):
                         if u.op == "call_method" and u.target == "view":
                             u.target = "reshape"
-            for n, _ in members:
+            for n, _, _ in members:
                 graph.erase_node(n)
-            names = ", ".join(n.name for n, _ in members)
+            names = ", ".join(n.name for n, _, _ in members)
             sites.append(self.site(first, True, f"{len(members)} projections fused: {names}"))

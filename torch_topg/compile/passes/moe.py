@@ -98,4 +98,9 @@ class MoERouterPass(Pass):
                 cast = graph.call_method("to", (w, F.dtype(vals)))
             w.replace_all_uses_with(cast)
             cast.args = (w, F.dtype(vals))
+        # The old chain is dead now; erase it explicitly: ``w /= s`` is an in-place op
+        # that the generic clean-up keeps (it may write memory someone reads).
+        for dead in (div, div.args[1] if div is not None else None, vals, ids, n, probs):
+            if isinstance(dead, F.Node) and not dead.users:
+                graph.erase_node(dead)
         return self.site(n, True, f"{scoring} top-{k}{' renormalised' if renorm else ''}")

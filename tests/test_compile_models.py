@@ -193,3 +193,65 @@ if os.environ.get("TOPG_DISABLE_NATIVE") == "1":  # the reference fallback is sl
     test_smollm2_bf16_logits = pytest.mark.skip(reason="bf16 SmolLM2 on the references: slow")(
         test_smollm2_bf16_logits
     )
+
+
+def _small(cls_name: str, **extra):
+    import transformers
+
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
+    return getattr(transformers, cls_name)(**base, **extra)
+
+
+@pytest.mark.parametrize(
+    ("cls_name", "extra", "fused_norms"),
+    [
+        ("MistralConfig", {"sliding_window": 4}, True),
+        ("Qwen3Config", {"head_dim": 16}, True),  # q/k RMSNorm before rotary
+        ("GemmaConfig", {"head_dim": 16}, False),  # (1 + w) norm weight, gelu-tanh MLP
+        ("Olmo2Config", {}, False),  # post-norm: no residual-add + norm to fuse
+        (
+            "Qwen3MoeConfig",
+            {
+                "moe_intermediate_size": 32,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "head_dim": 16,
+            },
+            True,
+        ),
+    ],
+)
+def test_more_architectures(cls_name, extra, fused_norms):
+    """Other transformers families: logits match eager, no pass fails, the patterns
+    each family has are replaced (and what is left alone says why)."""
+    import transformers
+
+    cfg = _small(cls_name, **extra)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    expected = _prefill_decode(ref, ids)
+    actual = _prefill_decode(_compiled(model), ids)
+    for e, a in zip(expected, actual, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+    assert not [e for r in REPORTS for e in r.errors]
+    sites = [s for r in REPORTS for s in r.sites]
+    for p in ("attention", "rotary", "rms_norm", "linear"):
+        all_replaced(sites, p)
+    if fused_norms:
+        all_replaced(sites, "add_rms_norm")
+    else:
+        assert all(not s.replaced and s.detail for s in sites if s.pattern == "add_rms_norm")
+    torch._dynamo.reset()

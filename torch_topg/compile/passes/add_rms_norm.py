@@ -77,6 +77,8 @@ class AddRMSNormPass(Pass):
                 why = "an operand is not a private temporary"
             elif not (_dies_at(a, h, order) and _dies_at(b, h, order)):
                 why = "an operand is read after the add"
+            elif any(isinstance(x, F.Node) and order.get(x, -1) > order[h] for x in n.args[1:]):
+                why = "the weight is computed after the add (e.g. Gemma's 1 + w)"
             if why:
                 sites.append(self.site(n, False, why))
                 continue

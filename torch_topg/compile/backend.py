@@ -96,7 +96,70 @@ def simplify(graph: fx.Graph) -> None:
             ):
                 n.replace_all_uses_with(src.args[0])
                 graph.erase_node(n)
+    _collapse_view_chains(graph)
     dce(graph)
+
+
+_CHAIN = ("transpose", "reshape", "view", "contiguous")
+
+
+def _hint(x: Any) -> Any:
+    """A node's example int/SymInt as a plain int (its hint), or a constant as is."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("example_value")
+    if isinstance(x, torch.SymInt):  # its hint, without guarding on it (no int(x))
+        hint = x.node.hint
+        if hint is None:
+            raise ValueError("no hint")
+        return hint
+    return x
+
+
+def _collapse_view_chains(graph: fx.Graph) -> None:
+    """``a.transpose(1, 2).reshape(...).transpose(1, 2).contiguous().reshape(s)`` ->
+    ``a.reshape(s)`` when ``a`` is a topg op's (contiguous) output and the chain keeps
+    the elements in ``a``'s memory order. transformers' attention output takes six such
+    calls per layer after ``topg::attention``; each is a Python call per decode step.
+
+    The order is checked by replaying the chain on ``arange`` at the example sizes."""
+    for n in list(graph.nodes):
+        if not (n.op == "call_function" and getattr(n.target, "namespace", None) == "topg"):
+            continue
+        v = n.meta.get("example_value")
+        if not isinstance(v, torch.Tensor) or len(n.users) != 1:
+            continue
+        chain, t = [], n
+        while len(t.users) == 1:
+            u = next(iter(t.users))
+            if u.op != "call_method" or u.target not in _CHAIN or u.args[0] is not t or u.kwargs:
+                break
+            chain.append(u)
+            t = u
+        shaped = [i for i, c in enumerate(chain) if c.target in ("reshape", "view")]
+        if not shaped or len(chain) < 2:
+            continue
+        last = chain[shaped[-1]]
+        try:
+            shape = [_hint(s) for s in v.shape]
+            x = torch.arange(int(torch.tensor(shape).prod()) if shape else 1).view(shape)
+            for c in chain[: shaped[-1] + 1]:
+                args = [_hint(a) for a in c.args[1:]]
+                if len(args) == 1 and isinstance(args[0], (tuple, list)):
+                    args = [_hint(a) for a in args[0]]
+                x = getattr(x, c.target)(*args)
+            if not torch.equal(x.flatten(), torch.arange(x.numel())):
+                continue
+        except Exception:  # unknown hints or shapes: leave the chain alone
+            continue
+        with graph.inserting_before(last):
+            new = graph.call_method("reshape", (n, *last.args[1:]))
+        new.meta.update(last.meta)
+        last.replace_all_uses_with(new)
+        # contiguous() right after a reshape of a contiguous tensor returns it as is
+        for c in chain[shaped[-1] + 1 :]:
+            if c.target == "contiguous" and c.args[0] is not None:
+                src = c.args[0]
+                c.replace_all_uses_with(src)
 
 
 def rewrite(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> GraphReport:

@@ -17,6 +17,8 @@ dtype (no broadcasting or promotion), and not graph inputs or outputs.
 
 from __future__ import annotations
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from torch_topg.compile.passes.base import F, Pass, Site, topg
 
 # Producers whose output is a fresh tensor (never a view of something else).
@@ -39,6 +41,13 @@ def _fresh(node) -> bool:
         name = getattr(t, "__name__", "")
         return name in ("embedding",)
     return False
+
+
+def _same_shape(x, y) -> bool:
+    """Provably equal shapes, without adding guards on symbolic sizes."""
+    if x is None or y is None or len(x) != len(y):
+        return False
+    return all(statically_known_true(a == b) for a, b in zip(x, y, strict=True))
 
 
 def _dies_at(node, at, order) -> bool:
@@ -71,7 +80,9 @@ class AddRMSNormPass(Pass):
             why = None
             if not (F.is_tensor(a) and F.is_tensor(b)):
                 why = "not a tensor + tensor add"
-            elif F.shape(a) != F.shape(b) or F.dtype(a) != F.dtype(b) or F.dtype(a) != F.dtype(h):
+            elif not _same_shape(F.shape(a), F.shape(b)) or not (
+                F.dtype(a) == F.dtype(b) == F.dtype(h)
+            ):
                 why = "operands differ in shape or dtype (broadcast / promotion)"
             elif not (_fresh(a) and _fresh(b)):
                 why = "an operand is not a private temporary"

@@ -68,6 +68,15 @@ def _emit(graph, anchor, q, k, v, causal, scale, mask):
         return graph.call_method("transpose", (out, 1, 2))
 
 
+def _meta(out, n) -> None:
+    """Example values for the emitted nodes: the output keeps the replaced node's; the
+    ``topg::attention`` node under it gets its ``[B, S, H, D]`` shape."""
+    F.copy_meta(out, n)
+    v = F.val(n)
+    if isinstance(v, torch.Tensor) and v.dim() == 4:
+        out.args[0].meta["example_value"] = v.transpose(1, 2)
+
+
 def _check_heads(q, k, v, gqa_ok: bool) -> str | None:
     qs, ks, vs = F.shape(q), F.shape(k), F.shape(v)
     if qs is None or ks is None or vs is None or len(qs) != 4 or len(ks) != 4:
@@ -133,7 +142,7 @@ class AttentionPass(Pass):
         if causal and not _same(F.shape(q)[2], F.shape(k)[2]):
             return self.site(n, False, "is_causal with query/key lengths not provably equal")
         out = _emit(graph, n, q, k, v, causal, scale, mask)
-        F.copy_meta(out, n)
+        _meta(out, n)
         n.replace_all_uses_with(out)
         graph.erase_node(n)
         return self.site(n, True, f"sdpa{' causal' if causal else ''}{' masked' if mask else ''}")
@@ -194,7 +203,7 @@ class AttentionPass(Pass):
         if isinstance(d, int) and math.isclose(scale, 1.0 / math.sqrt(d), rel_tol=1e-6):
             scale = None
         out = _emit(graph, n, q, k, v, False, scale, mask)
-        F.copy_meta(out, n)
+        _meta(out, n)
         n.replace_all_uses_with(out)
         graph.erase_node(n)
         return self.site(n, True, f"eager matmul-softmax-matmul{' masked' if mask else ''}")

@@ -151,6 +151,16 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
       }
     std::stable_sort(items.begin(), items.end(),
                      [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    // Decode-size calls (a few thousand multiply-adds per item) run on the calling
+    // thread: waking the pool costs more than the work, and on a loaded machine a
+    // descheduled worker can stall the call for a scheduler tick.
+    int64_t work = 0;
+    for (const Item& it : items) work += it.cost * d;
+    if (work < (int64_t(1) << 18)) {
+      attn::Workspace ws;
+      for (const Item& it : items) attn::prefill_block(a, it.b, it.h, it.i0, it.i1, ws);
+      return;
+    }
     parallel_items_with<attn::Workspace>(int64_t(items.size()),
                                          [&](int64_t n, attn::Workspace& ws) {
                                            const Item& it = items[n];

@@ -21,8 +21,9 @@
 
 namespace topg::attn {
 
-constexpr int64_t BK = 128;  // keys per tile
-constexpr int64_t MR = 6;    // micro-kernel rows (6 x 2 accumulators + 2 loads + 1 broadcast)
+constexpr int64_t BK = 128;         // keys per tile
+constexpr int64_t DIRECT_ROWS = 4;  // at most this many rows: no fp32 K/V tiles
+constexpr int64_t MR = 6;  // micro-kernel rows (6 x 2 accumulators + 2 loads + 1 broadcast)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -67,10 +68,13 @@ struct PrefillArgs {
 // Per-thread scratch, reused across work items.
 struct Workspace {
   std::vector<float> q, kt, v, s, o, m, l, alpha;
-  void reserve(int64_t rows, int64_t dp) {
-    q.resize(rows * dp);
+  // The fp32 K^T / V tiles: only the tiled path (more than DIRECT_ROWS rows) uses them.
+  void reserve_tiles(int64_t dp) {
     kt.resize(dp * BK);
     v.resize(BK * dp);
+  }
+  void reserve(int64_t rows, int64_t dp) {
+    q.resize(rows * dp);
     s.resize(rows * BK);
     o.resize(rows * dp);
     m.resize(rows);
@@ -213,6 +217,78 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
   return alpha;
 }
 
+// Few query rows (decode: one position x the G heads of a kv head). Converting K and V
+// tiles to fp32 (and transposing K) would cost more than the arithmetic for so few rows,
+// so scores are dot products against K rows and the output is updated from V rows in
+// place, converting on the fly (DIRECT_ROWS is defined with MR above).
+
+// M is a template parameter so the row accumulators stay in registers.
+template <int M, typename T>
+inline void qk_direct(const PrefillArgs<T>& a, const T* kbase, int64_t n, int64_t dp,
+                      Workspace& ws) {
+  const int64_t d = a.d;
+  const float* q = ws.q.data();
+  for (int64_t c = 0; c < n; ++c) {
+    const T* kr = kbase + c * a.k_ss;
+    Vec8 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = Vec8::zero();
+    int64_t e = 0;
+    for (; e + 8 <= d; e += 8) {
+      const Vec8 k = Vec8::load(kr + e);
+      for (int r = 0; r < M; ++r) acc[r] = Vec8::fma(Vec8::load(q + r * dp + e), k, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) {
+      float sc = acc[r].sum();
+      for (int64_t t = e; t < d; ++t) sc += q[r * dp + t] * to_float(kr[t]);
+      ws.s[r * BK + c] = sc;
+    }
+  }
+}
+
+// Output chunk by chunk (8 dims): the M row accumulators of a chunk stay in registers
+// while all n keys stream through.
+template <int M, typename T>
+inline void pv_direct(const PrefillArgs<T>& a, const T* vbase, int64_t n, int64_t dp,
+                      Workspace& ws) {
+  const int64_t d = a.d;
+  const float* p = ws.s.data();
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8) {
+    Vec8 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = Vec8::load(ws.o.data() + r * dp + e) * Vec8(ws.alpha[r]);
+    for (int64_t c = 0; c < n; ++c) {
+      const Vec8 v = Vec8::load(vbase + c * a.v_ss + e);
+      for (int r = 0; r < M; ++r) acc[r] = Vec8::fma(Vec8(p[r * BK + c]), v, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) acc[r].store(ws.o.data() + r * dp + e);
+  }
+  for (; e < d; ++e) {
+    for (int r = 0; r < M; ++r) {
+      float o = ws.o[r * dp + e] * ws.alpha[r];
+      for (int64_t c = 0; c < n; ++c) o += p[r * BK + c] * to_float(vbase[c * a.v_ss + e]);
+      ws.o[r * dp + e] = o;
+    }
+  }
+}
+
+template <typename F>
+inline void with_direct_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1:
+      f.template operator()<1>();
+      break;
+    case 2:
+      f.template operator()<2>();
+      break;
+    case 3:
+      f.template operator()<3>();
+      break;
+    default:
+      f.template operator()<4>();
+      break;
+  }
+}
+
 // Attention for query positions [i0, i1) of sequence b, kv head kvh (all its query heads).
 template <typename T>
 void prefill_block(const PrefillArgs<T>& a, int64_t b, int64_t kvh, int64_t i0, int64_t i1,
@@ -220,6 +296,7 @@ void prefill_block(const PrefillArgs<T>& a, int64_t b, int64_t kvh, int64_t i0, 
   const int64_t G = a.hq / a.hkv, d = a.d, dp = round_up(d, 8);
   const int64_t M = (i1 - i0) * G;
   ws.reserve(M, dp);
+  if (M > DIRECT_ROWS) ws.reserve_tiles(dp);
   const float qscale = a.softcap > 0 ? a.scale / a.softcap : a.scale;
 
   // Query rows r = (i - i0) * G + g, pre-scaled, fp32, zero-padded.
@@ -240,10 +317,14 @@ void prefill_block(const PrefillArgs<T>& a, int64_t b, int64_t kvh, int64_t i0, 
   const T* vbase = a.v + a.v_off[b] + kvh * a.v_sh;
   for (int64_t j0 = j_begin; j0 < j_end; j0 += BK) {
     const int64_t n = std::min(BK, j_end - j0), ncols = round_up(n, 16);
-    load_kv_tile(a, kbase + j0 * a.k_ss, vbase + j0 * a.v_ss, n, ncols, dp, ws);
+    const bool direct = M <= DIRECT_ROWS;
+    if (direct)
+      with_direct_rows(M, [&]<int R>() { qk_direct<R>(a, kbase + j0 * a.k_ss, n, dp, ws); });
+    else
+      load_kv_tile(a, kbase + j0 * a.k_ss, vbase + j0 * a.v_ss, n, ncols, dp, ws);
 
     // S = Q K^T, skipping keys no row of a row group can see (the causal diagonal).
-    for (int64_t r0 = 0; r0 < M; r0 += MR) {
+    for (int64_t r0 = 0; r0 < M && !direct; r0 += MR) {
       const int64_t rows = std::min<int64_t>(MR, M - r0);
       const int64_t last_i = i0 + (r0 + rows - 1) / G;  // rows are ordered by position
       const int64_t cols = std::min(n, a.hi(b, last_i) - j0 + 1);
@@ -280,7 +361,9 @@ void prefill_block(const PrefillArgs<T>& a, int64_t b, int64_t kvh, int64_t i0, 
     }
 
     // O = alpha O + P V (keys beyond the row group's causal limit have p = 0: skip them).
-    for (int64_t r0 = 0; r0 < M; r0 += MR) {
+    if (direct)
+      with_direct_rows(M, [&]<int R>() { pv_direct<R>(a, vbase + j0 * a.v_ss, n, dp, ws); });
+    for (int64_t r0 = 0; r0 < M && !direct; r0 += MR) {
       const int64_t rows = std::min<int64_t>(MR, M - r0);
       const int64_t last_i = i0 + (r0 + rows - 1) / G;
       const int64_t cols = std::min(n, a.hi(b, last_i) - j0 + 1);

@@ -55,7 +55,9 @@ class ExplainResult:
         for p in order:
             done, found = counts[p]
             lines.append(f"{p:<14}{done:>9}{found:>7}")
-        lines.append(f"{'experts':<14}{self.fused_moe_calls:>9}{'':>7}  (fused_moe, while tracing)")
+        moe = self.fused_moe_calls or sum(r.topg_ops.get("fused_moe", 0) for r in self.reports)
+        if moe:
+            lines.append(f"{'experts':<14}{moe:>9}{'':>7}  (fused_moe, substituted while tracing)")
         nodes_b = sum(r.nodes_before for r in self.reports)
         nodes_a = sum(r.nodes_after for r in self.reports)
         secs = sum(r.seconds for r in self.reports)

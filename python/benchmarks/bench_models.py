@@ -8,7 +8,8 @@ caches and peak-memory figures):
   transformers ``DynamicCache``;
 * prefill: ms of a 256-token prompt;
 * compile: seconds from the first call to a warm decode step (prefill + decode graphs);
-* memory: peak RSS of the process and the model's resident weight bytes;
+* memory: peak RSS of the process from after loading to the end of the run (compiling
+  included) and the model's resident weight bytes;
 * limit: the decode step's physical floor, (weight bytes + KV bytes read per step) over
   the read bandwidth measured in this run.
 
@@ -72,6 +73,25 @@ def _load(model_name: str, dtype: torch.dtype):
     return build_model(model_name, dtype)
 
 
+def _reset_peak_rss() -> None:
+    """Linux: reset the process's peak RSS (VmHWM), so the peak measured afterwards is
+    that of the run, not of loading (which converts fp32 weights)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _decode_ms(fn, ids, steps: int) -> tuple[float, float]:
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -92,7 +112,11 @@ def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
     model = _load(model_name, dtype)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import gc
+
+    gc.collect()
+    _reset_peak_rss()
+    rss0 = _peak_rss_mb()
     fn = model
     compile_s = 0.0
     if mode in ("topg", "inductor"):
@@ -107,7 +131,7 @@ def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
     steps = 8 if quick else 24
     decode, _ = _decode_ms(fn, ids, steps)
     prefills = [_decode_ms(fn, ids, 0)[1] for _ in range(2 if quick else 4)]
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = _peak_rss_mb()
     return {
         "model": model_name,
         "dtype": dtype_name,
@@ -115,8 +139,8 @@ def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
         "decode_ms": decode,
         "prefill_ms": sorted(prefills)[0],
         "compile_s": compile_s,
-        "peak_rss_mb": rss / 1024,
-        "load_rss_mb": rss0 / 1024,
+        "peak_rss_mb": rss,
+        "load_rss_mb": rss0,
         "weights_mb": _weights_bytes(model) / 2**20,
         "read_bytes": _read_bytes_per_step(model, CONTEXT),
     }

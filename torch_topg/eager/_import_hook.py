@@ -29,7 +29,7 @@ class _Loader(importlib.abc.Loader):
     def __init__(self, loader: Any, name: str, callback: Callable[[str, ModuleType], None]):
         self._loader, self._name, self._callback = loader, name, callback
 
-    def create_module(self, spec):  # noqa: ANN001 - importlib protocol
+    def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -45,7 +45,7 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
         self._callback = callback
         self._local = threading.local()
 
-    def find_spec(self, name, path, target=None):  # noqa: ANN001 - importlib protocol
+    def find_spec(self, name, path, target=None):
         if not name.startswith("transformers.") or not wanted(name):
             return None
         if getattr(self._local, "busy", False):

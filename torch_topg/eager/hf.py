@@ -164,7 +164,9 @@ def moe_activation(act_fn: torch.nn.Module) -> str | None:
     return None
 
 
-def _experts_supported(self: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor) -> str | None:
+def _experts_supported(
+    self: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor
+) -> str | None:
     if not getattr(self, "has_gate", False) or getattr(self, "has_bias", True):
         return None
     if getattr(self, "is_transposed", True) or not getattr(self, "is_concatenated", False):

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Row, bw_limit_ms  # noqa: E402
+from common import Row, bw_limit_ms
 
-import torch_topg  # noqa: E402
-from torch_topg.utils.benchmark import bench  # noqa: E402
+import torch_topg
+from torch_topg.utils.benchmark import bench
 
 CONTEXT = 256
 
@@ -36,7 +36,9 @@ def _decode_and_prefill(dtype: torch.dtype, quick: bool) -> list[Row]:
     from torch_topg.models import load_smollm2
 
     model, _ = load_smollm2(dtype)
-    ids = torch.randint(0, model.config.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0)
+    )
     nxt = torch.tensor([[42]])
     runs = 3 if quick else 8
 
@@ -118,7 +120,7 @@ if __name__ == "__main__":
     print("| what | dtype | stock ms | enable() ms | speed-up | limit ms | target |")
     print("|---|---|---|---|---|---|---|")
     for r in run(args.quick):
-        (name, base), = r.baselines.items()
+        ((name, base),) = r.baselines.items()
         limit = f"{r.limit_ms:.2f}" if r.limit_ms else "-"
         target = f">= {r.target[1]}x {'ok' if r.ok else 'MISSED'}" if r.target else "-"
         print(

@@ -116,7 +116,13 @@ def run(quick: bool) -> list[Row]:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads (default: torch's own choice)"
+    )
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}")
     print("| what | dtype | stock ms | enable() ms | speed-up | limit ms | target |")
     print("|---|---|---|---|---|---|---|")
     for r in run(args.quick):

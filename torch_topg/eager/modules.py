@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -60,25 +61,27 @@ def rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torc
 # One entry: the cos / sin of the current forward (shared by every layer) and the
 # [B * S, D] cos_sin cache and positions topg's rotary op reads. HF's cos / sin are
 # cat(freqs, freqs).cos() / .sin(), so the first half holds every distinct value.
-# cos / sin may have batch 1 (shared positions) while q has batch B.
-_rope: list[Any] = [None, None, None, None, None]
+# cos / sin may have batch 1 (shared positions) while q has batch B. Thread-local, so
+# models running in several threads never see each other's entry.
+_rope = threading.local()
 
 
 def _rope_cache(
     cos: torch.Tensor, sin: torch.Tensor, bsz: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _rope[0] is cos and _rope[1] is sin and _rope[2] == bsz:
-        return _rope[3], _rope[4]
+    entry = getattr(_rope, "entry", None)
+    if entry is not None and entry[0] is cos and entry[1] is sin and entry[2] == bsz:
+        return entry[3], entry[4]
     half = cos.shape[-1] // 2
     cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).reshape(-1, 2 * half)
     positions = torch.arange(cos_sin.shape[0], device=cos.device).view(cos.shape[:-1])
     positions = positions.expand(bsz, -1).contiguous()
-    _rope[:] = [cos, sin, bsz, positions, cos_sin]
+    _rope.entry = (cos, sin, bsz, positions, cos_sin)
     return positions, cos_sin
 
 
 def clear_rope_cache() -> None:
-    _rope[:] = [None, None, None, None, None]
+    _rope.entry = None
 
 
 def attention_forward(

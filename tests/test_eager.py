@@ -188,11 +188,17 @@ def test_rms_norm_runs_topg_and_matches(dtype):
 
 @needs_native
 @pytest.mark.parametrize(
-    "dtype,rows,routed",
-    [(torch.float32, 1, True), (torch.float32, 64, False), (torch.bfloat16, 64, True)],
+    "dtype,rows,n,routed",
+    [
+        (torch.float32, 1, 48, True),  # decode
+        (torch.float32, 64, 48, False),  # in between: MKL
+        (torch.float32, 128, 512, True),  # prefill, wide output
+        (torch.float32, 128, 48, False),  # prefill, narrow output: MKL
+        (torch.bfloat16, 64, 48, True),  # half precision: always topg
+    ],
 )
-def test_linear_runs_topg_where_faster(dtype, rows, routed):
-    x, w, b = torch.randn(rows, 80).to(dtype), torch.randn(48, 80).to(dtype), torch.randn(48)
+def test_linear_runs_topg_where_faster(dtype, rows, n, routed):
+    x, w, b = torch.randn(rows, 80).to(dtype), torch.randn(n, 80).to(dtype), torch.randn(n)
     b = b.to(dtype)
     expected = F.linear(x, w, b)
     with torch_topg.enabled(), torch.no_grad():

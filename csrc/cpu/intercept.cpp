@@ -161,11 +161,20 @@ const c10::TypedOperatorHandle<LinearFn>& topg_linear() {
   return op;
 }
 
-// Rows up to which topg::linear beats aten's fp32 GEMM (MKL / oneDNN) on CPU: decode and
-// small batches, where topg's GEMV streams the weight once. Half-precision inputs go to
-// topg at every size (aten has no fast bf16/fp16 GEMM without AVX-512 BF16 / AMX).
-// Measured by python/benchmarks/eager_enable.py.
-constexpr int64_t kFp32MaxRows = 16;
+// Where topg::linear beats aten's fp32 GEMM (MKL / oneDNN) on CPU, measured with
+// python/benchmarks/eager_enable.py and the linear family benchmark:
+//   * up to 16 rows (decode, small batches): topg's GEMV streams the weight once and
+//     uses every thread, MKL's small-M path mostly one;
+//   * from 128 rows with N >= 512 outputs (prefill): topg's packed GEMM is at parity or
+//     faster (1.1-1.7x on one thread, 1.0-1.2x on two; the vocabulary projection most);
+//   * in between, and for narrow outputs (k/v projections, N = 192), MKL is faster.
+// Half-precision inputs go to topg at every size (aten has no fast bf16/fp16 GEMM
+// without AVX-512 BF16 / AMX).
+constexpr int64_t kFp32SmallRows = 16, kFp32LargeRows = 128, kFp32LargeMinN = 512;
+
+bool fp32_topg_faster(int64_t rows, int64_t n) {
+  return rows <= kFp32SmallRows || (rows >= kFp32LargeRows && n >= kFp32LargeMinN);
+}
 
 at::Tensor linear_adapter(const at::Tensor& input, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
@@ -177,7 +186,8 @@ at::Tensor linear_adapter(const at::Tensor& input, const at::Tensor& weight,
             weight.device() == input.device() &&
             (!has_bias || (bias->dim() == 1 && bias->scalar_type() == input.scalar_type() &&
                            bias->size(0) == weight.size(0) && bias->device() == input.device()));
-  if (ok && input.scalar_type() == at::kFloat) ok = input.numel() / input.size(-1) <= kFp32MaxRows;
+  if (ok && input.scalar_type() == at::kFloat)
+    ok = fp32_topg_faster(input.numel() / input.size(-1), weight.size(0));
   if (!ok) return at::compositeimplicitautograd::linear(input, weight, bias);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return topg_linear().call(input, weight, bias);

@@ -15,6 +15,7 @@ Targets (issue 4): decode >= 1.3x, prefill >= 1.1x faster with enable().
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +29,23 @@ import torch_topg
 from torch_topg.utils.benchmark import bench
 
 CONTEXT = 256
+
+
+def _interleaved(fn, rounds: int) -> tuple[float, float]:
+    """Median ms of ``fn`` without and with enable(), alternating run by run so that the
+    load of a shared machine drifting during the benchmark hits both sides alike."""
+    base: list[float] = []
+    topg: list[float] = []
+    with torch.inference_mode():
+        for warm in (fn, fn):
+            warm()
+        for _ in range(rounds):
+            base.append(bench(fn, warmup=0, min_runs=1, max_runs=1, min_time_s=0).median_ms)
+            with torch_topg.enabled():
+                if not topg:
+                    fn()  # warm-up of the topg path
+                topg.append(bench(fn, warmup=0, min_runs=1, max_runs=1, min_time_s=0).median_ms)
+    return statistics.median(base), statistics.median(topg)
 
 
 def _decode_and_prefill(dtype: torch.dtype, quick: bool) -> list[Row]:
@@ -55,14 +73,11 @@ def _decode_and_prefill(dtype: torch.dtype, quick: bool) -> list[Row]:
 
     rows = []
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    for what, fn, target, min_runs in (
+    for what, fn, target, rounds in (
         ("decode", decode, 1.3, runs * 3),
         ("prefill256", prefill, 1.1, runs),
     ):
-        with torch.inference_mode():
-            base = bench(fn, warmup=2, min_runs=min_runs, min_time_s=0.5).median_ms
-            with torch_topg.enabled():
-                topg = bench(fn, warmup=2, min_runs=min_runs, min_time_s=0.5).median_ms
+        base, topg = _interleaved(fn, rounds)
         # Decode must read every weight once (tied embedding / lm_head counted once).
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         rows.append(

@@ -14,8 +14,8 @@ Which aten ops are intercepted is decided by measurement
 * ``rms_norm`` -> ``topg::rms_norm``: one fused pass instead of aten's CPU composite
   (pow, mean, rsqrt, mul, mul).
 * ``linear`` -> ``topg::linear``: bf16 / fp16 at every size (aten's CPU half-precision
-  GEMM is slow without AVX-512 BF16 / AMX), fp32 up to 16 rows (decode; MKL's GEMM is
-  as fast above that).
+  GEMM is slow without AVX-512 BF16 / AMX); fp32 up to 16 rows (decode) and from 128
+  rows with at least 512 outputs (prefill), where topg measured faster than MKL.
 
 Not intercepted: ops with their own CPU kernels (``silu``, ``mul``, ``add``): topg has
 nothing faster for one such op; fusing them is the module-level routing's job

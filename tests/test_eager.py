@@ -133,7 +133,8 @@ def test_sdpa_runs_topg_and_matches(case, dtype):
 
 @needs_native
 @pytest.mark.parametrize(
-    "what", ["dropout", "top_left_causal", "fully_masked_row", "grad", "5d_query"]
+    "what",
+    ["dropout", "top_left_causal", "fully_masked_row", "neg_inf_row", "grad", "5d_query"],
 )
 def test_sdpa_falls_back_where_semantics_differ(what):
     q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
@@ -145,6 +146,10 @@ def test_sdpa_falls_back_where_semantics_differ(what):
     elif what == "fully_masked_row":
         m = torch.ones(1, 1, 3, 5, dtype=torch.bool)
         m[0, 0, 1] = False
+        kw["attn_mask"] = m
+    elif what == "neg_inf_row":
+        m = torch.zeros(1, 1, 3, 5)
+        m[0, 0, 2] = float("-inf")
         kw["attn_mask"] = m
     elif what == "grad":
         q.requires_grad_(True)

@@ -97,11 +97,16 @@ bool sdpa_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   if (mask.has_value()) {
     const at::Tensor& m = *mask;
     if (m.device() != q.device() || m.dim() > 4) return false;
-    // Additive float masks: HF and most code use finfo.min (finite), where both agree.
-    // A -inf row or an all-False bool row would differ, so bool masks are checked.
+    const int64_t full[4] = {b, hq, sq, sk};
+    for (int64_t i = 1; i <= m.dim(); ++i)
+      if (m.size(-i) != 1 && m.size(-i) != full[4 - i]) return false;  // aten raises
+    // A row that sees no key: SDPA gives NaN, topg zeros. Bool masks: an all-False row;
+    // additive masks: an all -inf row (HF's finfo.min masks are finite: both agree).
     if (m.scalar_type() == at::kBool) {
-      if (sk > 0 && !m.any(-1).all().item<bool>()) return false;
+      if (!m.any(-1).all().item<bool>()) return false;
     } else if (m.scalar_type() != q.scalar_type()) {
+      return false;
+    } else if (m.isneginf().all(-1).any().item<bool>()) {
       return false;
     }
   }

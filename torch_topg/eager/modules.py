@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from torch_topg.eager import hf
-from torch_topg.ops.norm import _rms_norm
+from torch_topg.ops.norm import rms_norm
 from torch_topg.ops.rotary import rotary_embedding
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,7 +53,7 @@ def rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torc
         or hf._needs_grad(hidden_states, w)
     ):
         return _originals[(type(self), "forward")](self, hidden_states)
-    return _rms_norm(hidden_states, w, float(self.variance_epsilon))
+    return rms_norm(hidden_states, w, float(self.variance_epsilon))
 
 
 # --- attention ----------------------------------------------------------------------------

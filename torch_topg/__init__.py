@@ -12,7 +12,22 @@ __version__ = "0.1.0"
 
 _native.load()
 
-__all__ = ["__version__", "explain", "native_available", "ops", "reference"]
+from torch_topg import eager  # noqa: E402  (after load: enable() needs the native ops)
+from torch_topg.eager import disable, enable, enabled  # noqa: E402
+
+eager.install_transformers_hook()
+
+__all__ = [
+    "__version__",
+    "disable",
+    "eager",
+    "enable",
+    "enabled",
+    "explain",
+    "native_available",
+    "ops",
+    "reference",
+]
 
 
 def native_available() -> bool:

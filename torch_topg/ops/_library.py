@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from torch_topg.ops._schemas import SCHEMAS
+from torch_topg.ops._schemas import INTERNAL_SCHEMAS, SCHEMAS
 
 LIB = torch.library.Library("topg", "DEF")
-for _schema in SCHEMAS.values():
+for _schema in [*SCHEMAS.values(), *INTERNAL_SCHEMAS.values()]:
     LIB.define(_schema)
 
 _fallback_lock = threading.Lock()

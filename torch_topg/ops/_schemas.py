@@ -58,3 +58,12 @@ SCHEMAS: dict[str, str] = {
     # --- dense linear ------------------------------------------------------------
     "linear": "linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
 }
+
+# Internal control ops of the eager interception (``torch_topg.eager``): not part of the
+# op library (no fake kernel, reference or wrapper), implemented only by the native
+# extension (csrc/cpu/intercept.cpp). ``ops`` are aten op names; the result lists what
+# was registered, as "<aten op>.<dispatch key>".
+INTERNAL_SCHEMAS: dict[str, str] = {
+    "_enable_interception": "_enable_interception(str[] ops) -> str[]",
+    "_disable_interception": "_disable_interception() -> ()",
+}

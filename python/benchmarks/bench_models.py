@@ -253,24 +253,31 @@ def main() -> None:
                     print(notes[-1], flush=True)
                     continue
                 results.append(r)
+                _write(Path(args.out), bw, results, notes, final=False)
                 print(
                     f"{model:<13}{dt:<5}{mode:<9} decode {r['decode_ms']:8.2f} ms  "
                     f"prefill {r['prefill_ms']:9.1f} ms  compile {r['compile_s']:6.1f} s  "
                     f"peak {r['peak_rss_mb']:7.0f} MB",
                     flush=True,
                 )
-    out = Path(args.out)
+    table = _write(Path(args.out), bw, results, notes, final=True)
+    print(table)
+
+
+def _write(out: Path, bw: float, results: list[dict], notes: list[str], final: bool) -> str:
+    """Writes the table and JSON (after every configuration, so an interrupted run keeps
+    what it measured) and, at the end, the plot."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "models.json").write_text(
-        json.dumps({"bandwidth": bw, "results": results, "notes": notes}, indent=1)
-    )
+    data = {"bandwidth": bw, "results": results, "notes": notes}
+    (out / "models.json").write_text(json.dumps(data, indent=1))
     table = render(results, bw, notes)
     (out / "models.md").write_text(table)
-    print(table)
-    try:
-        plot(results, out / "models.png")
-    except Exception as e:  # matplotlib missing or headless trouble: the table is the record
-        print(f"plot skipped: {e}")
+    if final:
+        try:
+            plot(results, out / "models.png")
+        except Exception as e:  # matplotlib missing or headless trouble: the table is the record
+            print(f"plot skipped: {e}")
+    return table
 
 
 def render(results: list[dict], bw: float, notes: list[str]) -> str:

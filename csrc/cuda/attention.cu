@@ -1,32 +1,26 @@
 // CUDA kernel: topg::attention (prefill, dense or ragged). Checks, mask preparation and
-// launch; the block math is attention_core.cuh. Block = 8 consecutive query positions of
-// one query head (grid: query tiles x Hq x batch).
+// launch. bf16 / fp16 with head_dim 64 or 128: tensor cores (attention_tc.cuh, 64 query
+// rows per block); everything else: CUDA cores (attention_core.cuh, 8 query rows of one
+// head per block). Grid: query tiles x Hq x batch.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
-#include "attention_core.cuh"
+#include "attention_tc.cuh"
 
 namespace topg::cuda {
 namespace {
 
 constexpr const char* OP = "attention";
 
-struct PrefillArgs {
-  int64_t q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
-  int64_t sq, sk;              // dense lengths
-  const int32_t *cu_q, *cu_k;  // ragged offsets (device) or nullptr
-  int hq, hkv;
-  bool causal;
-  int64_t window;
-  const float* mask;  // fp32 additive, expanded to [B, Hq, Sq, Sk] strides
-  int64_t m_sb, m_sh, m_si;
-};
+using attn::PrefillArgs;
 
 template <typename T>
 struct DenseKV {
@@ -37,43 +31,33 @@ struct DenseKV {
   __device__ const T* vptr(int64_t j) const { return v + j * v_ss; }
 };
 
-template <typename T, int MAXND, bool VEC>
+template <typename T, int MAXND>
 __global__ void __launch_bounds__(attn::kWarps * 32)
     prefill_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   T* __restrict__ o, PrefillArgs a, attn::Params p) {
-  const int64_t b = blockIdx.z;
-  const int h = blockIdx.y, hk = h / (a.hq / a.hkv);
-  int64_t q0 = 0, k0 = 0, sq = a.sq, sk = a.sk;
-  if (a.cu_q) {
-    q0 = a.cu_q[b], sq = a.cu_q[b + 1] - q0;
-    k0 = a.cu_k[b], sk = a.cu_k[b + 1] - k0;
-  }
+                   T* __restrict__ o, PrefillArgs a, attn::Params p, bool vec) {
+  const attn::SeqView sv = attn::seq_view(a);
   const int64_t i0 = int64_t(blockIdx.x) * attn::kRows;
-  if (i0 >= sq) return;  // the whole block leaves before any barrier
-  const int64_t qb = b * a.q_sb + q0 * a.q_ss + h * a.q_sh;
-  const int64_t ob = b * a.o_sb + q0 * a.o_ss + h * a.o_sh;
+  if (i0 >= sv.sq) return;  // the whole block leaves before any barrier
   attn::Rows rows;
-  rows.nrows = int(sq - i0 < attn::kRows ? sq - i0 : attn::kRows);
-  int64_t klo = sk, khi = -1;
+  rows.nrows = int(sv.sq - i0 < attn::kRows ? sv.sq - i0 : attn::kRows);
+  int64_t klo = sv.sk, khi = -1;
 #pragma unroll
   for (int r = 0; r < attn::kRows; ++r) {
     const int64_t i = i0 + (r < rows.nrows ? r : 0);
-    const int64_t pos = i + sk - sq;  // bottom-right aligned key position of the query
-    int64_t lo = a.window >= 0 ? pos - a.window : 0, hi = a.causal ? pos : sk - 1;
-    lo = lo < 0 ? 0 : lo;
-    hi = hi > sk - 1 ? sk - 1 : hi;
-    rows.q_off[r] = qb + i * a.q_ss;
+    int64_t lo, hi;
+    attn::row_keys(a, sv, i, lo, hi);
+    rows.q_off[r] = sv.qb + i * a.q_ss;
     rows.lo[r] = lo, rows.hi[r] = hi;
-    rows.mask[r] = a.mask ? a.mask + b * a.m_sb + h * a.m_sh + i * a.m_si : nullptr;
+    rows.mask[r] = a.mask ? a.mask + sv.b * a.m_sb + sv.h * a.m_sh + i * a.m_si : nullptr;
     if (r < rows.nrows && lo <= hi) klo = lo < klo ? lo : klo, khi = hi > khi ? hi : khi;
   }
   if (khi < klo) klo = 0, khi = -1;  // nothing visible: an empty key range
-  const DenseKV<T> kv{k + b * a.k_sb + k0 * a.k_ss + hk * a.k_sh,
-                      v + b * a.v_sb + k0 * a.v_ss + hk * a.v_sh, a.k_ss, a.v_ss};
-  attn::attend_block<T, MAXND, VEC>(q, rows, p, kv, klo, khi + 1,
-                                    [&](int r, int c, float val, float, float) {
-                                      o[ob + (i0 + r) * a.o_ss + c] = from_float<T>(val);
-                                    });
+  const DenseKV<T> kv{k + sv.b * a.k_sb + sv.k0 * a.k_ss + sv.hk * a.k_sh,
+                      v + sv.b * a.v_sb + sv.k0 * a.v_ss + sv.hk * a.v_sh, a.k_ss, a.v_ss};
+  attn::attend_block<T, MAXND>(q, rows, p, kv, klo, khi + 1, vec,
+                               [&](int r, int c, float val, float, float) {
+                                 o[sv.ob + (i0 + r) * a.o_ss + c] = from_float<T>(val);
+                               });
 }
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t nd) {
@@ -120,6 +104,38 @@ at::Tensor prepare_mask(const at::Tensor& mask, const at::Tensor& q, int64_t sk)
                      ? at::where(mask, 0.0, -std::numeric_limits<double>::infinity())
                      : mask.to(at::kFloat);
   return m.expand({full[0], full[1], full[2], full[3]});
+}
+
+// Tensor-core path (attention_tc.cuh) for bf16 / fp16 with head_dim 64 or 128 when every
+// stride is a multiple of 8 elements, the pointers are 16-byte aligned and the device
+// grants the shared memory (opt-in above 48 KB). Returns false to use the CUDA-core path.
+// TOPG_CUDA_ATTENTION_TC=0 disables it (to compare the two paths on a GPU).
+template <typename T, int D>
+bool launch_tc(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+               const PrefillArgs& a, const attn::Params& p, int64_t batch, int64_t max_sq) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("TOPG_CUDA_ATTENTION_TC");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  const int64_t strides[] = {a.q_sb, a.q_ss, a.q_sh, a.k_sb, a.k_ss,
+                             a.k_sh, a.v_sb, a.v_ss, a.v_sh};
+  bool ok = enabled && aligned16(q.const_data_ptr()) && aligned16(k.const_data_ptr()) &&
+            aligned16(v.const_data_ptr());
+  for (int64_t s : strides) ok = ok && s % kVec == 0;
+  if (!ok) return false;
+  using L = attn::tc::Layout<D, T>;
+  int dev = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (size_t(optin) < L::bytes) return false;
+  auto kernel = attn::tc::prefill_tc_kernel<T, D>;
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::bytes)));
+  const dim3 grid(unsigned(ceil_div(max_sq, attn::tc::BQ)), unsigned(a.hq), unsigned(batch));
+  kernel<<<grid, attn::tc::kThreads, L::bytes, current_stream()>>>(cdptr<T>(q), cdptr<T>(k),
+                                                                   cdptr<T>(v), dptr<T>(out), a, p);
+  TOPG_CUDA_LAUNCH_CHECK();
+  return true;
 }
 
 at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -183,14 +199,17 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
   p.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
   p.softcap = float(softcap);
   p.mask_sj = mask_f.defined() ? mask_f.stride(3) : 0;
-  const dim3 grid(unsigned(ceil_div(max_sq, attn::kRows)), unsigned(hq), unsigned(batch));
   TOPG_CUDA_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
+    if constexpr (is_half_v<T>) {
+      if (d == 64 && launch_tc<T, 64>(query, key, value, out, a, p, batch, max_sq)) return;
+      if (d == 128 && launch_tc<T, 128>(query, key, value, out, a, p, batch, max_sq)) return;
+    }
     const bool vec = d % kVec == 0 && a.k_ss % kVec == 0 && a.k_sh % kVec == 0 &&
                      (ragged || a.k_sb % kVec == 0) && aligned16(key.const_data_ptr());
+    const dim3 grid(unsigned(ceil_div(max_sq, attn::kRows)), unsigned(hq), unsigned(batch));
     auto launch = [&]<int MAXND>() {
-      auto kernel = vec ? prefill_kernel<T, MAXND, true> : prefill_kernel<T, MAXND, false>;
-      kernel<<<grid, attn::kWarps * 32, 0, current_stream()>>>(cdptr<T>(query), cdptr<T>(key),
-                                                               cdptr<T>(value), dptr<T>(out), a, p);
+      prefill_kernel<T, MAXND><<<grid, attn::kWarps * 32, 0, current_stream()>>>(
+          cdptr<T>(query), cdptr<T>(key), cdptr<T>(value), dptr<T>(out), a, p, vec);
       TOPG_CUDA_LAUNCH_CHECK();
     };
     if (d <= 128)

@@ -44,10 +44,11 @@ __device__ __forceinline__ float transform(float dot, const Params& p) {
 
 // Block result per row: m (max), l (sum of exp) and acc / l in `o` (fp32), or zeros and
 // l = 0 when the row saw no key. Loader: kptr(j) / vptr(j) give key j's K / V row.
-// smem layout (dynamic not needed: sizes are compile-time for MAXND):
-template <typename T, int MAXND, bool VEC, typename Loader, typename Out>
+// vec: K rows may be read with 16-byte loads (D % 8 == 0, aligned rows); a run-time,
+// block-uniform flag (one variant less to compile per dtype and width).
+template <typename T, int MAXND, typename Loader, typename Out>
 __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Params& p,
-                             const Loader& kv, int64_t k0, int64_t k1, Out&& out) {
+                             const Loader& kv, int64_t k0, int64_t k1, bool vec, Out&& out) {
   constexpr int DMAX = MAXND * 32;
   __shared__ __align__(16) float qs[kRows][DMAX];
   __shared__ __align__(16) float ps[kWarps][kRows][kChunk];
@@ -78,7 +79,8 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
     for (int r = 0; r < kRows; ++r) s[r] = 0.f;
     if (j < k1) {
       const T* krow = kv.kptr(j);
-      if constexpr (VEC) {
+      if (vec) {
+#pragma unroll 4
         for (int c = 0; c < d; c += kVec) {
           float kf[kVec];
           load8(krow + c, kf);
@@ -119,6 +121,7 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
     __syncwarp();
     // --- P.V: the warp walks the chunk's keys, lanes split head_dim ----------------------
     const int nk = int(k1 - c0 < kChunk ? k1 - c0 : kChunk);
+#pragma unroll 8
     for (int jj = 0; jj < nk; ++jj) {
       const T* vrow = kv.vptr(c0 + jj);
       float vv[MAXND];

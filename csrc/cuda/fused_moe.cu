@@ -65,10 +65,10 @@ struct MoeArgs {
   Act act;
 };
 
-template <typename T, bool VEC>
+template <typename T>
 __global__ void __launch_bounds__(gemm::kThreads)
     moe_gate_up_kernel(const T* __restrict__ x, const T* __restrict__ wgu, T* __restrict__ h,
-                       MoeArgs a) {
+                       MoeArgs a, bool vec) {
   __shared__ gemm::Smem<T> s;
   const int64_t tile = blockIdx.y;
   if (tile >= *a.num_tiles) return;  // uniform per block, before any barrier
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(gemm::kThreads)
     s.brow[i] = f < a.I ? we + ((i < BN / 2 ? 0 : a.I) + f) * a.H : nullptr;
   }
   __syncthreads();
-  gemm::tile_gemm<T, VEC>(s, a.H);
+  gemm::tile_gemm<T>(s, a.H, vec);
   for (int i = threadIdx.x; i < BM * (BN / 2); i += blockDim.x) {
     const int r = i / (BN / 2), c = i % (BN / 2);
     if (n0 + c < a.I)
@@ -91,10 +91,10 @@ __global__ void __launch_bounds__(gemm::kThreads)
   }
 }
 
-template <typename T, bool VEC>
+template <typename T>
 __global__ void __launch_bounds__(gemm::kThreads)
     moe_down_kernel(const T* __restrict__ h, const T* __restrict__ wd, float* __restrict__ y,
-                    MoeArgs a) {
+                    MoeArgs a, bool vec) {
   __shared__ gemm::Smem<T> s;
   const int64_t tile = blockIdx.y;
   if (tile >= *a.num_tiles) return;
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(gemm::kThreads)
     s.brow[i] = n0 + i < a.H ? we + (n0 + i) * a.I : nullptr;
   }
   __syncthreads();
-  gemm::tile_gemm<T, VEC>(s, a.I);
+  gemm::tile_gemm<T>(s, a.I, vec);
   for (int i = threadIdx.x; i < BM * BN; i += blockDim.x) {
     const int r = i / BN, c = i % BN;
     const int32_t idx = a.sorted[tile * BM + r];
@@ -224,12 +224,12 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_up,
     const bool vec2 =
         I % kVec == 0 && aligned16(h.const_data_ptr()) && aligned16(w_down.const_data_ptr());
     const dim3 g1(unsigned(ceil_div(I, BN / 2)), unsigned(tiles_max));
-    auto k1 = vec1 ? moe_gate_up_kernel<T, true> : moe_gate_up_kernel<T, false>;
-    k1<<<g1, gemm::kThreads, 0, stream>>>(cdptr<T>(x), cdptr<T>(w_gate_up), dptr<T>(h), a);
+    moe_gate_up_kernel<T>
+        <<<g1, gemm::kThreads, 0, stream>>>(cdptr<T>(x), cdptr<T>(w_gate_up), dptr<T>(h), a, vec1);
     TOPG_CUDA_LAUNCH_CHECK();
     const dim3 g2(unsigned(ceil_div(H, BN)), unsigned(tiles_max));
-    auto k2 = vec2 ? moe_down_kernel<T, true> : moe_down_kernel<T, false>;
-    k2<<<g2, gemm::kThreads, 0, stream>>>(cdptr<T>(h), cdptr<T>(w_down), y.data_ptr<float>(), a);
+    moe_down_kernel<T><<<g2, gemm::kThreads, 0, stream>>>(cdptr<T>(h), cdptr<T>(w_down),
+                                                          y.data_ptr<float>(), a, vec2);
     TOPG_CUDA_LAUNCH_CHECK();
     auto combine = [&]<typename W, typename Id>(const W* w, const Id* id) {
       moe_combine_kernel<T, W, Id><<<unsigned(ntok), 256, 0, stream>>>(y.const_data_ptr<float>(), w,

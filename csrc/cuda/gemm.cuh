@@ -5,7 +5,7 @@
 //
 // Block: 128 threads (4 warps, 2 x 2 over the tile). K steps of 32: global loads for the
 // next step are issued into registers before the current step is computed (one shared
-// buffer, register double-buffering). VEC: 8-element (16-byte / 2 x 16-byte) loads; the
+// buffer, register double-buffering). vec: 8-element (16-byte / 2 x 16-byte) loads; the
 // caller guarantees K % 8 == 0 and 16-byte aligned rows; else element loads with bounds.
 #pragma once
 
@@ -34,30 +34,28 @@ struct Smem {
   const T* brow[BN];
 };
 
-template <typename T, bool VEC>
-__device__ __forceinline__ void load_unit(const T* row, int64_t k, int64_t K, Unit<T>& u) {
-  if constexpr (VEC) {
-    if (row && k < K) {
-      u = *reinterpret_cast<const Unit<T>*>(row + k);
-      return;
-    }
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) u.v[i] = from_float<T>(0.f);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) u.v[i] = (row && k + i < K) ? row[k + i] : from_float<T>(0.f);
+// vec (block-uniform, run time): K % 8 == 0 and 16-byte aligned rows, so a unit is one
+// 16-byte (bf16/fp16) or two (fp32) loads, all in or all out of range.
+template <typename T>
+__device__ __forceinline__ void load_unit(const T* row, int64_t k, int64_t K, bool vec,
+                                          Unit<T>& u) {
+  if (vec && row && k < K) {
+    u = *reinterpret_cast<const Unit<T>*>(row + k);
+    return;
   }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) u.v[i] = (row && k + i < K) ? row[k + i] : from_float<T>(0.f);
 }
 
 // Each thread moves 2 units of A and 2 of B per K step: unit u -> row u / 4, column (u % 4) * 8.
-template <typename T, bool VEC>
-__device__ __forceinline__ void load_step(const Smem<T>& s, int64_t k0, int64_t K, Unit<T> (&ra)[2],
-                                          Unit<T> (&rb)[2]) {
+template <typename T>
+__device__ __forceinline__ void load_step(const Smem<T>& s, int64_t k0, int64_t K, bool vec,
+                                          Unit<T> (&ra)[2], Unit<T> (&rb)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int u = threadIdx.x + i * kThreads, r = u >> 2, c = (u & 3) * kVec;
-    load_unit<T, VEC>(s.arow[r], k0 + c, K, ra[i]);
-    load_unit<T, VEC>(s.brow[r], k0 + c, K, rb[i]);
+    load_unit<T>(s.arow[r], k0 + c, K, vec, ra[i]);
+    load_unit<T>(s.brow[r], k0 + c, K, vec, rb[i]);
   }
 }
 
@@ -74,8 +72,8 @@ __device__ __forceinline__ void store_step(Smem<T>& s, const Unit<T> (&ra)[2],
 
 // Computes s.c = A_tile . B_tile^T. Before the call the caller fills s.arow / s.brow
 // (nullptr = a row of zeros) and syncs; after it, s.c is complete and visible to all.
-template <typename T, bool VEC>
-__device__ void tile_gemm(Smem<T>& s, int64_t K) {
+template <typename T>
+__device__ void tile_gemm(Smem<T>& s, int64_t K, bool vec) {
   using namespace nvcuda;
   const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
   constexpr bool kTensor = is_half_v<T>;
@@ -97,11 +95,11 @@ __device__ void tile_gemm(Smem<T>& s, int64_t K) {
   }
 
   Unit<T> ra[2], rb[2];
-  load_step<T, VEC>(s, 0, K, ra, rb);
+  load_step<T>(s, 0, K, vec, ra, rb);
   for (int64_t k0 = 0; k0 < K; k0 += BK) {
     store_step(s, ra, rb);
     __syncthreads();
-    if (k0 + BK < K) load_step<T, VEC>(s, k0 + BK, K, ra, rb);  // in flight during the math
+    if (k0 + BK < K) load_step<T>(s, k0 + BK, K, vec, ra, rb);  // in flight during the math
     if constexpr (kTensor) {
       using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
       using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;

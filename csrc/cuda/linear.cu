@@ -54,10 +54,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
 }
 
-template <typename T, bool VEC>
+template <typename T>
 __global__ void __launch_bounds__(gemm::kThreads)
     linear_tile_kernel(const T* __restrict__ x, int64_t M, int64_t K, const T* __restrict__ w,
-                       int64_t N, const T* __restrict__ bias, T* __restrict__ out) {
+                       int64_t N, const T* __restrict__ bias, T* __restrict__ out, bool vec) {
   __shared__ gemm::Smem<T> s;
   const int64_t m0 = int64_t(blockIdx.y) * gemm::BM, n0 = int64_t(blockIdx.x) * gemm::BN;
   for (int i = threadIdx.x; i < gemm::BM; i += blockDim.x) {
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(gemm::kThreads)
     s.brow[i] = n0 + i < N ? w + (n0 + i) * K : nullptr;
   }
   __syncthreads();
-  gemm::tile_gemm<T, VEC>(s, K);
+  gemm::tile_gemm<T>(s, K, vec);
   for (int i = threadIdx.x; i < gemm::BM * gemm::BN; i += blockDim.x) {
     const int r = i / gemm::BN, c = i % gemm::BN;
     const int64_t m = m0 + r, n = n0 + c;
@@ -120,9 +120,9 @@ at::Tensor linear_cuda(const at::Tensor& input_, const at::Tensor& weight,
       const int64_t mt = ceil_div(M, gemm::BM), nt = ceil_div(N, gemm::BN);
       TOPG_CHECK(mt <= 65535 && nt <= INT32_MAX, op, "input has too many rows for one call (", M,
                  ")");
-      auto kernel = vec ? linear_tile_kernel<T, true> : linear_tile_kernel<T, false>;
-      kernel<<<dim3(unsigned(nt), unsigned(mt)), gemm::kThreads, 0, current_stream()>>>(
-          cdptr<T>(input), M, K, cdptr<T>(weight), N, b, dptr<T>(out));
+      linear_tile_kernel<T>
+          <<<dim3(unsigned(nt), unsigned(mt)), gemm::kThreads, 0, current_stream()>>>(
+              cdptr<T>(input), M, K, cdptr<T>(weight), N, b, dptr<T>(out), vec);
     }
     TOPG_CUDA_LAUNCH_CHECK();
   });

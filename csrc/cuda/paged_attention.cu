@@ -56,10 +56,10 @@ __device__ __forceinline__ void visible_range(const PagedArgs& a, int64_t s, int
   lo = lo < 0 ? 0 : lo;
 }
 
-template <typename T, int MAXND, bool VEC>
+template <typename T, int MAXND>
 __global__ void __launch_bounds__(attn::kWarps * 32)
     paged_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
-                 T* __restrict__ o, PagedArgs a, attn::Params p) {
+                 T* __restrict__ o, PagedArgs a, attn::Params p, bool vec) {
   const int hk = blockIdx.x / a.gchunks, g0 = (blockIdx.x % a.gchunks) * attn::kRows;
   const int64_t s = blockIdx.y, part = blockIdx.z;
   int64_t lo, n;
@@ -79,16 +79,16 @@ __global__ void __launch_bounds__(attn::kWarps * 32)
                       a.block_size,           a.num_blocks,           int64_t(a.hkv) * p.d};
   const int64_t k1 = t1 > t0 ? t1 : t0;
   // One output functor (one instantiation of attend_block and of its shared memory).
-  attn::attend_block<T, MAXND, VEC>(q, rows, p, kv, t0, k1,
-                                    [&](int r, int c, float val, float m, float l) {
-                                      if (a.parts == 1) {
-                                        o[s * a.o_ss + (h0 + r) * a.o_sh + c] = from_float<T>(val);
-                                      } else {
-                                        const int64_t idx = (s * a.hq + h0 + r) * a.parts + part;
-                                        a.po[idx * p.d + c] = val;
-                                        if (c == 0) a.pm[idx] = m, a.pl[idx] = l;
-                                      }
-                                    });
+  attn::attend_block<T, MAXND>(q, rows, p, kv, t0, k1, vec,
+                               [&](int r, int c, float val, float m, float l) {
+                                 if (a.parts == 1) {
+                                   o[s * a.o_ss + (h0 + r) * a.o_sh + c] = from_float<T>(val);
+                                 } else {
+                                   const int64_t idx = (s * a.hq + h0 + r) * a.parts + part;
+                                   a.po[idx * p.d + c] = val;
+                                   if (c == 0) a.pm[idx] = m, a.pl[idx] = l;
+                                 }
+                               });
 }
 
 // Pass 2: merge the partitions of one (sequence, head): weights l_p * exp(m_p - M).
@@ -227,9 +227,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
     // Cache rows start at multiples of D elements: 16-byte K loads need D % 8 == 0.
     const bool vec = d % kVec == 0 && aligned16(key_cache.const_data_ptr());
     auto launch = [&]<int MAXND>() {
-      auto kernel = vec ? paged_kernel<T, MAXND, true> : paged_kernel<T, MAXND, false>;
-      kernel<<<grid, attn::kWarps * 32, 0, current_stream()>>>(
-          cdptr<T>(query), cdptr<T>(key_cache), cdptr<T>(value_cache), dptr<T>(out), a, p);
+      paged_kernel<T, MAXND><<<grid, attn::kWarps * 32, 0, current_stream()>>>(
+          cdptr<T>(query), cdptr<T>(key_cache), cdptr<T>(value_cache), dptr<T>(out), a, p, vec);
       TOPG_CUDA_LAUNCH_CHECK();
     };
     if (d <= 128)

@@ -86,6 +86,7 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
           load8(krow + c, kf);
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
+            if (r >= nrows) break;  // block-uniform: a GQA group of 4 computes 4 rows
             const float4 a = *reinterpret_cast<const float4*>(&qs[r][c]);
             const float4 b = *reinterpret_cast<const float4*>(&qs[r][c + 4]);
             s[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] +
@@ -96,14 +97,16 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
         for (int c = 0; c < d; ++c) {
           const float kf = to_float(krow[c]);
 #pragma unroll
-          for (int r = 0; r < kRows; ++r) s[r] += qs[r][c] * kf;
+          for (int r = 0; r < kRows; ++r)
+            if (r < nrows) s[r] += qs[r][c] * kf;
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
+      if (r >= nrows) break;  // block-uniform, so the warp reductions below stay converged
       float v = -INFINITY;
-      if (r < nrows && j < k1 && j >= rows.lo[r] && j <= rows.hi[r]) {
+      if (j < k1 && j >= rows.lo[r] && j <= rows.hi[r]) {
         v = transform(s[r], p);
         if (rows.mask[r]) v += rows.mask[r][j * p.mask_sj];
       }
@@ -132,6 +135,7 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
       }
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
+        if (r >= nrows) break;  // ps rows past nrows are never written
         const float pr = ps[warp][r][jj];
 #pragma unroll
         for (int i = 0; i < MAXND; ++i) acc[r][i] += pr * vv[i];

@@ -55,23 +55,23 @@ build() {
     -DTOPG_OUTPUT_DIR="$BUILD/out" -DTOPG_CUDA=ON &&
     cmake --build "$BUILD" -- -j"$MAX_JOBS"
 }
-if ! stage build 200 "$OUT/build.log" build; then
+if ! stage build 180 "$OUT/build.log" build; then
   note "build failed: nothing else can run"
   exit 1
 fi
 export TOPG_NATIVE_DIR="$BUILD/out"
 
-stage tests 170 "$OUT/tests.log" env TOPG_REQUIRE_NATIVE=1 "$PY" -m pytest -q -rs -p no:cacheprovider \
+stage tests 150 "$OUT/tests.log" env TOPG_REQUIRE_NATIVE=1 "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/test_cuda_ops.py tests/test_cuda_attention.py
 
 if command -v compute-sanitizer >/dev/null; then
-  stage sanitizer 80 "$OUT/sanitizer.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+  stage sanitizer 90 "$OUT/sanitizer.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
     "$PY" python/benchmarks/gpu/sanitize_cases.py
 else
   note "sanitizer: compute-sanitizer not on PATH, skipped"
 fi
 
-stage benchmarks 150 "$OUT/bench.log" "$PY" python/benchmarks/gpu/bench_gpu.py \
+stage benchmarks 110 "$OUT/bench.log" "$PY" python/benchmarks/gpu/bench_gpu.py \
   --md "$OUT/results.md" --json "$OUT/results.json"
 if [ -f "$OUT/results.md" ]; then cat "$OUT/results.md"; fi
 note "done in $(($(date +%s) - start)) s, status $status"

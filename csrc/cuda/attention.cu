@@ -32,7 +32,7 @@ struct DenseKV {
 };
 
 template <typename T, int MAXND>
-__global__ void __launch_bounds__(attn::kWarps * 32)
+__global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
     prefill_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    T* __restrict__ o, PrefillArgs a, attn::Params p, bool vec) {
   const attn::SeqView sv = attn::seq_view(a);

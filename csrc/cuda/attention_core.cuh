@@ -20,6 +20,11 @@ constexpr int kRows = 8;    // query rows per block
 constexpr int kWarps = 4;   // warps per block
 constexpr int kChunk = 32;  // keys per warp step
 
+// Blocks per SM the register budget is sized for (__launch_bounds__): 4 for head_dim <= 128
+// (<= 128 registers per thread), 2 for the wide variant.
+template <int MAXND>
+inline constexpr int kMinBlocks = MAXND <= 4 ? 4 : 2;
+
 // What a block computes. Row r (< nrows) reads q_row[r], sees keys [lo[r], hi[r]] (both
 // inclusive) within the block's range [k0, k1), plus an optional additive fp32 mask row.
 struct Rows {
@@ -57,10 +62,11 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int d = p.d, nrows = rows.nrows;
-  for (int i = threadIdx.x; i < kRows * DMAX; i += blockDim.x) {
-    const int r = i / DMAX, c = i % DMAX;
-    qs[r][c] = (r < nrows && c < d) ? to_float(q[rows.q_off[r] + c]) : 0.f;
-  }
+  // r unrolled: `rows` stays in registers (a run-time index would put it in local memory)
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    for (int c = threadIdx.x; c < DMAX; c += blockDim.x)
+      qs[r][c] = (r < nrows && c < d) ? to_float(q[rows.q_off[r] + c]) : 0.f;
   __syncthreads();
 
   float m[kRows], l[kRows], acc[kRows][MAXND];

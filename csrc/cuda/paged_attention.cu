@@ -57,7 +57,7 @@ __device__ __forceinline__ void visible_range(const PagedArgs& a, int64_t s, int
 }
 
 template <typename T, int MAXND>
-__global__ void __launch_bounds__(attn::kWarps * 32)
+__global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
     paged_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
                  T* __restrict__ o, PagedArgs a, attn::Params p, bool vec) {
   const int hk = blockIdx.x / a.gchunks, g0 = (blockIdx.x % a.gchunks) * attn::kRows;

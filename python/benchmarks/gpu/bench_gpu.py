@@ -2,7 +2,10 @@
 
     python3 python/benchmarks/gpu/bench_gpu.py [--quick] [--md results.md] [--json r.json]
 
-Timing: CUDA events around each call, warm-up first, the median of the repeats. The
+Timing: CUDA events around each call, warm-up first, the median of the repeats. topg's
+ops with index checks (paged_attention, rotary_embedding, fused_moe) are timed as CUDA
+graph replays (the checks' device sync steps aside, as in a graphed decode loop); their
+plain eager call, checks included, is reported too ("topg eager"). The
 physical limit is the device-to-device copy bandwidth measured in the same run (bytes
 read + written over time), so "% BW" = (bytes the op must move / time) / copy bandwidth.
 
@@ -51,6 +54,20 @@ def cuda_ms(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn: Callable[[], object], reps: int = 30) -> float:
+    """Median time of one replay of fn() captured in a CUDA graph. topg's host-side index
+    checks (one sync per call) step aside during capture, as in a graphed decode loop."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside the capture (allocator, first-call set-up)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, reps=reps)
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB: bytes read + written per second."""
     x = torch.empty(1 << 30, dtype=torch.int16, device=DEV)
@@ -81,9 +98,10 @@ def bench_paged(quick: bool) -> None:
         sl = torch.full((ns,), ctx, dtype=torch.int32, device=DEV)
         q = torch.randn(ns, hq, d, device=DEV, dtype=torch.bfloat16)
         nbytes = 2 * kc.numel() * kc.element_size()  # K and V read once
-        t = cuda_ms(lambda: torch_topg.ops.paged_attention(q, kc, vc, bt, sl))
+        call = lambda: torch_topg.ops.paged_attention(q, kc, vc, bt, sl)  # noqa: E731
+        t, eager = graph_ms(call), cuda_ms(call)
         case = f"B={ns} ctx={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs} bf16"
-        row("paged_attention", case, t, {}, bw_bytes=nbytes, target=("bw", 0.75))
+        row("paged_attention", case, t, {"topg eager": eager}, bw_bytes=nbytes, target=("bw", 0.75))
 
 
 def bench_prefill(quick: bool) -> None:
@@ -142,8 +160,10 @@ def bench_moe(quick: bool) -> None:
             logits = torch.randn(batch, e, device=DEV)
             w, ids = torch_topg.ops.moe_topk(logits, k, renormalize=True)
             args = (x, wgu, wd, w, ids)
-            t = cuda_ms(lambda args=args: torch_topg.ops.fused_moe(*args))
-            base = {"eager": cuda_ms(lambda args=args: moe_eager(*args), reps=10)}
+            call = lambda args=args: torch_topg.ops.fused_moe(*args)  # noqa: E731
+            t = graph_ms(call)
+            base = {"topg eager": cuda_ms(call)}
+            base["eager"] = cuda_ms(lambda args=args: moe_eager(*args), reps=10)
             try:
                 base["grouped_mm"] = cuda_ms(lambda args=args: moe_grouped_mm(*args))
             except (RuntimeError, AttributeError) as exc:  # no _grouped_mm on this build
@@ -187,13 +207,14 @@ def bench_norm_rotary(quick: bool) -> None:
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device=DEV).float() / d)
     f = torch.outer(torch.arange(8192, device=DEV).float(), inv)
     cache = torch.cat([f.cos(), f.sin()], -1)
-    t = cuda_ms(lambda: torch_topg.ops.rotary_embedding(pos, q, k, d, cache, True))
+    call = lambda: torch_topg.ops.rotary_embedding(pos, q, k, d, cache, True)  # noqa: E731
+    t, eager = graph_ms(call), cuda_ms(call)
     nbytes = 2 * (q.nbytes + k.nbytes)  # read and write q and k (cos/sin rows are small)
     row(
         "rotary_embedding",
         f"T={t_} Hq={hq} Hkv={hk} D={d} neox bf16",
         t,
-        {},
+        {"topg eager": eager},
         bw_bytes=nbytes,
         target=("bw", 0.8),
     )

@@ -7,7 +7,15 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 export MAX_JOBS ?= 2
 
-.PHONY: venv build test demo bench lint format clean
+.PHONY: venv build test demo bench lint format clean cuda-venv cuda-build
+
+# CUDA lane (CI): compile and link the CUDA kernels against a CUDA build of torch in a
+# separate venv and build folder (the CPU build of .venv is untouched), then check that
+# the library loads and registers every op for the CUDA key. No GPU needed.
+CUDA_VENV  ?= .venv-cuda
+CUDA_TORCH ?= 2.14.1
+CUDA_BUILD ?= build/cuda-ci
+NVCC       ?= /usr/local/bin/nvcc
 
 $(VENV)/.deps: pyproject.toml Makefile
 	$(PY_SYS) -m venv $(VENV)
@@ -50,6 +58,22 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
+
+$(CUDA_VENV)/.deps: Makefile
+	$(PY_SYS) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CUDA_VENV)/bin/python -m pip install -q torch==$(CUDA_TORCH) ninja cmake
+	touch $@
+
+cuda-venv: $(CUDA_VENV)/.deps
+
+cuda-build: cuda-venv
+	PATH=$(abspath $(CUDA_VENV))/bin:$$PATH cmake -S . -B $(CUDA_BUILD) -G Ninja \
+	  -DPython3_EXECUTABLE=$(abspath $(CUDA_VENV))/bin/python \
+	  -DTOPG_OUTPUT_DIR=$(abspath $(CUDA_BUILD))/out -DTOPG_CUDA=ON \
+	  -DCMAKE_CUDA_COMPILER=$(NVCC)
+	PATH=$(abspath $(CUDA_VENV))/bin:$$PATH cmake --build $(CUDA_BUILD) -- -j$(MAX_JOBS)
+	$(CUDA_VENV)/bin/python python/check_cuda_build.py $(CUDA_BUILD)/out
 
 clean:
 	rm -rf build torch_topg/_C*.so torch_topg/_build_info.json

@@ -7,6 +7,15 @@
 
 # Explicit list: a new .cu file is added here.
 set(TOPG_CUDA_SOURCES
+    csrc/cuda/activation.cu
+    csrc/cuda/attention.cu
+    csrc/cuda/cache.cu
+    csrc/cuda/fused_moe.cu
+    csrc/cuda/linear.cu
+    csrc/cuda/moe_topk.cu
+    csrc/cuda/norm.cu
+    csrc/cuda/paged_attention.cu
+    csrc/cuda/rotary.cu
 )
 
 set(TOPG_CUDA_ENABLED_JSON false)

@@ -64,6 +64,18 @@ def requires_kernel(op: str, key: str = "CPU"):
     )
 
 
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device: torch.cuda.is_available() is False",
+)
+
+
+def requires_cuda_kernel(op: str):
+    """Skip without a CUDA device (said first: it is the deeper reason), else unless
+    ``topg::<op>`` has a native kernel at the CUDA key."""
+    return NEEDS_CUDA if not torch.cuda.is_available() else requires_kernel(op, "CUDA")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     # `make test` builds the extension and sets TOPG_REQUIRE_NATIVE=1: a build that did
     # not load must fail the run, not turn every kernel test into a skip.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,30 @@ def test_reference_fallback_without_native_extension():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(not _native.cuda_built(), reason="the native extension has no CUDA kernels")
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_native_cuda_kernel_registered(name):
+    assert _native.has_kernel(name, "CUDA"), f"topg::{name} has no CUDA kernel"
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only build of torch")
+def test_loader_refuses_cuda_build_on_cpu_torch(tmp_path):
+    """A library built with CUDA kernels links libtorch_cuda: on a CPU-only torch the
+    loader must refuse it (with the reason) before trying, and fall back."""
+    (tmp_path / "_C.so").write_bytes(b"not a library")
+    info = {"torch_version": torch.__version__, "cpu_isa": "DEFAULT", "cuda": True}
+    (tmp_path / "_build_info.json").write_text(json.dumps(info))
+    script = (
+        "import torch_topg; from torch_topg import _native; "
+        "assert not _native.is_loaded(); print(_native.missing_reason('cuda'))"
+    )
+    env = {**os.environ, "TOPG_NATIVE_DIR": str(tmp_path)}
+    env.pop("TOPG_REQUIRE_NATIVE", None)
+    env.pop("TOPG_DISABLE_NATIVE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "built with CUDA kernels" in out.stdout and "CPU-only torch" in out.stdout

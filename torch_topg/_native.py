@@ -5,7 +5,13 @@ there is no Python binding layer. If the library is missing, was built for anoth
 torch, or needs CPU instructions this machine lacks, it is not loaded: every op then
 runs through its reference (``torch_topg.reference``) and says so once.
 
-Environment: ``TOPG_DISABLE_NATIVE=1`` skips loading (used by tests of the fallback).
+Environment: ``TOPG_DISABLE_NATIVE=1`` skips loading (used by tests of the fallback);
+``TOPG_NATIVE_DIR=<dir>`` loads ``_C*.so`` and ``_build_info.json`` from ``<dir>`` instead
+of the package folder (an out-of-tree build, e.g. the CI's CUDA lane or the GPU suite).
+
+``_build_info.json`` records the torch version, the CPU ISA and whether CUDA kernels were
+compiled (``"cuda": true``, ``"cuda_archs": "80;90"``). A CUDA build needs a CUDA build of
+torch at run time (its library links ``libtorch_cuda``); a GPU is not needed to load it.
 """
 
 from __future__ import annotations
@@ -23,8 +29,13 @@ _state: dict[str, object] = {"loaded": False, "error": "not loaded yet", "info":
 _ISA_ORDER = ["DEFAULT", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX"]
 
 
+def _lib_dir() -> pathlib.Path:
+    override = os.environ.get("TOPG_NATIVE_DIR", "")
+    return pathlib.Path(override).resolve() if override else _PKG
+
+
 def _find_library() -> pathlib.Path | None:
-    return next(iter(sorted(_PKG.glob("_C*.so"))), None)
+    return next(iter(sorted(_lib_dir().glob("_C*.so"))), None)
 
 
 def load() -> bool:
@@ -38,7 +49,7 @@ def load() -> bool:
     if lib is None:
         _state["error"] = "native extension not built (pip install --no-build-isolation -e .)"
         return False
-    info_path = _PKG / "_build_info.json"
+    info_path = _lib_dir() / "_build_info.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     _state["info"] = info
     built_for = info.get("torch_version", "")
@@ -46,6 +57,12 @@ def load() -> bool:
         _state["error"] = (
             f"native extension built for torch {built_for}, running torch {torch.__version__}; "
             "rebuild it"
+        )
+        return False
+    if info.get("cuda") and not torch.version.cuda:
+        _state["error"] = (
+            f"native extension built with CUDA kernels (archs {info.get('cuda_archs', '?')}), "
+            f"running a CPU-only torch {torch.__version__}; rebuild with TOPG_CUDA=OFF"
         )
         return False
     need = info.get("cpu_isa", "DEFAULT")
@@ -80,7 +97,17 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"topg::{op}", dispatch_key)
 
 
+def cuda_built() -> bool:
+    """Whether the loaded extension was compiled with CUDA kernels (``_build_info.json``)."""
+    return bool(_state["loaded"]) and bool(_state["info"].get("cuda"))  # type: ignore[union-attr]
+
+
 def missing_reason(device: str) -> str:
     if not _state["loaded"]:
         return str(_state["error"])
+    if device == "cuda" and not _state["info"].get("cuda"):  # type: ignore[union-attr]
+        return (
+            "the native extension was built without CUDA kernels (TOPG_CUDA=AUTO needs a "
+            "CUDA build of torch and nvcc; see docs/build.md)"
+        )
     return f"the native extension has no kernel for the '{device}' dispatch key"

@@ -1,0 +1,82 @@
+// CUDA kernels: topg::silu_and_mul, topg::gelu_and_mul. out[r, i] = act(in[r, i]) * in[r, d + i].
+// grid.x = rows, grid.y strides over column chunks (capped at 65535, the loop covers the rest).
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string_view>
+
+#include "common.cuh"
+
+namespace topg::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T, bool VEC>
+__global__ void gated_kernel(const T* __restrict__ in, int64_t in_stride, T* __restrict__ out,
+                             int64_t d, Act act) {
+  const T* g = in + int64_t(blockIdx.x) * in_stride;
+  const T* u = g + d;
+  T* o = out + int64_t(blockIdx.x) * d;
+  constexpr int per = VEC ? kVec : 1;
+  const int64_t step = int64_t(gridDim.y) * blockDim.x * per;
+  for (int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * per; c < d; c += step) {
+    if constexpr (VEC) {  // d % 8 == 0, so c + 8 <= d
+      float gv[kVec], uv[kVec];
+      load8(g + c, gv);
+      load8(u + c, uv);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) gv[j] = act_apply(act, gv[j]) * uv[j];
+      store8(o + c, gv);
+    } else {
+      o[c] = from_float<T>(act_apply(act, to_float(g[c])) * to_float(u[c]));
+    }
+  }
+}
+
+at::Tensor gated_cuda(const char* op, const at::Tensor& input_, Act act) {
+  Arg(op, "input", input_).min_dim(1).floating().device(at::kCUDA);
+  if (input_.size(-1) % 2 != 0) Arg(op, "input", input_).fail("an even last dimension (gate | up)");
+  const c10::cuda::CUDAGuard guard(input_.device());
+  // A 2-D slice with unit column stride (e.g. a view of a larger buffer) is used as is.
+  const at::Tensor input =
+      (input_.dim() == 2 && input_.stride(-1) == 1) ? input_ : input_.contiguous();
+  const int64_t d = input.size(-1) / 2, rows = d ? input.numel() / (2 * d) : 0;
+  auto out_sizes = input.sizes().vec();
+  out_sizes.back() = d;
+  at::Tensor out = at::empty(out_sizes, input.options());
+  if (rows == 0) return out;
+  TOPG_CHECK(rows <= INT32_MAX, op, "more than 2^31 - 1 rows is not supported");
+  const int64_t in_stride = input.dim() == 2 ? input.stride(0) : 2 * d;
+  TOPG_CUDA_DISPATCH_FLOAT(input.scalar_type(), op, T, [&] {
+    const bool vec = d % kVec == 0 && in_stride % kVec == 0 && aligned16(input.const_data_ptr()) &&
+                     aligned16(out.data_ptr());
+    const int64_t per_block = int64_t(kThreads) * (vec ? kVec : 1);
+    const dim3 grid(unsigned(rows), unsigned(std::min<int64_t>(ceil_div(d, per_block), 65535)));
+    auto kernel = vec ? gated_kernel<T, true> : gated_kernel<T, false>;
+    kernel<<<grid, kThreads, 0, current_stream()>>>(cdptr<T>(input), in_stride, dptr<T>(out), d,
+                                                    act);
+    TOPG_CUDA_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul_cuda(const at::Tensor& input) {
+  return gated_cuda("silu_and_mul", input, Act::silu);
+}
+
+at::Tensor gelu_and_mul_cuda(const at::Tensor& input, c10::string_view approximate) {
+  if (approximate == "none") return gated_cuda("gelu_and_mul", input, Act::gelu);
+  TOPG_CHECK(approximate == "tanh", "gelu_and_mul",
+             "argument 'approximate' expected 'none' or 'tanh', got '", approximate, "'");
+  return gated_cuda("gelu_and_mul", input, Act::gelu_tanh);
+}
+
+}  // namespace
+}  // namespace topg::cuda
+
+TORCH_LIBRARY_IMPL(topg, CUDA, m) {
+  m.impl("silu_and_mul", &topg::cuda::silu_and_mul_cuda);
+  m.impl("gelu_and_mul", &topg::cuda::gelu_and_mul_cuda);
+}

@@ -1,0 +1,226 @@
+// CUDA kernel: topg::attention (prefill, dense or ragged). Checks, mask preparation and
+// launch. bf16 / fp16 with head_dim 64 or 128: tensor cores (attention_tc.cuh, 64 query
+// rows per block); everything else: CUDA cores (attention_core.cuh, 8 query rows of one
+// head per block). Grid: query tiles x Hq x batch.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/where.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attention_tc.cuh"
+
+namespace topg::cuda {
+namespace {
+
+constexpr const char* OP = "attention";
+
+using attn::PrefillArgs;
+
+template <typename T>
+struct DenseKV {
+  const T* k;
+  const T* v;
+  int64_t k_ss, v_ss;
+  __device__ const T* kptr(int64_t j) const { return k + j * k_ss; }
+  __device__ const T* vptr(int64_t j) const { return v + j * v_ss; }
+};
+
+template <typename T, int MAXND>
+__global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
+    prefill_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                   T* __restrict__ o, PrefillArgs a, attn::Params p, bool vec) {
+  const attn::SeqView sv = attn::seq_view(a);
+  const int64_t i0 = int64_t(blockIdx.x) * attn::kRows;
+  if (i0 >= sv.sq) return;  // the whole block leaves before any barrier
+  attn::Rows rows;
+  rows.nrows = int(sv.sq - i0 < attn::kRows ? sv.sq - i0 : attn::kRows);
+  int64_t klo = sv.sk, khi = -1;
+#pragma unroll
+  for (int r = 0; r < attn::kRows; ++r) {
+    const int64_t i = i0 + (r < rows.nrows ? r : 0);
+    int64_t lo, hi;
+    attn::row_keys(a, sv, i, lo, hi);
+    rows.q_off[r] = sv.qb + i * a.q_ss;
+    rows.lo[r] = lo, rows.hi[r] = hi;
+    rows.mask[r] = a.mask ? a.mask + sv.b * a.m_sb + sv.h * a.m_sh + i * a.m_si : nullptr;
+    if (r < rows.nrows && lo <= hi) klo = lo < klo ? lo : klo, khi = hi > khi ? hi : khi;
+  }
+  if (khi < klo) klo = 0, khi = -1;  // nothing visible: an empty key range
+  const DenseKV<T> kv{k + sv.b * a.k_sb + sv.k0 * a.k_ss + sv.hk * a.k_sh,
+                      v + sv.b * a.v_sb + sv.k0 * a.v_ss + sv.hk * a.v_sh, a.k_ss, a.v_ss};
+  attn::attend_block<T, MAXND>(q, rows, p, kv, klo, khi + 1, vec,
+                               [&](int r, int c, float val, float, float) {
+                                 o[sv.ob + (i0 + r) * a.o_ss + c] = from_float<T>(val);
+                               });
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t nd) {
+  Arg(OP, "query", q).dim(nd).floating().device(at::kCUDA).last_dim_contiguous();
+  Arg(OP, "key", k).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
+  Arg(OP, "key", k).size(nd - 1, q.size(-1), "head_dim of 'query'");
+  Arg(OP, "value", v).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
+  for (int64_t d = 0; d < nd - 1; ++d) Arg(OP, "value", v).size(d, k.size(d), "the shape of 'key'");
+  Arg(OP, "value", v).size(nd - 1, q.size(-1), "head_dim of 'query'");
+  const int64_t hq = q.size(-2), hkv = k.size(-2);
+  TOPG_CHECK(hkv > 0 && hq % hkv == 0, OP, "query heads (", hq,
+             ") must be a multiple of key/value heads (", hkv, ")");
+}
+
+// Validated cumulative offsets (host copy; the kernel reads the device tensor).
+std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q,
+                                     int64_t total) {
+  Arg(OP, name, cu).dim(1).dtype(at::kInt).same_device(q, "query");
+  const at::Tensor c = cu.to(at::kCPU).contiguous();
+  const int32_t* p = c.const_data_ptr<int32_t>();
+  std::vector<int64_t> out(p, p + c.numel());
+  bool ok = !out.empty() && out.front() == 0 && out.back() == total;
+  for (size_t i = 1; ok && i < out.size(); ++i) ok = out[i - 1] <= out[i];
+  if (!ok)
+    Arg(OP, name, cu)
+        .fail("non-decreasing offsets from 0 to " + std::to_string(total) + " (the token count)");
+  return out;
+}
+
+// Bool -> additive (0 / -inf) fp32, floating -> fp32; broadcast to [B, Hq, Sq, Sk].
+at::Tensor prepare_mask(const at::Tensor& mask, const at::Tensor& q, int64_t sk) {
+  Arg a(OP, "mask", mask);
+  a.same_device(q, "query");
+  if (mask.scalar_type() != at::kBool) a.floating();
+  if (mask.dim() > 4) a.fail("at most 4 dimensions (broadcastable to [B, Hq, Sq, Sk])");
+  const int64_t full[4] = {q.size(0), q.size(2), q.size(1), sk};
+  for (int64_t d = 1; d <= mask.dim(); ++d) {
+    const int64_t s = mask.size(-d), want = full[4 - d];
+    TOPG_CHECK(s == 1 || s == want, OP, "argument 'mask' (shape ", mask.sizes(),
+               ") expected a shape broadcastable to [B, Hq, Sq, Sk] = [", full[0], ", ", full[1],
+               ", ", full[2], ", ", full[3], "]");
+  }
+  at::Tensor m = mask.scalar_type() == at::kBool
+                     ? at::where(mask, 0.0, -std::numeric_limits<double>::infinity())
+                     : mask.to(at::kFloat);
+  return m.expand({full[0], full[1], full[2], full[3]});
+}
+
+// Tensor-core path (attention_tc.cuh) for bf16 / fp16 with head_dim 64 or 128 when every
+// stride is a multiple of 8 elements, the pointers are 16-byte aligned and the device
+// grants the shared memory (opt-in above 48 KB). Returns false to use the CUDA-core path.
+// TOPG_CUDA_ATTENTION_TC=0 disables it (to compare the two paths on a GPU).
+template <typename T, int D>
+bool launch_tc(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+               const PrefillArgs& a, const attn::Params& p, int64_t batch, int64_t max_sq) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("TOPG_CUDA_ATTENTION_TC");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  const int64_t strides[] = {a.q_sb, a.q_ss, a.q_sh, a.k_sb, a.k_ss,
+                             a.k_sh, a.v_sb, a.v_ss, a.v_sh};
+  bool ok = enabled && aligned16(q.const_data_ptr()) && aligned16(k.const_data_ptr()) &&
+            aligned16(v.const_data_ptr());
+  for (int64_t s : strides) ok = ok && s % kVec == 0;
+  if (!ok) return false;
+  using L = attn::tc::Layout<D, T>;
+  int dev = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (size_t(optin) < L::bytes) return false;
+  auto kernel = attn::tc::prefill_tc_kernel<T, D>;
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::bytes)));
+  const dim3 grid(unsigned(ceil_div(max_sq, attn::tc::BQ)), unsigned(a.hq), unsigned(batch));
+  kernel<<<grid, attn::tc::kThreads, L::bytes, current_stream()>>>(cdptr<T>(q), cdptr<T>(k),
+                                                                   cdptr<T>(v), dptr<T>(out), a, p);
+  TOPG_CUDA_LAUNCH_CHECK();
+  return true;
+}
+
+at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const std::optional<at::Tensor>& cu_seqlens_q,
+                          const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
+                          std::optional<double> scale, int64_t window_left, double softcap,
+                          const std::optional<at::Tensor>& mask) {
+  const bool ragged = cu_seqlens_q.has_value();
+  const int64_t nd = ragged ? 3 : 4;
+  check_qkv(query, key, value, nd);
+  TOPG_CHECK(window_left >= -1, OP, "window_left must be >= -1, got ", window_left);
+  TOPG_CHECK(softcap >= 0, OP, "softcap must be >= 0, got ", softcap);
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  PrefillArgs a{};
+  int64_t batch = 0, max_sq = 0;
+  at::Tensor mask_f, cu_q, cu_k;
+  if (ragged) {
+    if (mask.has_value()) Arg(OP, "mask", *mask).fail("None with ragged (cu_seqlens) input");
+    const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query, query.size(0));
+    cu_q = cu_seqlens_q->contiguous();
+    cu_k = cu_q;
+    if (cu_seqlens_k.has_value()) {
+      Arg(OP, "cu_seqlens_k", *cu_seqlens_k)
+          .dim(1)
+          .size(0, int64_t(cq.size()), "batch + 1, the size of 'cu_seqlens_q'");
+      read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", query, key.size(0));
+      cu_k = cu_seqlens_k->contiguous();
+    } else {
+      TOPG_CHECK(key.size(0) == query.size(0), OP, "argument 'key' ", describe(key), " expected ",
+                 query.size(0), " tokens (the tokens of 'query', as 'cu_seqlens_k' is None)");
+    }
+    batch = int64_t(cq.size()) - 1;
+    for (int64_t b = 0; b < batch; ++b) max_sq = std::max(max_sq, cq[b + 1] - cq[b]);
+    a.cu_q = cu_q.const_data_ptr<int32_t>(), a.cu_k = cu_k.const_data_ptr<int32_t>();
+  } else {
+    if (cu_seqlens_k.has_value())
+      Arg(OP, "cu_seqlens_k", *cu_seqlens_k).fail("None without 'cu_seqlens_q'");
+    Arg(OP, "key", key).size(0, query.size(0), "the batch of 'query'");
+    batch = query.size(0), max_sq = query.size(1);
+    a.sq = query.size(1), a.sk = key.size(1);
+    a.q_sb = query.stride(0), a.k_sb = key.stride(0), a.v_sb = value.stride(0);
+    a.o_sb = out.stride(0);
+    if (mask.has_value()) {
+      mask_f = prepare_mask(*mask, query, key.size(1));
+      a.mask = mask_f.const_data_ptr<float>();
+      a.m_sb = mask_f.stride(0), a.m_sh = mask_f.stride(1), a.m_si = mask_f.stride(2);
+    }
+  }
+  if (out.numel() == 0 || batch == 0 || max_sq == 0) return out;
+  const int64_t hq = query.size(-2), hkv = key.size(-2), d = query.size(-1);
+  TOPG_CHECK(d <= 256, OP, "head_dim at most 256 on CUDA, got ", d);
+  TOPG_CHECK(hq <= 65535 && batch <= 65535, OP, "at most 65535 query heads and sequences");
+  a.q_ss = query.stride(-3), a.q_sh = query.stride(-2);
+  a.k_ss = key.stride(-3), a.k_sh = key.stride(-2);
+  a.v_ss = value.stride(-3), a.v_sh = value.stride(-2);
+  a.o_ss = out.stride(-3), a.o_sh = out.stride(-2);
+  a.hq = int(hq), a.hkv = int(hkv), a.causal = causal, a.window = window_left;
+  attn::Params p{};
+  p.d = int(d);
+  p.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
+  p.softcap = float(softcap);
+  p.mask_sj = mask_f.defined() ? mask_f.stride(3) : 0;
+  TOPG_CUDA_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
+    if constexpr (is_half_v<T>) {
+      if (d == 64 && launch_tc<T, 64>(query, key, value, out, a, p, batch, max_sq)) return;
+      if (d == 128 && launch_tc<T, 128>(query, key, value, out, a, p, batch, max_sq)) return;
+    }
+    const bool vec = d % kVec == 0 && a.k_ss % kVec == 0 && a.k_sh % kVec == 0 &&
+                     (ragged || a.k_sb % kVec == 0) && aligned16(key.const_data_ptr());
+    const dim3 grid(unsigned(ceil_div(max_sq, attn::kRows)), unsigned(hq), unsigned(batch));
+    auto launch = [&]<int MAXND>() {
+      prefill_kernel<T, MAXND><<<grid, attn::kWarps * 32, 0, current_stream()>>>(
+          cdptr<T>(query), cdptr<T>(key), cdptr<T>(value), dptr<T>(out), a, p, vec);
+      TOPG_CUDA_LAUNCH_CHECK();
+    };
+    if (d <= 128)
+      launch.template operator()<4>();
+    else
+      launch.template operator()<8>();
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace topg::cuda
+
+TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("attention", &topg::cuda::attention_cuda); }

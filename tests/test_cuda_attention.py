@@ -1,0 +1,199 @@
+"""CUDA attention kernels (prefill ``attention``, decode ``paged_attention``) against their
+references on the same GPU; skips without a CUDA device or without the CUDA kernels.
+
+Awkward on purpose: head_dim 20 / 80 (scalar K loads, padded lanes), 256 (the wide
+variant), contexts that are not multiples of the block size or of the 256-key split
+partitions, query groups larger than the 8 rows of one block, empty sequences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DTYPES, NEEDS_CUDA, assert_close, requires_cuda_kernel
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import torch_topg
+from torch_topg import reference
+
+pytestmark = NEEDS_CUDA
+DEV = "cuda"
+
+
+def _paged(lens, hq, hkv, d, block_size, dtype, spare_blocks=3):
+    """Caches with shuffled block tables (on the GPU) for sequences of lengths `lens`."""
+    max_blocks = max(1, max(-(-n // block_size) for n in lens)) + 1
+    num_blocks = len(lens) * max_blocks + spare_blocks
+    kc = torch.randn(num_blocks, block_size, hkv, d, device=DEV).to(dtype)
+    vc = torch.randn(num_blocks, block_size, hkv, d, device=DEV).to(dtype)
+    perm = torch.randperm(num_blocks, device=DEV)[: len(lens) * max_blocks]
+    bt = perm.view(len(lens), max_blocks).int()
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
+    return q, kc, vc, bt, sl
+
+
+@requires_cuda_kernel("paged_attention")
+@given(
+    lens=st.lists(st.sampled_from([0, 1, 15, 16, 17, 255, 257, 700, 2049]), min_size=1, max_size=5),
+    heads=st.sampled_from([(1, 1), (4, 4), (8, 2), (32, 8), (6, 1), (12, 1), (20, 2)]),
+    d=st.sampled_from([20, 64, 80, 128, 256]),
+    block_size=st.sampled_from([1, 16, 32]),
+    dtype=st.sampled_from(DTYPES),
+    window=st.sampled_from([-1, -1, 0, 10, 300]),
+    softcap=st.sampled_from([0.0, 0.0, 10.0]),
+    scale=st.sampled_from([None, 0.2]),
+)
+@example([1, 16, 700], (32, 8), 128, 16, torch.bfloat16, -1, 0.0, None)
+@example([4097], (8, 1), 128, 16, torch.float16, -1, 0.0, None)  # many partitions
+@example([2049, 0, 3], (12, 1), 80, 32, torch.float32, 300, 10.0, 0.2)  # 2 group chunks
+@example([5, 1], (4, 2), 20, 1, torch.float32, -1, 0.0, None)
+def test_cuda_paged_attention(lens, heads, d, block_size, dtype, window, softcap, scale):
+    hq, hkv = heads
+    q, kc, vc, bt, sl = _paged(lens, hq, hkv, d, block_size, dtype)
+    kw = dict(scale=scale, window_left=window, softcap=softcap)
+    out = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, reference.paged_attention(q, kc, vc, bt, sl, **kw))
+    for s, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[s], torch.zeros_like(out[s]))
+
+
+@requires_cuda_kernel("paged_attention")
+def test_cuda_paged_attention_bad_indices():
+    q, kc, vc, bt, sl = _paged([5, 20], 4, 2, 32, 16, torch.float32)
+    bad = bt.clone()
+    bad[1, 1] = kc.shape[0]  # used by sequence 1 (20 tokens = 2 blocks)
+    with pytest.raises(RuntimeError, match="argument 'block_tables'.*block ids"):
+        torch_topg.ops.paged_attention(q, kc, vc, bad, sl)
+    unused = bt.clone()
+    unused[0, 1] = 10**6  # not used by sequence 0 (5 tokens): fine
+    torch_topg.ops.paged_attention(q, kc, vc, unused, sl)
+    too_long = torch.tensor([5, bt.shape[1] * 16 + 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match="argument 'seq_lens'"):
+        torch_topg.ops.paged_attention(q, kc, vc, bt, too_long)
+
+
+def _qkv(b, sq, sk, hq, hkv, d, dtype, transposed=False):
+    if transposed:  # [B, H, S, D] storage seen as [B, S, H, D]
+        mk = lambda s, h: torch.randn(b, h, s, d, device=DEV).to(dtype).transpose(1, 2)  # noqa: E731
+    else:
+        mk = lambda s, h: torch.randn(b, s, h, d, device=DEV).to(dtype)  # noqa: E731
+    return mk(sq, hq), mk(sk, hkv), mk(sk, hkv)
+
+
+@requires_cuda_kernel("attention")
+@given(
+    b=st.integers(1, 2),
+    sq=st.sampled_from([1, 2, 7, 8, 9, 63, 129]),
+    extra_k=st.sampled_from([0, 0, 3, 40]),
+    heads=st.sampled_from([(1, 1), (4, 2), (8, 2), (6, 1), (4, 4)]),
+    d=st.sampled_from([20, 64, 80, 128, 256]),
+    dtype=st.sampled_from(DTYPES),
+    causal=st.booleans(),
+    window=st.sampled_from([-1, -1, 0, 7, 50]),
+    softcap=st.sampled_from([0.0, 0.0, 5.0]),
+    transposed=st.booleans(),
+)
+@example(1, 129, 0, (8, 2), 128, torch.bfloat16, True, -1, 0.0, True)
+@example(2, 9, 40, (4, 1), 80, torch.float16, True, 7, 5.0, False)
+@example(1, 1, 0, (4, 4), 256, torch.float32, False, -1, 0.0, False)
+def test_cuda_attention(b, sq, extra_k, heads, d, dtype, causal, window, softcap, transposed):
+    hq, hkv = heads
+    q, k, v = _qkv(b, sq, sq + extra_k, hq, hkv, d, dtype, transposed)
+    kw = dict(causal=causal, window_left=window, softcap=softcap)
+    out = torch_topg.ops.attention(q, k, v, **kw)
+    assert out.is_contiguous() and out.shape == q.shape and out.dtype == dtype
+    assert_close(out, reference.attention(q, k, v, **kw))
+
+
+@requires_cuda_kernel("attention")
+@pytest.mark.parametrize("kind", ["bool", "additive", "per_head"])
+def test_cuda_attention_mask(kind):
+    b, sq, sk, hq, hkv, d = 2, 33, 70, 4, 2, 64
+    q, k, v = _qkv(b, sq, sk, hq, hkv, d, torch.bfloat16)
+    if kind == "bool":
+        mask = torch.rand(b, 1, sq, sk, device=DEV) > 0.3
+        mask[0, 0, 5] = False  # a fully masked row: zeros
+    elif kind == "per_head":
+        mask = torch.rand(hq, 1, sk, device=DEV) > 0.5
+    else:
+        mask = torch.randn(b, 1, 1, sk, device=DEV)
+        mask[1, ..., :20] = float("-inf")
+    out = torch_topg.ops.attention(q, k, v, causal=True, mask=mask)
+    assert_close(out, reference.attention(q, k, v, causal=True, mask=mask))
+    assert not out.isnan().any()
+
+
+@requires_cuda_kernel("attention")
+@given(
+    lengths=st.lists(st.sampled_from([0, 1, 17, 63, 65, 129]), min_size=1, max_size=4),
+    heads=st.sampled_from([(4, 2), (6, 1), (2, 2)]),
+    dtype=st.sampled_from(DTYPES),
+    causal=st.booleans(),
+    separate_k=st.booleans(),
+)
+def test_cuda_attention_ragged(lengths, heads, dtype, causal, separate_k):
+    hq, hkv = heads
+    lk = [n + 5 for n in lengths] if separate_k else lengths
+    cu_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, 64, device=DEV).to(dtype)
+    k = torch.randn(int(cu_k[-1]), hkv, 64, device=DEV).to(dtype)
+    v = torch.randn(int(cu_k[-1]), hkv, 64, device=DEV).to(dtype)
+    kw = dict(
+        cu_seqlens_q=cu_q.to(DEV), cu_seqlens_k=cu_k.to(DEV) if separate_k else None, causal=causal
+    )
+    assert_close(torch_topg.ops.attention(q, k, v, **kw), reference.attention(q, k, v, **kw))
+
+
+@requires_cuda_kernel("paged_attention")
+def test_cuda_decode_matches_prefill_last_row():
+    n, hq, hkv, d = 777, 8, 2, 128
+    q, kc, vc, bt, sl = _paged([n], hq, hkv, d, 16, torch.bfloat16)
+    k = kc[bt[0].long()].flatten(0, 1)[:n]
+    v = vc[bt[0].long()].flatten(0, 1)[:n]
+    full_q = torch.randn(1, n, hq, d, device=DEV).to(torch.bfloat16)
+    full_q[0, -1] = q[0]
+    prefill = torch_topg.ops.attention(full_q, k[None], v[None], causal=True)
+    assert_close(torch_topg.ops.paged_attention(q, kc, vc, bt, sl)[0], prefill[0, -1])
+
+
+def test_cuda_attention_opcheck():
+    for op in ("attention", "paged_attention", "reshape_and_cache"):
+        if not torch_topg._native.has_kernel(op, "CUDA"):
+            pytest.skip(f"no native CUDA kernel registered for topg::{op}")
+    q, k, v = _qkv(2, 9, 12, 4, 2, 32, torch.float32)
+    torch.library.opcheck(torch.ops.topg.attention.default, (q, k, v), {"causal": True})
+    pq, kc, vc, bt, sl = _paged([5, 300], 4, 2, 32, 16, torch.float32)
+    torch.library.opcheck(torch.ops.topg.paged_attention.default, (pq, kc, vc, bt, sl))
+    key = torch.randn(3, 2, 32, device=DEV)
+    slots = torch.tensor([0, -1, 40], device=DEV)
+    torch.library.opcheck(torch.ops.topg.reshape_and_cache.default, (key, key, kc, vc, slots))
+
+
+@requires_cuda_kernel("paged_attention")
+def test_cuda_decode_step_compiles_and_captures():
+    """torch.compile (fullgraph) of a decode step, and a CUDA graph capture of it: the
+    host-side index checks must step aside during capture (no sync allowed there)."""
+
+    def step(key, value, kc, vc, slots, q, bt, sl):
+        torch_topg.ops.reshape_and_cache(key, value, kc, vc, slots)
+        return torch_topg.ops.paged_attention(q, kc, vc, bt, sl)
+
+    q, kc, vc, bt, sl = _paged([5, 20], 4, 2, 64, 16, torch.bfloat16)
+    key = torch.randn(2, 2, 64, device=DEV).to(torch.bfloat16)
+    slots = torch.stack([bt[0, 0] * 16 + 4, bt[1, 1] * 16 + 3]).long()
+    expected = step(key, key, kc.clone(), vc.clone(), slots, q, bt, sl)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert_close(compiled(key, key, kc.clone(), vc.clone(), slots, q, bt, sl), expected)
+    kc2, vc2 = kc.clone(), vc.clone()
+    step(key, key, kc2, vc2, slots, q, bt, sl)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(key, key, kc2, vc2, slots, q, bt, sl)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, expected)

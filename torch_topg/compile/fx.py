@@ -10,7 +10,6 @@ by position or keyword.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -115,10 +114,6 @@ def is_tensor(node: Any) -> bool:
     return isinstance(val(node), torch.Tensor)
 
 
-def users(node: Node) -> list[Node]:
-    return list(node.users)
-
-
 def only_user(node: Node) -> Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -128,14 +123,6 @@ def strip(node: Any, *names: str) -> Any:
     while is_kind(node, *names):
         node = node.args[0]
     return node
-
-
-def is_noop_cast(node: Any) -> bool:
-    """``x.to(...)`` / ``x.float()`` whose output dtype equals its input's (and same device)."""
-    if not is_kind(node, "to"):
-        return False
-    src = node.args[0]
-    return dtype(src) is not None and dtype(src) == dtype(node)
 
 
 def scalar(x: Any) -> float | int | None:
@@ -155,18 +142,6 @@ def operands(node: Node) -> tuple[Any, Any]:
 def other(node: Node, this: Any) -> Any:
     a, b = operands(node)
     return b if a is this else a
-
-
-def replace_all_uses(old: Node, new: Node) -> None:
-    old.replace_all_uses_with(new)
-
-
-def erase_dead(graph: fx.Graph, nodes: Iterable[Node]) -> None:
-    """Erases nodes (in reverse topological order) that have no users left."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in sorted(set(nodes), key=lambda n: -order.get(n, -1)):
-        if n.graph is graph and not n.users and n.op not in ("placeholder", "output"):
-            graph.erase_node(n)
 
 
 def copy_meta(dst: Node, src: Node) -> Node:

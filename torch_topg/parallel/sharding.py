@@ -3,8 +3,8 @@
 Every split is computed in *units* (a KV head with its query heads; a block of
 ``align`` elements) with the largest-remainder method: each rank first gets the whole
 part of ``units * ratio``; the units left go to the largest fractional parts (ties: the
-lower rank). Every rank must get at least one unit: otherwise the split is impossible
-and the error names ``split_ratios`` and the sizes.
+lower rank). A rank left with none takes one from the largest shard. Fewer units than
+ranks is impossible: the error names ``split_ratios`` and the sizes.
 
 Attention heads move as KV groups: a rank that holds KV head ``j`` holds the query
 heads that read it (``j * g .. (j + 1) * g - 1`` with ``g = q_heads / kv_heads``), so the
@@ -52,12 +52,15 @@ def split_units(units: int, ratios: Sequence[float], what: str = "units") -> lis
     order = sorted(range(len(ratios)), key=lambda i: (-(ideal[i] - counts[i]), i))
     for i in order[: units - sum(counts)]:
         counts[i] += 1
-    if min(counts) < 1:
+    if units < len(ratios):
         raise ValueError(
             f"tensor_parallel: split_ratios {[round(r, 4) for r in ratios]} cannot give every "
-            f"rank at least one of the {units} {what} (would be {counts}); use fewer ranks "
-            "or larger ratios for the small ranks"
+            f"rank at least one of the {units} {what}: use at most {units} ranks"
         )
+    for i in range(len(counts)):  # a tiny ratio still gets one unit, from the largest shard
+        if counts[i] == 0:
+            counts[counts.index(max(counts))] -= 1
+            counts[i] = 1
     return counts
 
 

@@ -66,7 +66,9 @@ def test_split_heads_moves_q_with_kv_groups():
 
 
 def test_impossible_splits_name_split_ratios():
-    with pytest.raises(ValueError, match=r"split_ratios.*at least one of the 2 KV heads.*at most 2 ranks"):
+    with pytest.raises(
+        ValueError, match=r"split_ratios.*at least one of the 2 KV heads.*at most 2 ranks"
+    ):
         split_heads(4, 2, 16, [1 / 3] * 3)
     with pytest.raises(ValueError, match=r"split_ratios .*cannot split 3 elements"):
         split_size(3, [0.25] * 4)

@@ -15,10 +15,11 @@ all-reduce fusion (``residual_out = all_reduce(x) + residual``,
     s = all_reduce(input) + residual
     residual <- s ; input <- rms_norm(s, weight, epsilon)
 
-On CPU (gloo) the "fusion" reduces ``input`` in place (no extra buffer, no copy) and
-then runs the native ``fused_add_rms_norm``; a one-shot kernel that reduces and
-normalises in one pass needs peer-to-peer memory (NVLink), see ``docs/parallel.md``.
-Other devices (CUDA/NCCL) run the reference: the same ``torch.distributed`` calls.
+On CPU (gloo) and CUDA (NCCL) the "fusion" reduces ``input`` in place (no extra buffer,
+no copy) and then runs the device's native ``fused_add_rms_norm``; a one-shot kernel that
+reduces and normalises in one pass needs peer-to-peer memory (NVLink), see
+``docs/parallel.md``. Other devices run the reference: the same ``torch.distributed``
+calls and the reference add + norm.
 
 Without an initialised ``torch.distributed`` both ops raise (naming ``group_name``):
 silently returning the input would turn a mis-launched tensor-parallel model into
@@ -149,14 +150,14 @@ def _check_fused_all_reduce_add_rms_norm(
     _check_group_name("fused_all_reduce_add_rms_norm", group_name)
 
 
-def _all_reduce_cpu(input: torch.Tensor, group_name: str) -> torch.Tensor:
+def _all_reduce_impl(input: torch.Tensor, group_name: str) -> torch.Tensor:
     _check_all_reduce(input, group_name)
     out = input.clone(memory_format=torch.contiguous_format)
     _reduce_("all_reduce", out, group_name)
     return out
 
 
-def _fused_all_reduce_add_rms_norm_cpu(
+def _fused_all_reduce_add_rms_norm_impl(
     input: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor,
@@ -181,6 +182,8 @@ register(
     fake=lambda input, residual, weight, epsilon, group_name: None,
     reference=reference.fused_all_reduce_add_rms_norm,
 )
-# gloo: the CPU path is Python by nature (the transport is c10d's), not a fallback
-LIB.impl("all_reduce", _all_reduce_cpu, "CPU")
-LIB.impl("fused_all_reduce_add_rms_norm", _fused_all_reduce_add_rms_norm_cpu, "CPU")
+# The transport is c10d's (gloo on CPU, NCCL on CUDA), so these kernels are Python by
+# nature, not a fallback: an in-place reduction plus the device's native add + norm.
+for _key in ("CPU", "CUDA"):
+    LIB.impl("all_reduce", _all_reduce_impl, _key)
+    LIB.impl("fused_all_reduce_add_rms_norm", _fused_all_reduce_add_rms_norm_impl, _key)

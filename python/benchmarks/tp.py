@@ -34,24 +34,22 @@ def _model(name: str) -> torch.nn.Module:
 
 
 def _step_fns(model: torch.nn.Module, prompt: int, compile_: bool):
-    """(prefill(), decode_step()) closures on a fixed prompt; decode continues one cache."""
-    from transformers import DynamicCache
-
-    if compile_:
-        model.forward = torch.compile(model.forward, backend="topg")
+    """(prefill(), decode_step()) closures on a fixed prompt; decode continues one cache
+    (as python/benchmarks/bench_models.py does: the model makes its own DynamicCache)."""
+    fn = torch.compile(model, backend="topg") if compile_ else model
     ids = torch.arange(prompt).unsqueeze(0) % 1000 + 5
     state: dict = {}
 
     def prefill() -> None:
-        model(ids, cache=DynamicCache(config=model.config), use_cache=True)
+        fn(input_ids=ids, use_cache=True)
 
     def decode() -> None:
         if "cache" not in state or state["n"] >= 64:  # bounded context: steady cost
-            state["cache"] = DynamicCache(config=model.config)
-            out = model(ids[:, :16], cache=state["cache"], use_cache=True)
-            state["tok"], state["n"] = out.logits[:, -1:].argmax(-1), 0
-        out = model(state["tok"], cache=state["cache"], use_cache=True)
-        state["tok"] = out.logits[:, -1:].argmax(-1)
+            out = fn(input_ids=ids[:, :16], use_cache=True)
+            state["cache"], state["n"] = out.past_key_values, 0
+            state["tok"] = out.logits[:, -1:].argmax(-1)
+        out = fn(input_ids=state["tok"], past_key_values=state["cache"], use_cache=True)
+        state["cache"], state["tok"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
         state["n"] += 1
 
     return prefill, decode

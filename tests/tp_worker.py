@@ -85,10 +85,40 @@ MODELS = {
 }
 
 
+#: families without a preset: transformers config class -> extra config
+HF_TINY = {
+    "mistral-tiny": ("MistralConfig", dict(sliding_window=4)),
+    "qwen3moe-tiny": (
+        "Qwen3MoeConfig",
+        dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+    ),
+}
+
+
 def _build(name: str) -> torch.nn.Module:
     from torch_topg.models import build_model
 
-    return build_model("llama-tiny" if name == "llama-3kv" else name, **MODELS[name])
+    if name not in HF_TINY:
+        return build_model("llama-tiny" if name == "llama-3kv" else name, **MODELS[name])
+    import transformers
+
+    cls, extra = HF_TINY[name]
+    config = getattr(transformers, cls)(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        **extra,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        for p in model.parameters():
+            (p.data.normal_(0.0, 0.02) if p.dim() > 1 else p.data.uniform_(0.8, 1.2))
+    return model.eval()
 
 
 def models(rank: int, world: int, tmp: Path) -> None:
@@ -102,6 +132,8 @@ def models(rank: int, world: int, tmp: Path) -> None:
         ("mixtral-tiny", [0.3, 0.7]),
         ("llama-3kv", None),
         ("qwen2moe-tiny", [0.6, 0.4]),
+        ("mistral-tiny", None),
+        ("qwen3moe-tiny", [0.4, 0.6]),
     ]
     for name, ratios in cases:
         ref = _build(name)
@@ -131,6 +163,12 @@ def models(rank: int, world: int, tmp: Path) -> None:
     model = tensor_parallel(empty_model(ref.config), checkpoint=path, split_ratios=[0.7, 0.3])
     assert all(p.device.type == "cpu" for p in model.parameters())
     _close("checkpoint prefill", _logits(model, ids)[0], expected[0])
+    if rank == 0:  # a sharded checkpoint: several files + model.safetensors.index.json
+        ref.save_pretrained(tmp / "sharded", max_shard_size="40KB")
+    dist.barrier()
+    assert (tmp / "sharded" / "model.safetensors.index.json").exists()
+    model = tensor_parallel(empty_model(ref.config), checkpoint=tmp / "sharded")
+    _close("sharded checkpoint prefill", _logits(model, ids)[0], expected[0])
     ref = _build("mixtral-tiny")
     model = tensor_parallel(empty_model(ref.config), state_dict=ref.state_dict())
     _close("state_dict prefill", _logits(model, ids)[0], _logits(ref, ids)[0])

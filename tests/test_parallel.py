@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 from tp_utils import assert_ok, run_ranks
 
 from torch_topg.parallel import split_heads, split_size, split_units, tensor_parallel
@@ -54,6 +56,28 @@ def test_split_units(units, ratios, expected):
 def test_split_size(size, ratios, expected):
     sizes = split_size(size, ratios)
     assert sizes == expected and sum(sizes) == size
+
+
+@given(
+    size=st.integers(1, 20000),
+    ratios=st.lists(st.floats(0.01, 1.0), min_size=1, max_size=4),
+)
+def test_split_size_properties(size, ratios):
+    """Shards cover the size exactly, each non-empty and a multiple of a power of two
+    (the same one for all shards); impossible only with fewer elements than ranks."""
+    ratios = normalize_ratios(ratios, len(ratios))
+    if size < len(ratios):
+        with pytest.raises(ValueError, match="split_ratios"):
+            split_size(size, ratios)
+        return
+    sizes = split_size(size, ratios)
+    assert sum(sizes) == size and min(sizes) >= 1
+    align = max(a for a in (64, 32, 16, 8, 4, 2, 1) if all(s % a == 0 for s in sizes))
+    assert size % align == 0
+    # largest remainder: within one unit (<= 64 elements) of the ideal, plus one unit per
+    # rank that had to be given its first unit by the largest shard
+    bound = 64 * len(ratios)
+    assert all(abs(s - size * r) <= bound for s, r in zip(sizes, ratios, strict=True))
 
 
 def test_split_heads_moves_q_with_kv_groups():

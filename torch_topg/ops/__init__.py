@@ -2,6 +2,7 @@
 
 from torch_topg.ops.activation import gelu_and_mul, silu_and_mul
 from torch_topg.ops.attention import attention, paged_attention, reshape_and_cache
+from torch_topg.ops.collectives import all_reduce, fused_all_reduce_add_rms_norm
 from torch_topg.ops.fused_moe import fused_moe
 from torch_topg.ops.linear import linear
 from torch_topg.ops.moe_topk import moe_topk
@@ -9,8 +10,10 @@ from torch_topg.ops.norm import fused_add_rms_norm, rms_norm
 from torch_topg.ops.rotary import rotary_embedding
 
 __all__ = [
+    "all_reduce",
     "attention",
     "fused_add_rms_norm",
+    "fused_all_reduce_add_rms_norm",
     "fused_moe",
     "gelu_and_mul",
     "linear",

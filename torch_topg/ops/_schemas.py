@@ -57,6 +57,12 @@ SCHEMAS: dict[str, str] = {
     ),
     # --- dense linear ------------------------------------------------------------
     "linear": "linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
+    # --- collectives (torch.distributed; group_name is a c10d group name) ----------
+    "all_reduce": "all_reduce(Tensor input, str group_name) -> Tensor",
+    "fused_all_reduce_add_rms_norm": (
+        "fused_all_reduce_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
+        "float epsilon, str group_name) -> ()"
+    ),
 }
 
 # Internal control ops of the eager interception (``torch_topg.eager``): not part of the

@@ -56,9 +56,12 @@ def _check_rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float) -
 
 
 def _check_fused_add_rms_norm(
-    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    op: str = "fused_add_rms_norm",
 ) -> None:
-    op = "fused_add_rms_norm"
     _check_norm(op, input, weight)
     Arg(op, "input", input).contiguous()
     Arg(op, "residual", residual).same_dtype(input, "input").same_device(

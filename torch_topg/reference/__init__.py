@@ -6,6 +6,7 @@ device without a native kernel. They know nothing of the rest of the package.
 
 from torch_topg.reference.activation import gelu_and_mul, silu_and_mul
 from torch_topg.reference.attention import attention, paged_attention, reshape_and_cache
+from torch_topg.reference.collectives import all_reduce, fused_all_reduce_add_rms_norm
 from torch_topg.reference.fused_moe import fused_moe
 from torch_topg.reference.linear import linear
 from torch_topg.reference.moe_topk import moe_topk
@@ -13,8 +14,10 @@ from torch_topg.reference.norm import fused_add_rms_norm, rms_norm
 from torch_topg.reference.rotary import rotary_embedding
 
 __all__ = [
+    "all_reduce",
     "attention",
     "fused_add_rms_norm",
+    "fused_all_reduce_add_rms_norm",
     "fused_moe",
     "gelu_and_mul",
     "linear",

@@ -2,13 +2,15 @@
 
 Order matters: attention and rotary run before the linear pass fuses q/k/v (they read
 the per-projection view chains); RMSNorm runs before the residual-add fusion that
-consumes its output; the gated-MLP fusion claims gate/up before the generic linear
-pass turns the remaining ``F.linear`` calls into ``topg::linear``.
+consumes its output, and the all-reduce fusion (tensor parallel) after that one (it
+absorbs the ``fused_add_rms_norm`` that follows an all-reduce); the gated-MLP fusion
+claims gate/up before the generic linear pass turns the remaining ``F.linear`` calls into ``topg::linear``.
 """
 
 from __future__ import annotations
 
 from torch_topg.compile.passes.add_rms_norm import AddRMSNormPass
+from torch_topg.compile.passes.all_reduce_norm import AllReduceNormPass
 from torch_topg.compile.passes.attention import AttentionPass
 from torch_topg.compile.passes.base import Context, Pass, Site
 from torch_topg.compile.passes.gated_mlp import GatedMLPPass
@@ -23,6 +25,7 @@ PASSES: list[type[Pass]] = [
     RotaryPass,
     RMSNormPass,
     AddRMSNormPass,
+    AllReduceNormPass,
     MoERouterPass,
     GatedMLPPass,
     LinearPass,

@@ -23,7 +23,15 @@ from torch_topg.compile.passes.base import F, Pass, Site, topg
 
 # Producers whose output is a fresh tensor (never a view of something else).
 _FRESH_KINDS = {"linear", "add", "mul", "sdpa", "matmul"}
-_FRESH_TOPG = {"linear", "attention", "fused_moe", "rms_norm", "silu_and_mul", "gelu_and_mul"}
+_FRESH_TOPG = {
+    "linear",
+    "attention",
+    "fused_moe",
+    "rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "all_reduce",
+}
 
 
 def _fresh(node) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 # TPU vregs are 8 sublanes x 128 lanes of 32 bits; a block dimension that is not the whole
@@ -39,3 +41,10 @@ def compiler_params(*semantics: str):  # type: ignore[no-untyped-def]
 def vmem(shape: tuple[int, ...], dtype):  # type: ignore[no-untyped-def]
     """A VMEM scratch buffer of the grid-spec's ``scratch_shapes``."""
     return pltpu.VMEM(shape, dtype)
+
+
+def div(a, b: int):  # type: ignore[no-untyped-def]
+    """``a // b`` for traced non-negative ints ``a``. ``jnp.floor_divide`` corrects for
+    negative operands with ``sign``, whose Mosaic lowering queries the TPU generation:
+    truncating division lowers everywhere and is the same for ``a >= 0``."""
+    return lax.div(a, jnp.asarray(b, dtype=a.dtype) if hasattr(a, "dtype") else b)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import cdiv, check_block, compiler_params, fit_block, vmem
+from ._common import cdiv, check_block, compiler_params, div, fit_block, vmem
 
 #: Default q / kv block lengths. 128 fills the MXU (128x128 on v4/v5e; v6e's 256x256 MXU
 #: prefers 256 when head_dim is 256). A q block of 128 x D 128 in fp32 is 64 KiB; the
@@ -138,10 +138,10 @@ def attention_kernel(
         hi = nk - 1
         lo = 0
         if causal:
-            hi = jnp.clip((i * bq + bq - 1 + off) // bk, 0, nk - 1)
+            hi = jnp.minimum(div(jnp.maximum(i * bq + bq - 1 + off, 0), bk), nk - 1)
         if window_left >= 0:
-            lo = jnp.clip((i * bq + off - window_left) // bk, 0, nk - 1)
-        return bi, h // group, jnp.clip(j, lo, hi), 0
+            lo = jnp.minimum(div(jnp.maximum(i * bq + off - window_left, 0), bk), nk - 1)
+        return bi, div(h, group), jnp.clip(j, lo, hi), 0
 
     kernel = functools.partial(
         _attn_kernel,

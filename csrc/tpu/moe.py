@@ -80,22 +80,21 @@ def _topk_kernel(*refs, top_k: int, scoring: str, has_bias: bool):  # type: igno
 
 def moe_topk_kernel(
     logits,
+    *bias,
     top_k: int,
-    *,
     scoring: str = "softmax",
-    correction_bias=None,
     block_tokens: int = BLOCK_TOKENS,
     interpret: bool = False,
 ):  # type: ignore[no-untyped-def]
-    """One ``pallas_call``: logits [T, E], bias [1, E] or None -> (weights [T, k] fp32,
-    ids [T, k] int32), not renormalised."""
+    """One ``pallas_call``: logits [T, E] and optionally the correction bias [1, E]
+    (positional, so torch_xla passes it as an operand) -> (weights [T, k] fp32, ids
+    [T, k] int32), not renormalised."""
     t, e = logits.shape
     bt = fit_block(check_block("block_tokens", block_tokens), t)
     row = pl.BlockSpec((bt, e), lambda i: (i, 0))
     out = pl.BlockSpec((bt, top_k), lambda i: (i, 0))
-    has_bias = correction_bias is not None
+    has_bias = len(bias) == 1
     in_specs = [row] + ([pl.BlockSpec((1, e), lambda i: (0, 0))] if has_bias else [])
-    args = (logits, correction_bias) if has_bias else (logits,)
     return pl.pallas_call(
         functools.partial(_topk_kernel, top_k=top_k, scoring=scoring, has_bias=has_bias),
         grid=(cdiv(t, bt),),
@@ -107,7 +106,7 @@ def moe_topk_kernel(
         ],
         compiler_params=compiler_params("parallel"),
         interpret=interpret,
-    )(*args)
+    )(logits, *bias)
 
 
 def moe_topk(
@@ -136,9 +135,9 @@ def moe_topk(
         )
     if t == 0:
         return jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)
-    bias = None if correction_bias is None else correction_bias.reshape(1, e)
+    bias = () if correction_bias is None else (correction_bias.reshape(1, e),)
     weights, ids = moe_topk_kernel(
-        router_logits, top_k, scoring=scoring, correction_bias=bias,
+        router_logits, *bias, top_k=top_k, scoring=scoring,
         block_tokens=block_tokens, interpret=interpret,
     )  # fmt: skip
     if renormalize:
@@ -207,38 +206,44 @@ def _gmm_kernel(
         o_ref[...] = jnp.where(mine, res, o_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
 
-def gmm_kernel(
-    lhs,
-    rhs,
-    group_sizes,
-    *,
-    activation: str | None = None,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
-    block_k: int = BLOCK_K,
-    out_dtype=jnp.float32,
-    interpret: bool = False,
-):  # type: ignore[no-untyped-def]
-    """One ``pallas_call``: rows of ``lhs [M, K]`` sorted by group, ``rhs [G, N', K]``,
-    ``group_sizes [G]`` int32 -> [M, N] with ``out[r] = lhs[r] @ rhs[g(r)].T``.
-
-    ``activation=None``: N = N'. ``activation='silu'|'gelu'|'gelu_tanh'``: the gated
-    form, N = N'/2, ``out = act(lhs @ gate.T) * (lhs @ up.T)`` with gate = rhs[:, :N],
-    up = rhs[:, N:]. Blocks: multiples of 8 (on TPU, 128 for ``block_n``/``block_k``);
-    in the gated form ``block_n`` must divide N, else the whole N is one block."""
-    m, k_total = lhs.shape
-    groups, n_full = rhs.shape[0], rhs.shape[1]
-    fused = activation is not None
-    n = n_full // 2 if fused else n_full
+def gmm_tiles(
+    m: int, n_full: int, k: int, activation: str | None, block_m: int, block_n: int, block_k: int
+) -> tuple[int, int, int]:
+    """The (bm, bn, bk) tiles used for lhs [m, k] and rhs [G, n_full, k]: each block is
+    checked (a positive multiple of 8) and shrunk to a short dimension; in the gated form
+    ``bn`` must divide N = n_full / 2 (the up tile starts at column N), else it is N."""
+    n = n_full // 2 if activation is not None else n_full
     bm = fit_block(check_block("block_m", block_m), m)
     bn = fit_block(check_block("block_n", block_n), n)
-    bk = fit_block(check_block("block_k", block_k), k_total)
-    if fused and n % bn:
-        bn = n  # the up tile must start exactly at column N
-    gid, tid, nv = gmm_metadata(group_sizes, m, bm, groups)
-    ends = jnp.cumsum(group_sizes).astype(jnp.int32)
-    starts = (ends - group_sizes).astype(jnp.int32)
-    n_tiles, visits, k_tiles = cdiv(n, bn), gid.shape[0], cdiv(k_total, bk)
+    bk = fit_block(check_block("block_k", block_k), k)
+    if activation is not None and n % bn:
+        bn = n
+    return bm, bn, bk
+
+
+def gmm_call(
+    group_ids,
+    tile_ids,
+    num_visits,
+    starts,
+    ends,
+    lhs,
+    *weights,
+    activation: str | None = None,
+    bm: int,
+    bn: int,
+    bk: int,
+    interpret: bool = False,
+):  # type: ignore[no-untyped-def]
+    """One ``pallas_call`` (the form torch_xla lowers): the visit metadata of
+    ``gmm_metadata`` and the group ``starts`` / ``ends`` [G] (int32, scalar-prefetched),
+    ``lhs [M, K]`` sorted by group, and ``weights``: ``(rhs,)`` or, in the gated form,
+    ``(rhs, rhs)`` (the same array twice: one operand for the gate tiles, one for the up
+    tiles). Tiles from ``gmm_tiles``. Returns fp32 [M, N]."""
+    m, k_total = lhs.shape
+    fused = activation is not None
+    n = weights[0].shape[1] // 2 if fused else weights[0].shape[1]
+    n_tiles, visits, k_tiles = cdiv(n, bn), group_ids.shape[0], cdiv(k_total, bk)
     up_offset = n // bn
 
     lhs_spec = pl.BlockSpec((bm, bk), lambda j, v, kk, gid, tid, *_: (tid[v], kk))
@@ -257,15 +262,43 @@ def gmm_kernel(
         _gmm_kernel, k_total=k_total, bm=bm, bk=bk,
         act=ACTIVATIONS[activation] if fused else None, fused=fused,
     )  # fmt: skip
-    weights = (rhs, rhs) if fused else (rhs,)
     # Visits must run in order (a shared row tile is revisited by the next visit).
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
         compiler_params=compiler_params("parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
-    )(gid, tid, nv, starts, ends, lhs, *weights)
+    )(group_ids, tile_ids, num_visits, starts, ends, lhs, *weights)
+
+
+def gmm_kernel(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    activation: str | None = None,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+    interpret: bool = False,
+):  # type: ignore[no-untyped-def]
+    """Grouped matmul: rows of ``lhs [M, K]`` sorted by group, ``rhs [G, N', K]``,
+    ``group_sizes [G]`` int32 -> fp32 [M, N] with ``out[r] = lhs[r] @ rhs[g(r)].T``.
+
+    ``activation=None``: N = N'. ``activation='silu'|'gelu'|'gelu_tanh'``: the gated
+    form, N = N'/2, ``out = act(lhs @ gate.T) * (lhs @ up.T)`` with gate = rhs[:, :N],
+    up = rhs[:, N:]. Blocks: multiples of 8 (on TPU, 128 for ``block_n``/``block_k``)."""
+    m, k_total = lhs.shape
+    bm, bn, bk = gmm_tiles(m, rhs.shape[1], k_total, activation, block_m, block_n, block_k)
+    gid, tid, nv = gmm_metadata(group_sizes, m, bm, rhs.shape[0])
+    ends = jnp.cumsum(group_sizes).astype(jnp.int32)
+    starts = (ends - group_sizes).astype(jnp.int32)
+    weights = (rhs, rhs) if activation is not None else (rhs,)
+    return gmm_call(
+        gid, tid, nv, starts, ends, lhs, *weights,
+        activation=activation, bm=bm, bn=bn, bk=bk, interpret=interpret,
+    )  # fmt: skip
 
 
 # --- fused_moe ------------------------------------------------------------------------

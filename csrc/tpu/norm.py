@@ -67,8 +67,8 @@ def fused_add_rms_norm_kernel(
 ):  # type: ignore[no-untyped-def]
     """x, residual: [rows, H]; weight [1, H] -> (normed [rows, H], new residual [rows, H]).
 
-    The outputs alias the inputs (``input_output_aliases``), so on TPU the update is in
-    place in HBM when the caller donates them."""
+    Functional (no ``input_output_aliases``): torch_xla's custom call does not take
+    aliasing, and the torch op's in-place update is a ``copy_`` of these outputs."""
     grid, row_spec, w_spec = _specs(x.shape[0], x.shape[1], block_rows)
     return pl.pallas_call(
         functools.partial(_add_rms_kernel, eps=float(epsilon)),
@@ -79,7 +79,6 @@ def fused_add_rms_norm_kernel(
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(residual.shape, residual.dtype),
         ],
-        input_output_aliases={0: 0, 1: 1},
         compiler_params=compiler_params("parallel"),
         interpret=interpret,
     )(x, residual, weight)

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._common import cdiv, compiler_params, vmem
+from ._common import cdiv, compiler_params, div, vmem
 
 #: Pages per grid step. 128 tokens per step keeps the MXU's kv dimension full for the
 #: common page size 16 (8 pages) and amortises the ~0.35 us per-step overhead; the
@@ -42,10 +42,10 @@ def default_pages_per_step(page_size: int) -> int:
 
 def _page_range(n, *, page_size: int, window_left: int):  # type: ignore[no-untyped-def]
     """First and last page (inclusive) holding a visible key of a sequence of n tokens."""
-    last = jnp.maximum(n - 1, 0) // page_size
+    last = div(jnp.maximum(n - 1, 0), page_size)
     first = jnp.int32(0)
     if window_left >= 0:
-        first = jnp.maximum(n - 1 - window_left, 0) // page_size
+        first = div(jnp.maximum(n - 1 - window_left, 0), page_size)
     return first, last
 
 
@@ -102,29 +102,33 @@ def _paged_kernel(bt_ref, sl_ref, q_ref, *refs, scale, softcap, window_left, pag
         o_ref[0] = out.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
 
-def paged_attention_kernel(
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    *,
-    scale: float | None = None,
-    window_left: int = -1,
-    softcap: float = 0.0,
-    pages_per_step: int | None = None,
-    interpret: bool = False,
-):  # type: ignore[no-untyped-def]
-    """One ``pallas_call``: query [N, Hq, D], caches [num_blocks, page_size, Hkv, D],
-    block_tables [N, max_pages] int32, seq_lens [N] int32 -> [N, Hq, D]."""
-    n_seqs, hq, d = query.shape
-    num_blocks, page_size, hkv = key_cache.shape[0], key_cache.shape[1], key_cache.shape[2]
-    max_pages = block_tables.shape[1]
+def resolve_pages_per_step(pages_per_step: int | None, page_size: int, max_pages: int) -> int:
+    """Pages per grid step actually used: the default for ``None``, at most ``max_pages``."""
     pps = default_pages_per_step(page_size) if pages_per_step is None else pages_per_step
     if not isinstance(pps, int) or pps <= 0:
         raise ValueError(f"argument 'pages_per_step' must be a positive int, got {pages_per_step}")
-    pps = min(pps, max_pages)
-    steps = cdiv(max_pages, pps)
+    return max(1, min(pps, max_pages))
+
+
+def paged_attention_call(
+    block_tables,
+    seq_lens,
+    query,
+    *caches,
+    scale: float | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    interpret: bool = False,
+):  # type: ignore[no-untyped-def]
+    """One ``pallas_call`` (the form torch_xla lowers): block_tables [N, max_pages] and
+    seq_lens [N] (int32, scalar-prefetched), query [N, Hq, D], then ``caches``: the key
+    cache ``pages_per_step`` times followed by the value cache as often (one operand per
+    page a step reads; the same array, no copy). -> [N, Hq, D]."""
+    pps = len(caches) // 2
+    n_seqs, hq, d = query.shape
+    key_cache = caches[0]
+    num_blocks, page_size, hkv = key_cache.shape[0], key_cache.shape[1], key_cache.shape[2]
+    steps = cdiv(block_tables.shape[1], pps)
 
     def page_spec(p: int):  # type: ignore[no-untyped-def]
         def index(s, step, bt_ref, sl_ref):  # type: ignore[no-untyped-def]
@@ -162,7 +166,29 @@ def paged_attention_kernel(
         out_shape=jax.ShapeDtypeStruct(query.shape, query.dtype),
         compiler_params=compiler_params("parallel", "arbitrary"),
         interpret=interpret,
-    )(block_tables, seq_lens, query, *([key_cache] * pps), *([value_cache] * pps))
+    )(block_tables, seq_lens, query, *caches)
+
+
+def paged_attention_kernel(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale: float | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    pages_per_step: int | None = None,
+    interpret: bool = False,
+):  # type: ignore[no-untyped-def]
+    """query [N, Hq, D], caches [num_blocks, page_size, Hkv, D], block_tables
+    [N, max_pages] int32, seq_lens [N] int32 -> [N, Hq, D]."""
+    pps = resolve_pages_per_step(pages_per_step, key_cache.shape[1], block_tables.shape[1])
+    return paged_attention_call(
+        block_tables, seq_lens, query, *([key_cache] * pps), *([value_cache] * pps),
+        scale=scale, window_left=window_left, softcap=softcap, interpret=interpret,
+    )  # fmt: skip
 
 
 def check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens) -> None:  # type: ignore[no-untyped-def]

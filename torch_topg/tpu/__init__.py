@@ -47,4 +47,7 @@ __all__ = [
 
 def jax_available() -> bool:
     """Whether JAX (with Pallas) can be imported; does not import it."""
-    return importlib.util.find_spec("jax") is not None
+    try:
+        return importlib.util.find_spec("jax") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a broken install
+        return False

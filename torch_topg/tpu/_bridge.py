@@ -88,7 +88,8 @@ class InterpretBackend:
             *(jnp.asarray(_to_numpy(t)) for t in tensors), **static
         )
         result = result if isinstance(result, (list, tuple)) else [result]
-        out = [_to_torch(r) for r in result]
+        device = tensors[0].device  # back where the inputs live (e.g. an XLA device)
+        out = [_to_torch(r).to(device) for r in result]
         for o, (shape, dtype) in zip(out, outs, strict=True):
             assert tuple(o.shape) == tuple(shape) and o.dtype == dtype, (
                 o.shape,

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from torch_topg import reference
 from torch_topg.ops import _library
 from torch_topg.tpu import _pallas
@@ -123,6 +125,32 @@ def _warn_once(op: str, reason: str) -> None:
     )
 
 
+def _to(x: Any, device: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(a, device) for a in x)
+    return x
+
+
+def _reference(op: str, ref: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run a reference for the XLA kernel: on the host for XLA tensors, results moved
+    back (in-place arguments copied back). The kernel runs below torch_xla's Functionalize
+    key, where the references' writes through views (``out[b] = ...``) are lost on raw
+    XLA tensors, and their data-dependent ``tolist()`` would sync anyway: this path is
+    for correctness on an XLA device without a TPU, not speed."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is None or device.type != "xla":
+        return ref(*args, **kwargs)
+    host_args, host_kwargs = _to(args, "cpu"), _to(kwargs, "cpu")
+    out = ref(*host_args, **host_kwargs)
+    schema = getattr(torch.ops.topg, op).default._schema
+    for i, arg in enumerate(schema.arguments[: len(args)]):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            args[i].copy_(host_args[i].to(device))
+    return _to(out, device)
+
+
 def xla_kernel(op: str) -> Callable[..., Any]:
     """The Python kernel registered for ``topg::<op>`` at the ``XLA`` key."""
     check, ref = _OPS[op]
@@ -137,7 +165,7 @@ def xla_kernel(op: str) -> Callable[..., Any]:
         if not reason:
             return impl(_backend(), *args, **kwargs)
         _warn_once(op, reason)
-        return ref(*args, **kwargs)
+        return _reference(op, ref, args, kwargs)
 
     kernel.__name__ = f"{op}_xla"
     return kernel

@@ -77,8 +77,10 @@ def _attn_kernel(
     def _step():  # type: ignore[no-untyped-def]
         kpos_col = k_first + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
         k_ok = kpos_col < sk  # padded rows of a partial kv block hold garbage (NaN)
-        q = q_ref[0, 0].astype(jnp.float32)  # [bq, D]
-        k = jnp.where(k_ok, k_ref[0, 0].astype(jnp.float32), 0.0)  # [bk, D]
+        # q.k in the storage dtype (bf16 products are exact in the fp32 accumulator, and
+        # bf16 runs the MXU at full rate); p.v in fp32 like the reference.
+        q = q_ref[0, 0]  # [bq, D]
+        k = jnp.where(k_ok, k_ref[0, 0], 0)  # [bk, D]
         v = jnp.where(k_ok, v_ref[0, 0].astype(jnp.float32), 0.0)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s = s * scale  # [bq, bk]

@@ -189,12 +189,16 @@ def _gmm_kernel(
         # Zero the contraction padding of a partial last K tile in both operands.
         kcol = kk * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_ok = kcol < k_total
-        x = jnp.where(k_ok, lhs_ref[...].astype(jnp.float32), 0.0)  # [bm, bk]
+        # Operands stay in their common dtype (bf16 x bf16 runs the MXU at full rate and
+        # its products are exact in the fp32 accumulator); fp32 lhs (the down projection's
+        # activations) promotes the weights.
+        dt = jnp.promote_types(lhs_ref.dtype, gate_ref.dtype)
+        x = jnp.where(k_ok, lhs_ref[...].astype(dt), 0)  # [bm, bk]
         dims = (((1,), (1,)), ((), ()))  # x @ w.T with w [bn, bk]: the MXU's native form
-        w = jnp.where(k_ok, gate_ref[0].astype(jnp.float32), 0.0)
+        w = jnp.where(k_ok, gate_ref[0].astype(dt), 0)
         acc_g[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
         if fused:
-            w = jnp.where(k_ok, up_ref[0].astype(jnp.float32), 0.0)
+            w = jnp.where(k_ok, up_ref[0].astype(dt), 0)
             acc_u[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
     @pl.when((kk == nk - 1) & (v < nv_ref[0]))

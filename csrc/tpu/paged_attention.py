@@ -69,13 +69,13 @@ def _paged_kernel(bt_ref, sl_ref, q_ref, *refs, scale, softcap, window_left, pag
         group = hq // hkv
         tokens = pps * page_size
         # [tokens, Hkv, D] -> [Hkv, tokens, D]
-        k = jnp.concatenate([r[0].astype(jnp.float32) for r in k_refs], axis=0)
+        k = jnp.concatenate([r[0] for r in k_refs], axis=0)  # q.k in the storage dtype
         v = jnp.concatenate([r[0].astype(jnp.float32) for r in v_refs], axis=0)
         pos_col = p0 * page_size + lax.broadcasted_iota(jnp.int32, (tokens, 1, 1), 0)
         ok_col = pos_col < n  # tokens past the end hold stale cache data: zero them
-        k = jnp.swapaxes(jnp.where(ok_col, k, 0.0), 0, 1)
+        k = jnp.swapaxes(jnp.where(ok_col, k, 0), 0, 1)
         v = jnp.swapaxes(jnp.where(ok_col, v, 0.0), 0, 1)
-        q = q_ref[0].astype(jnp.float32).reshape(hkv, group, d)
+        q = q_ref[0].astype(k.dtype).reshape(hkv, group, d)
         s = lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
         s = s * scale  # [Hkv, G, tokens]
         if softcap > 0:

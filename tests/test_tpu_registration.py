@@ -211,3 +211,15 @@ def test_import_without_jax_or_torch_xla():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ok" in res.stdout and "blocked: jax" in res.stdout
+
+
+def test_jax_api_runs_interpreted_off_tpu():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from torch_topg.tpu import jax_api
+
+    assert not jax_api.on_tpu()
+    x, w = torch.randn(3, 16), torch.randn(16)
+    out = jax_api.rms_norm(jnp.asarray(x.numpy()), jnp.asarray(w.numpy()), 1e-6)
+    assert_close(torch.from_numpy(jax.device_get(out).copy()), reference.rms_norm(x, w, 1e-6))

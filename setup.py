@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -69,6 +69,10 @@ class CMakeBuild(build_ext):
 
 
 setup(
+    # The Pallas kernels live in csrc/tpu beside the CPU and CUDA sources and ship as
+    # torch_topg._tpu_kernels (torch_topg/tpu/kernels.py loads them; docs/tpu.md).
+    packages=[*find_packages(include=["torch_topg", "torch_topg.*"]), "torch_topg._tpu_kernels"],
+    package_dir={"torch_topg._tpu_kernels": "csrc/tpu"},
     ext_modules=[CMakeExtension("torch_topg._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -12,6 +12,10 @@ __version__ = "0.1.0"
 
 _native.load()
 
+from torch_topg import tpu  # noqa: E402  (XLA-key kernels; imports no JAX / torch_xla)
+
+tpu.register_xla()
+
 from torch_topg import eager  # noqa: E402  (after load: enable() needs the native ops)
 from torch_topg.eager import disable, enable, enabled  # noqa: E402
 

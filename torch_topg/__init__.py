@@ -14,6 +14,7 @@ _native.load()
 
 from torch_topg import eager  # noqa: E402  (after load: enable() needs the native ops)
 from torch_topg.eager import disable, enable, enabled  # noqa: E402
+from torch_topg.offload import OffloadHandle, offload  # noqa: E402
 
 eager.install_transformers_hook()
 
@@ -25,6 +26,8 @@ __all__ = [
     "enabled",
     "explain",
     "native_available",
+    "offload",
+    "OffloadHandle",
     "ops",
     "reference",
 ]

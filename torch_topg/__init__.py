@@ -19,6 +19,7 @@ from torch_topg.offload import OffloadHandle, offload  # noqa: E402
 eager.install_transformers_hook()
 
 __all__ = [
+    "OffloadHandle",
     "__version__",
     "disable",
     "eager",
@@ -27,7 +28,6 @@ __all__ = [
     "explain",
     "native_available",
     "offload",
-    "OffloadHandle",
     "ops",
     "reference",
 ]

@@ -6,7 +6,6 @@ import os
 import tempfile
 import warnings
 import weakref
-from collections import Counter
 from pathlib import Path
 from typing import Any
 

@@ -89,7 +89,7 @@ class CudaBackend:
                     raise Cancelled
                 n = src.numel()
                 dst = slot.buf[off : off + n]
-                if src.is_pinned() or not self._pin and src.device.type != "cpu":
+                if src.is_pinned():  # source="cpu", pinned once: straight DMA
                     dst.copy_(src, non_blocking=True)
                 else:
                     if bounce is None:

@@ -176,7 +176,7 @@ class Reader:
                 copied = True
             except Cancelled as e:
                 error = e
-            except BaseException as e:  # noqa: BLE001  (re-raised at wait() of this layer)
+            except BaseException as e:  # re-raised at wait() of this layer
                 error = e
             finally:
                 try:

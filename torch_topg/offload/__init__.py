@@ -7,6 +7,6 @@ See docs/offload.md. ``offload(model, ...)`` returns an :class:`OffloadHandle`.
 from __future__ import annotations
 
 from torch_topg.offload.api import OffloadHandle, find_layers, offload
-from torch_topg.offload.engine import TestHooks
+from torch_topg.offload.engine import FaultHooks
 
-__all__ = ["OffloadHandle", "TestHooks", "find_layers", "offload"]
+__all__ = ["FaultHooks", "OffloadHandle", "find_layers", "offload"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_topg.offload.engine import Engine, LayerInfo, TestHooks, placeholder
+from torch_topg.offload.engine import Engine, FaultHooks, LayerInfo, placeholder
 from torch_topg.offload.pool import Layout
 from torch_topg.offload.reader import CpuBackend
 from torch_topg.offload.source import (
@@ -196,7 +196,7 @@ def offload(
     *,
     read_bandwidth: float | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    _hooks: TestHooks | None = None,
+    _hooks: FaultHooks | None = None,
 ) -> OffloadHandle:
     """Run ``model`` with the weights of its decoder layers streamed in ahead of use.
 

@@ -39,7 +39,7 @@ class LayerInfo:
 
 
 @dataclasses.dataclass
-class TestHooks:
+class FaultHooks:
     """Fault injection for the hazard tests: called in the reader before each copy and
     in the compute thread after a layer's weights are bound."""
 
@@ -63,12 +63,12 @@ class Engine:
         depth: int,
         read_bandwidth: float | None,
         resident_bytes: int,
-        hooks: TestHooks | None = None,
+        hooks: FaultHooks | None = None,
     ) -> None:
         self.layers = {info.index: info for info in layers}
         self.backend = backend
         self.depth = depth
-        self.hooks = hooks or TestHooks()
+        self.hooks = hooks or FaultHooks()
         self.lock = threading.Lock()
         self.closed = False
         self.order = LayerOrder(n_layers, [info.index for info in layers])
@@ -231,7 +231,11 @@ class Engine:
         for t, v in zip(info.tensors, info.layout.views(slot.buf), strict=True):
             t.data = v
         if self.hooks.after_bind is not None:
-            self.hooks.after_bind(i)
+            try:
+                self.hooks.after_bind(i)
+            except BaseException:
+                self.release(i)
+                raise
 
     def release(self, i: int) -> None:
         """Point layer ``i``'s tensors back at placeholders; its slot may be reused (its

@@ -197,6 +197,7 @@ def offload(
     read_bandwidth: float | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     _hooks: FaultHooks | None = None,
+    _backend: Any = None,
 ) -> OffloadHandle:
     """Run ``model`` with the weights of its decoder layers streamed in ahead of use.
 
@@ -220,7 +221,8 @@ def offload(
         raise TypeError(f"offload: model must be an nn.Module, got {type(model).__name__}")
     if "_topg_offload" in model.__dict__:
         raise RuntimeError("offload: model is already offloaded; close() its handle first")
-    dev = _device(device)
+    # `_backend`: a stand-in device backend (tests of the CUDA schedule without a GPU)
+    dev = _backend.device if _backend is not None else _device(device)
     path, blocks = find_layers(model, layers)
     n = len(blocks)
     _check_args(source, prefetch_depth, resident_layers, n, read_bandwidth)
@@ -250,8 +252,10 @@ def offload(
         for t in {id(t): t for t in blocks[i].parameters()}.values()
     )
 
-    backend: Any
-    if dev.type == "cuda":
+    backend: Any = _backend
+    if backend is not None:
+        pass
+    elif dev.type == "cuda":
         from torch_topg.offload.cuda import CudaBackend
 
         backend = CudaBackend(dev, pin_memory=pin_memory)

@@ -311,7 +311,7 @@ def offload(
                 name=f"{path}.{i}",
                 tensors=tensors,
                 sources=sources,
-                layout=Layout.of(named),
+                layout=Layout.of(named, getattr(backend, "align", 64)),
                 placeholders=[
                     placeholder(t.detach().to(dev)) if t.device != dev else placeholder(t)
                     for t in tensors

@@ -37,6 +37,7 @@ class SlotEvents:
 
 class CudaBackend:
     name = "cuda"
+    align = 512  # the CUDA caching allocator's alignment
 
     def __init__(
         self,

@@ -1,8 +1,9 @@
 """The bounded slot pool: ``prefetch_depth + 1`` buffers, each as large as the largest layer.
 
 A layer's tensors are laid out in a slot back to back, each at an offset aligned to
-64 bytes (the CPU allocator's alignment, so kernels see the same alignment as for an
-ordinary tensor and give bitwise the same results). A slot is tagged with the layer it
+the device allocator's alignment (64 bytes on the CPU, 512 on CUDA), so kernels see
+the same alignment as for an ordinary tensor and pick the same code paths: the results
+are bitwise those of the all-resident model. A slot is tagged with the layer it
 holds and a generation number that changes on every reassignment: a stale tag can never
 be mistaken for the current contents.
 """
@@ -38,12 +39,12 @@ class Layout:
     payload: int  # sum of the tensors' bytes (what is copied)
 
     @staticmethod
-    def of(named: list[tuple[str, torch.Tensor]]) -> Layout:
+    def of(named: list[tuple[str, torch.Tensor]], align: int = ALIGN) -> Layout:
         entries = []
         offset = 0
         payload = 0
         for name, t in named:
-            offset = -(-offset // ALIGN) * ALIGN
+            offset = -(-offset // align) * align
             nbytes = t.numel() * t.element_size()
             entries.append(Entry(name, offset, nbytes, t.dtype, tuple(t.shape)))
             offset += nbytes

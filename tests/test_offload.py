@@ -252,3 +252,16 @@ def test_bad_model_and_double_offload() -> None:
 def test_cuda_device_without_cuda() -> None:
     with pytest.raises(RuntimeError, match="no CUDA device"):
         torch_topg.offload(tiny(layers=2), device="cuda")
+
+
+def test_offload_again_after_close() -> None:
+    """After close() the layers are views of one memory map (one storage); offloading
+    that model again must still move every layer (sharing is by byte range, not by
+    storage)."""
+    ref = tiny(layers=3)
+    expected = logits(ref)
+    model = tiny(layers=3)
+    quiet_offload(model, source="disk").close()
+    with quiet_offload(model, source="disk", prefetch_depth=1) as h:
+        assert torch.equal(logits(model), expected)
+        assert h.stats()["bytes_moved"] >= h.info["offloaded_bytes"] > 0

@@ -86,20 +86,38 @@ def _device(device: Any) -> torch.device:
 
 
 def _owners(model: nn.Module, prefix: str, offloaded: set[int]) -> dict[int, set[object]]:
-    """storage pointer -> the owners of that storage: an offloaded layer index, or "R"
-    for anything resident (outside the block list, or a resident layer)."""
-    owners: dict[int, set[object]] = {}
+    """id(tensor) -> the owners of the memory it lies in: an offloaded layer index, or
+    "R" for anything resident (outside the block list, or a resident layer). Tensors whose
+    byte ranges overlap (the same parameter registered twice, views of one another) form
+    one group with the union of their owners; views of one large buffer that do not
+    overlap (e.g. every tensor of a memory-mapped file) stay separate."""
     items = list(model.named_parameters(remove_duplicate=False)) + list(
         model.named_buffers(remove_duplicate=False)
     )
+    spans = []
     for name, t in items:
+        if t.numel() == 0:
+            continue
         owner: object = "R"
         if name.startswith(prefix + "."):
             idx = int(name[len(prefix) + 1 :].split(".", 1)[0])
             if idx in offloaded:
                 owner = idx
-        owners.setdefault(t.untyped_storage().data_ptr(), set()).add(owner)
-    return owners
+        start = t.data_ptr()
+        spans.append((t.device.type, start, start + t.numel() * t.element_size(), owner, id(t)))
+    spans.sort(key=lambda sp: (sp[0], sp[1]))
+    groups: list[tuple[set[object], list[int]]] = []
+    end = -1
+    dev = None
+    for d, s, e, owner, tid in spans:
+        if groups and d == dev and s < end:
+            groups[-1][0].add(owner)
+            groups[-1][1].append(tid)
+            end = max(end, e)
+        else:
+            groups.append(({owner}, [tid]))
+            dev, end = d, e
+    return {tid: owners for owners, tids in groups for tid in tids}
 
 
 class OffloadHandle:
@@ -239,8 +257,7 @@ def offload(
             blocks[i].named_buffers(remove_duplicate=False)
         )
         for name, t in items:
-            key = t.untyped_storage().data_ptr()
-            if id(t) in seen or t.numel() == 0 or owners.get(key) != {i}:
+            if id(t) in seen or t.numel() == 0 or owners.get(id(t)) != {i}:
                 continue
             seen.add(id(t))
             named.append((f"{path}.{i}.{name}", t))

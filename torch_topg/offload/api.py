@@ -329,10 +329,7 @@ def offload(
                 tensors=tensors,
                 sources=sources,
                 layout=Layout.of(named, getattr(backend, "align", 64)),
-                placeholders=[
-                    placeholder(t.detach().to(dev)) if t.device != dev else placeholder(t)
-                    for t in tensors
-                ],
+                placeholders=[placeholder(t, dev) for t in tensors],
             )
         )
     # everything else stays (or becomes) resident on the device

@@ -47,11 +47,12 @@ class FaultHooks:
     after_bind: Callable[[int], None] | None = None
 
 
-def placeholder(t: torch.Tensor) -> torch.Tensor:
-    """A stand-in with ``t``'s shape and dtype backed by one element: NaN for floating
-    types, so a use outside wait/release shows up instead of computing with old data."""
+def placeholder(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A stand-in on ``device`` with ``t``'s shape and dtype backed by one element: NaN
+    for floating types, so a use outside wait/release shows up instead of computing
+    with old data."""
     fill = float("nan") if (t.is_floating_point() or t.is_complex()) else 0
-    return torch.full((), fill, dtype=t.dtype, device=t.device).expand(t.shape)
+    return torch.full((), fill, dtype=t.dtype, device=device).expand(t.shape)
 
 
 class Engine:
@@ -69,7 +70,9 @@ class Engine:
         self.backend = backend
         self.depth = depth
         self.hooks = hooks or FaultHooks()
-        self.lock = threading.Lock()
+        # re-entrant: a garbage collection inside a locked region may run the finalizer
+        # of this very handle (close() takes the lock) on the same thread
+        self.lock = threading.RLock()
         self.closed = False
         self.order = LayerOrder(n_layers, [info.index for info in layers])
         largest = max((info.layout.nbytes for info in layers), default=0)

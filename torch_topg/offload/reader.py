@@ -115,7 +115,7 @@ class Reader:
     def __init__(
         self,
         backend,  # type: ignore[no-untyped-def]
-        lock: threading.Lock,
+        lock: threading.RLock,
         on_done: Callable[[Job, BaseException | None, float, bool], None],
         bandwidth: float | None,
         before_copy: Callable[[int], None] | None = None,

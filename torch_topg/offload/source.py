@@ -36,7 +36,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-# Data offsets are aligned so that copies from the map start on cache-line boundaries.
+# The data section of files we write starts on a cache-line boundary.
 _ALIGN = 64
 
 
@@ -141,41 +141,39 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (CPU, any strides) as a safetensors file, data aligned to 64 bytes.
+    """Write ``tensors`` (any device, any strides) as a safetensors file.
 
+    The format wants the data packed without gaps, so tensors cannot each be padded to
+    64 bytes; instead the data section starts 64-byte aligned (the header is padded
+    with spaces, as the format allows) and tensors are written largest element size
+    first, so each is naturally aligned for its dtype and can be viewed in place (and
+    weight matrices, whose sizes are multiples of 64 bytes, stay 64-byte aligned).
     Written to a temporary name and renamed, so a reader never sees half a file.
     """
     path = Path(path)
-    header: dict[str, object] = {}
-    offset = 0
-    items = []
     for name, t in tensors.items():
         if t.dtype not in _NAMES:
             raise ValueError(f"offload: cannot store {name!r} of dtype {t.dtype} in safetensors")
-        offset = -(-offset // _ALIGN) * _ALIGN
+    order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
+    header: dict[str, object] = {}
+    offset = 0
+    for name, t in order:
         nbytes = t.numel() * t.element_size()
         header[name] = {
             "dtype": _NAMES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
-        items.append((offset, t))
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    # pad the header so the data section starts 64-byte aligned in the file
     blob += b" " * ((-(8 + len(blob))) % _ALIGN)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        pos = 0
-        for off, t in items:
-            if off > pos:
-                f.write(b"\0" * (off - pos))
-                pos = off
-            raw = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-            f.write(raw.tobytes() if raw.size else b"")
-            pos += raw.size
+        for _, t in order:
+            if t.numel():
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     os.replace(tmp, path)
 
 

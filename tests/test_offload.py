@@ -265,3 +265,22 @@ def test_offload_again_after_close() -> None:
     with quiet_offload(model, source="disk", prefetch_depth=1) as h:
         assert torch.equal(logits(model), expected)
         assert h.stats()["bytes_moved"] >= h.info["offloaded_bytes"] > 0
+
+
+def test_changed_order_fetched_synchronously_then_relearned() -> None:
+    """A forward that departs from the learned order is still exact (the missing layers
+    are read at their use, never stale), and the next forward predicts the new order."""
+    ref = Scripted(6, list(range(6)))
+    x = torch.randn(3, 32)
+    model = copy.deepcopy(ref)
+    h = quiet_offload(model, layers="blocks", source="disk", prefetch_depth=2)
+    new = [5, 3, 1, 0, 2, 4]
+    with torch.no_grad():
+        for seq, missed in ((list(range(6)), None), (new, True), (new, False)):
+            ref.sequence = model.sequence = seq
+            h.reset_stats()
+            assert torch.equal(bounded(lambda: model(x)), ref(x))
+            if missed is not None:
+                assert (h.stats()["sync_fetches"] > 0) is missed
+        assert h.stats()["order"] == new
+    h.close()

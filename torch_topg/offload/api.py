@@ -241,6 +241,13 @@ def offload(
         raise RuntimeError("offload: model is already offloaded; close() its handle first")
     # `_backend`: a stand-in device backend (tests of the CUDA schedule without a GPU)
     dev = _backend.device if _backend is not None else _device(device)
+    if dev.type == "cpu" and _backend is None:
+        elsewhere = {t.device.type for t in model.parameters()} - {"cpu"}
+        if elsewhere:
+            raise ValueError(
+                f"offload: device='cpu' but the model has weights on {sorted(elsewhere)}; "
+                "move it to the host first (model.cpu())"
+            )
     path, blocks = find_layers(model, layers)
     n = len(blocks)
     _check_args(source, prefetch_depth, resident_layers, n, read_bandwidth)

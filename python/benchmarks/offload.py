@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -145,6 +146,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer runs, unthrottled at depth 1 only")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--models", default="smollm2,mixtral-360m")
+    ap.add_argument("--md", default=None, help="also write the table to this file")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # transformers' and torch's notices, not ours to show
     rows: list[dict] = []
@@ -159,13 +161,20 @@ def main() -> None:
         else:
             model = build_model(name, torch.float32)
         rows += bench_model(name, model, args.tokens, args.quick)
+        print(f"{name}: done", file=sys.stderr, flush=True)  # progress (the table is last)
         del model
-    print(
-        f"prefill of {args.tokens} tokens, fp32, {torch.get_num_threads()} threads, source='disk'"
+    text = "\n".join(
+        [
+            f"prefill of {args.tokens} tokens, fp32, {torch.get_num_threads()} threads, "
+            "weights on disk (memory-mapped safetensors)",
+            "",
+            to_markdown(rows),
+            *notes,
+        ]
     )
-    print(to_markdown(rows))
-    for n in notes:
-        print(n)
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -53,10 +53,15 @@ def timed(fn: Callable[[], object], runs: int) -> float:
     return statistics.median(times)
 
 
-def read_all(h: torch_topg.OffloadHandle) -> None:
-    for i in h.layers:
-        h.wait(i)
-        h.release(i)
+def read_only(model: torch.nn.Module, file: Path, throttle: float | None) -> None:
+    """The reader alone over every offloaded layer (a fresh handle: an empty pool, so a
+    model with few layers is not served from the slots), read ahead one layer."""
+    with torch_topg.offload(
+        model, device="cpu", source=file, prefetch_depth=1, read_bandwidth=throttle
+    ) as h:
+        for i in h.layers:
+            h.wait(i)
+            h.release(i)
 
 
 def bench_model(name: str, model: torch.nn.Module, tokens: int, quick: bool) -> list[dict]:
@@ -78,16 +83,14 @@ def bench_model(name: str, model: torch.nn.Module, tokens: int, quick: bool) -> 
         h = torch_topg.offload(model, device="cpu", source="disk", cache_dir=folder)
         total = h.info["offloaded_bytes"]
         largest = h.stats()["largest_layer_bytes"]
+        n_layers = len(h.layers)
         h.close()
         file = next(Path(folder).glob("*.safetensors"))
         bw = float(f"{total / compute:.2g}")  # reading everything takes about `compute`
         rows = []
         for throttle in (bw, None):
-            with torch_topg.offload(
-                model, device="cpu", source=file, prefetch_depth=2, read_bandwidth=throttle
-            ) as h:
-                read = timed(lambda h=h: read_all(h), runs)
-            first = largest / throttle if throttle else read / len(h.layers)
+            read = timed(lambda t=throttle: read_only(model, file, t), runs)
+            first = largest / throttle if throttle else read / n_layers
             for depth in (0, 1, 2, 3) if (throttle or not quick) else (1,):
                 # compute-only again right before each case: the machine's load drifts
                 compute = timed(fwd, runs)

@@ -104,16 +104,18 @@ class Engine:
             return  # reassigned meanwhile (cannot happen while copying; defensive)
         if error is None:
             slot.state = State.READY
-        else:
+        elif isinstance(error, Cancelled):
             slot.state = State.EMPTY
-            slot.error = None if isinstance(error, Cancelled) else error
+        else:  # kept (not re-read) until the layer's use, which raises it
+            slot.state = State.FAILED
+            slot.error = error
 
     # ---------------------------------------------------------------- scheduling
     def _resident_now(self) -> int:
         held = sum(
             self.layers[s.layer].layout.payload
             for s in self.pool.slots
-            if s.state is not State.EMPTY and s.layer is not None
+            if s.state in (State.LOADING, State.READY) and s.layer is not None
         )
         return self.resident_bytes + held
 

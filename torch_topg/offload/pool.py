@@ -62,6 +62,7 @@ class State(enum.Enum):
     EMPTY = "empty"  # holds nothing valid
     LOADING = "loading"  # a copy is queued or running
     READY = "ready"  # holds `layer` (kept after a use too: a cache hit next time)
+    FAILED = "failed"  # the copy for `layer` failed: `error` is raised at its use
 
 
 class Slot:

@@ -175,7 +175,8 @@ class Engine:
         with self.lock:
             self._info(i, "prefetch")
             if self.pool.holding(i) is None:
-                slot = self._victim([], allow_copying=False)
+                # evict what the predicted order needs last
+                slot = self._victim(self.order.upcoming(self.depth), allow_copying=False)
                 if slot is not None:
                     self._assign(slot, i, urgent=False)
 

@@ -110,11 +110,19 @@ def test_close_while_compute_waits() -> None:
     forward raises instead of hanging."""
     model = tiny()
     h = quiet_offload(model, source="disk", prefetch_depth=1, read_bandwidth=2e5)
-    timer = threading.Timer(0.3, h.close)
-    timer.start()
+
+    def close_once_forward_started() -> None:
+        deadline = time.monotonic() + 10
+        while h._engine.order._recording is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # layer 0 takes ~2 s to read at 200 kB/s: compute is waiting
+        h.close()
+
+    closer = threading.Thread(target=close_once_forward_started, daemon=True)
+    closer.start()
     with pytest.raises(RuntimeError, match="closed"):
         bounded(lambda: logits(model), timeout=20)
-    timer.join(10)
+    closer.join(10)
     assert h.closed
 
 

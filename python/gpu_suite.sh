@@ -9,7 +9,8 @@
 # 4. runs the GPU benchmarks (CUDA events, warm-up, median) against the issue's targets.
 # Logs and the results table go to $OUT (the device tool's output folder; ./gpu_out if
 # unset): summary.md, env.txt, build.log, tests.log, sanitizer.log, bench.log,
-# results.md, results.json (8 files). Each stage has a time limit; the whole suite is
+# results.md, results.json, offload_tests.log, offload_bench.log, offload.md (11 files).
+# Each stage has a time limit; the whole suite is
 # meant to finish in under 8 minutes. The exit code is non-zero if a stage failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +65,12 @@ export TOPG_NATIVE_DIR="$BUILD/out"
 stage tests 150 "$OUT/tests.log" env TOPG_REQUIRE_NATIVE=1 "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/test_cuda_ops.py tests/test_cuda_attention.py
 
+# offload (issue 7): bitwise vs resident on the GPU, then H2D rate and offloaded forward
+stage offload-tests 90 "$OUT/offload_tests.log" "$PY" -m pytest -q -rs -s -p no:cacheprovider \
+  tests/test_cuda_offload.py
+stage offload-bench 90 "$OUT/offload_bench.log" "$PY" python/benchmarks/gpu/offload_h2d.py \
+  --quick --md "$OUT/offload.md"
+
 if command -v compute-sanitizer >/dev/null; then
   stage sanitizer 90 "$OUT/sanitizer.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
     "$PY" python/benchmarks/gpu/sanitize_cases.py
@@ -74,5 +81,6 @@ fi
 stage benchmarks 110 "$OUT/bench.log" "$PY" python/benchmarks/gpu/bench_gpu.py \
   --md "$OUT/results.md" --json "$OUT/results.json"
 if [ -f "$OUT/results.md" ]; then cat "$OUT/results.md"; fi
+if [ -f "$OUT/offload.md" ]; then cat "$OUT/offload.md"; fi
 note "done in $(($(date +%s) - start)) s, status $status"
 exit "$status"

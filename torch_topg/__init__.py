@@ -18,10 +18,12 @@ tpu.register_xla()
 
 from torch_topg import eager  # noqa: E402  (after load: enable() needs the native ops)
 from torch_topg.eager import disable, enable, enabled  # noqa: E402
+from torch_topg.offload import OffloadHandle, offload  # noqa: E402
 
 eager.install_transformers_hook()
 
 __all__ = [
+    "OffloadHandle",
     "__version__",
     "disable",
     "eager",
@@ -29,6 +31,7 @@ __all__ = [
     "enabled",
     "explain",
     "native_available",
+    "offload",
     "ops",
     "reference",
 ]

@@ -164,7 +164,7 @@ class OffloadHandle:
         ``peak_resident_bytes`` and its bound, per-layer ``fetches``, ``sync_fetches``
         (layers used out of the predicted order), the learned ``order``, and ``io``: how
         layers are read ("direct", "mmap", or "memory" for source="cpu"), with
-        ``io_reason`` saying why io="auto" chose "mmap" ("" otherwise)."""
+        ``io_reason`` saying why direct I/O is not used ("" when it is)."""
         return {**self._engine.stats(), "io": self.info["io"], "io_reason": self.info["io_reason"]}
 
     def reset_stats(self) -> None:

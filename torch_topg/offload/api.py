@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_topg.offload import direct
 from torch_topg.offload.engine import Engine, FaultHooks, LayerInfo, placeholder
 from torch_topg.offload.pool import Layout
 from torch_topg.offload.reader import CpuBackend
@@ -58,7 +59,12 @@ def find_layers(model: nn.Module, layers: str = "auto") -> tuple[str, nn.ModuleL
     return best[1], best[2]
 
 
-def _check_args(source: Any, depth: Any, resident: Any, n: int, bandwidth: Any) -> None:
+IO_MODES = ("auto", "mmap", "direct")
+
+
+def _check_args(source: Any, depth: Any, resident: Any, n: int, bandwidth: Any, io: Any) -> None:
+    if not isinstance(io, str) or io not in IO_MODES:
+        raise ValueError(f"offload: io must be 'auto', 'mmap' or 'direct', got {io!r}")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"offload: prefetch_depth must be an int >= 0, got {depth!r}")
     if isinstance(resident, bool) or not isinstance(resident, int) or not 0 <= resident <= n:
@@ -156,8 +162,10 @@ class OffloadHandle:
         """``bytes_moved``, ``read_s`` (reader busy time), ``stall_s`` (compute thread
         blocked in ``wait``), ``overlap`` (1 - stall_s / read_s, clamped to [0, 1]),
         ``peak_resident_bytes`` and its bound, per-layer ``fetches``, ``sync_fetches``
-        (layers used out of the predicted order), the learned ``order``."""
-        return self._engine.stats()
+        (layers used out of the predicted order), the learned ``order``, and ``io``: how
+        layers are read ("direct", "mmap", or "memory" for source="cpu"), with
+        ``io_reason`` saying why direct I/O is not used ("" when it is)."""
+        return {**self._engine.stats(), "io": self.info["io"], "io_reason": self.info["io_reason"]}
 
     def reset_stats(self) -> None:
         self._engine.reset_stats()
@@ -214,6 +222,7 @@ def offload(
     *,
     read_bandwidth: float | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    io: str = "auto",
     _hooks: FaultHooks | None = None,
     _backend: Any = None,
 ) -> OffloadHandle:
@@ -234,6 +243,13 @@ def offload(
             storage; all copies, prefetch or synchronous, share it).
         cache_dir: folder for source="disk"'s file (kept there; default: a temporary
             file removed when the last view of it is gone).
+        io: how layers are read from a file source on the CPU: ``"mmap"`` (copied out
+            of a memory map by the reader thread), ``"direct"`` (``O_DIRECT`` reads
+            into the pool: the storage device's DMA, no CPU copy, no page cache), or
+            ``"auto"``: ``"direct"`` when every file accepts ``O_DIRECT`` (probed once
+            per file) and the offloaded tensors lie at 64-byte file offsets, else
+            ``"mmap"`` (``stats()["io_reason"]`` says why). ``"direct"`` raises if the
+            file system refuses ``O_DIRECT``; it needs a file source and device="cpu".
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload: model must be an nn.Module, got {type(model).__name__}")
@@ -250,7 +266,11 @@ def offload(
             )
     path, blocks = find_layers(model, layers)
     n = len(blocks)
-    _check_args(source, prefetch_depth, resident_layers, n, read_bandwidth)
+    _check_args(source, prefetch_depth, resident_layers, n, read_bandwidth, io)
+    if io == "direct" and (dev.type != "cpu" or _backend is not None):
+        raise ValueError(f"offload: io='direct' is supported on device='cpu' only, not {dev}")
+    if io == "direct" and source == "cpu":
+        raise ValueError("offload: io='direct' needs a file source (source='disk' or a path)")
     offloaded = list(range(resident_layers, n))
     owners = _owners(model, path, set(offloaded))
 
@@ -289,6 +309,7 @@ def offload(
     # weights -> source
     src_label = str(source)
     wsrc: WeightSource
+    io_used, io_reason = ("memory" if source == "cpu" else "mmap"), ""
     all_named = {name: t for i in offloaded for name, t in per_layer[i]}
     if source == "cpu":
         wsrc = MemorySource(
@@ -309,6 +330,7 @@ def offload(
             file = folder / "weights.safetensors"
         write_safetensors(file, {k: t.detach() for k, t in all_named.items()})
         wsrc = SafetensorsSource([file])
+        backend, io_used, io_reason = _choose_io(io, backend, wsrc, per_layer, fresh=True)
         if cache_dir is None:  # the map keeps the data alive; the name is not needed
             file.unlink()
             folder.rmdir()
@@ -323,6 +345,7 @@ def offload(
                     f"offload: source tensor {k!r} is {tuple(s.shape)} {s.dtype}; the model "
                     f"has {tuple(t.shape)} {t.dtype}"
                 )
+        backend, io_used, io_reason = _choose_io(io, backend, wsrc, per_layer, fresh=False)
 
     infos = []
     for i in offloaded:
@@ -335,7 +358,11 @@ def offload(
                 name=f"{path}.{i}",
                 tensors=tensors,
                 sources=sources,
-                layout=Layout.of(named, getattr(backend, "align", 64)),
+                layout=(
+                    direct.layout(named, wsrc.extent)  # type: ignore[attr-defined]
+                    if io_used == "direct"
+                    else Layout.of(named, getattr(backend, "align", 64))
+                ),
                 placeholders=[placeholder(t, dev) for t in tensors],
             )
         )
@@ -351,7 +378,15 @@ def offload(
     engine = Engine(infos, n, backend, prefetch_depth, read_bandwidth, resident_bytes, _hooks)
     total = sum(info.layout.payload for info in infos)
     handle = OffloadHandle(
-        model, engine, wsrc, device=dev, source=src_label, layers_path=path, offloaded_bytes=total
+        model,
+        engine,
+        wsrc,
+        device=dev,
+        source=src_label,
+        layers_path=path,
+        offloaded_bytes=total,
+        io=io_used,
+        io_reason=io_reason,
     )
     _install(model, blocks, engine, handle)
     _warn_if_fits(dev, source, total)
@@ -359,6 +394,39 @@ def offload(
     with engine.lock:
         engine._schedule()  # the first layers start reading now
     return handle
+
+
+def _choose_io(
+    io: str,
+    backend: Any,
+    wsrc: SafetensorsSource,
+    per_layer: dict[int, list[tuple[str, torch.Tensor]]],
+    fresh: bool,
+) -> tuple[Any, str, str]:
+    """(backend, io mode, why not "direct") for a file source. ``fresh``: we just wrote
+    the file (its pages are dirty in the page cache: flushed and dropped for direct I/O,
+    so the data is held once, on disk)."""
+    if io == "mmap" or not isinstance(backend, CpuBackend) or type(backend) is not CpuBackend:
+        return backend, "mmap", "io='mmap'" if io == "mmap" else "not a CPU device"
+    for f in wsrc.files:
+        why = direct.probe(f)
+        if why:
+            if io == "direct":
+                raise ValueError(f"offload: io='direct' but {why}")
+            return backend, "mmap", why
+    named = [nt for layer in per_layer.values() for nt in layer]
+    why = direct.misaligned(named, wsrc.extent)
+    if why:
+        if io == "direct":
+            warnings.warn(f"offload: io='direct' falls back to 'mmap': {why}", stacklevel=3)
+        return backend, "mmap", why
+    new = direct.DirectBackend(backend.device, wsrc.files)
+    if fresh:
+        for fd in new.fds:
+            os.fsync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return new, "direct", ""
 
 
 def _install(

@@ -31,12 +31,24 @@ class Entry:
 
 
 @dataclasses.dataclass(frozen=True)
+class Read:
+    """One page-aligned file region read into a slot by direct I/O (``direct.py``)."""
+
+    file: int  # index into the source's files
+    file_offset: int  # multiple of the page size
+    slot_offset: int  # multiple of the page size
+    nbytes: int  # multiple of the page size (may run past the end of the file)
+    needed: int  # bytes that must arrive (the last tensor's end); a short tail is fine
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """Where each tensor of one layer lies in a slot."""
 
     entries: tuple[Entry, ...]
     nbytes: int  # end of the last tensor (the slot bytes this layer needs)
     payload: int  # sum of the tensors' bytes (what is copied)
+    reads: tuple[Read, ...] = ()  # direct I/O only: the file regions to read
 
     @staticmethod
     def of(named: list[tuple[str, torch.Tensor]], align: int = ALIGN) -> Layout:

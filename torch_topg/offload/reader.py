@@ -73,6 +73,7 @@ class CpuBackend:
     """The pool lives in host memory; a copy is a chunked memmove."""
 
     name = "cpu"
+    io = "mmap"
     align = 64  # the CPU allocator's alignment
 
     def __init__(self, device: torch.device) -> None:

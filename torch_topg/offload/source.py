@@ -36,8 +36,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-# The data section of files we write starts on a cache-line boundary.
+# Files we write put every tensor on a cache-line boundary (see write_safetensors).
 _ALIGN = 64
+# Names of the filler tensors that pad our files' tensors to _ALIGN (skipped on read).
+_PAD = "__topg_pad_"
 
 
 class WeightSource:
@@ -70,21 +72,33 @@ class MemorySource(WeightSource):
 
 
 class SafetensorsSource(WeightSource):
-    """One or more safetensors files, memory-mapped; tensors are views of the maps."""
+    """One or more safetensors files, memory-mapped; tensors are views of the maps.
+
+    ``extent(name)`` says where a tensor's bytes lie: (index into ``files``, byte offset
+    in that file, nbytes); the direct-I/O reader reads them from the file itself.
+    """
 
     def __init__(self, files: Iterable[str | os.PathLike[str]]) -> None:
         self._tensors: dict[str, torch.Tensor] = {}
+        self._extents: dict[str, tuple[int, int, int]] = {}
         self.files = [Path(f) for f in files]
         if not self.files:
             raise ValueError("offload: source names no safetensors file")
-        for f in self.files:
-            for name, t in read_safetensors(f).items():
+        for k, f in enumerate(self.files):
+            spans: dict[str, tuple[int, int]] = {}
+            for name, t in read_safetensors(f, spans).items():
                 if name in self._tensors:
                     raise ValueError(f"offload: source tensor {name!r} appears in two files")
                 self._tensors[name] = t
+            for name, (off, nbytes) in spans.items():
+                self._extents[name] = (k, off, nbytes)
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._tensors[name]
+
+    def extent(self, name: str) -> tuple[int, int, int]:
+        """(file index, byte offset in the file, nbytes) of tensor ``name``."""
+        return self._extents[name]
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -93,8 +107,14 @@ class SafetensorsSource(WeightSource):
         self._tensors = {}
 
 
-def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a zero-copy view of a private memory map."""
+def read_safetensors(
+    path: str | os.PathLike[str], spans: dict[str, tuple[int, int]] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a zero-copy view of a private memory map.
+
+    ``spans``, if given, receives ``name -> (byte offset in the file, nbytes)``.
+    Padding tensors written by :func:`write_safetensors` are left out.
+    """
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -112,7 +132,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             return {
                 k: torch.empty(v["shape"], dtype=_DTYPES[v["dtype"]])
                 for k, v in header.items()
-                if k != "__metadata__"
+                if k != "__metadata__" and not k.startswith(_PAD)
             }
         # ACCESS_COPY: a private mapping, writable in Python's eyes (torch.frombuffer
         # wants that) but never written back; nothing is copied until a page is written.
@@ -120,7 +140,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     data = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive while views exist
     out: dict[str, torch.Tensor] = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or name.startswith(_PAD):
             continue
         if info["dtype"] not in _DTYPES:
             raise ValueError(
@@ -132,6 +152,8 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         end += 8 + n
         if not (8 + n <= begin <= end <= size):
             raise ValueError(f"offload: {path}: tensor {name!r} lies outside the file")
+        if spans is not None:
+            spans[name] = (begin, end - begin)
         raw = data[begin:end]
         if raw.numel() % dtype.itemsize or (begin % dtype.itemsize):
             # unaligned for its dtype: a view cannot be taken, copy this one tensor
@@ -143,27 +165,38 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> None:
     """Write ``tensors`` (any device, any strides) as a safetensors file.
 
-    The format wants the data packed without gaps, so tensors cannot each be padded to
-    64 bytes; instead the data section starts 64-byte aligned (the header is padded
-    with spaces, as the format allows) and tensors are written largest element size
-    first, so each is naturally aligned for its dtype and can be viewed in place (and
-    weight matrices, whose sizes are multiples of 64 bytes, stay 64-byte aligned).
+    The format wants the data packed without gaps, so every tensor is placed at a
+    64-byte offset in the file by a small ``uint8`` filler tensor (named
+    ``__topg_pad_<k>__``, skipped by :func:`read_safetensors`) where needed: the file
+    stays valid for any safetensors reader, every tensor can be viewed in place, and a
+    tensor read into a page-aligned buffer (direct I/O) lands 64-byte aligned, as an
+    ordinary tensor does. The data section starts 64-byte aligned (the header is padded
+    with spaces, as the format allows); tensors are written largest element size first.
     Written to a temporary name and renamed, so a reader never sees half a file.
     """
     path = Path(path)
     for name, t in tensors.items():
         if t.dtype not in _NAMES:
             raise ValueError(f"offload: cannot store {name!r} of dtype {t.dtype} in safetensors")
-    order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
+        if name.startswith(_PAD):
+            raise ValueError(f"offload: tensor name {name!r} is reserved")
+    order: list[tuple[str, torch.Tensor | None]] = []
     header: dict[str, object] = {}
     offset = 0
-    for name, t in order:
+    for name, t in sorted(tensors.items(), key=lambda kv: -kv[1].element_size()):
+        gap = -offset % _ALIGN
+        if gap:
+            pad = f"{_PAD}{len(order)}__"
+            header[pad] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            order.append((pad, None))
+            offset += gap
         nbytes = t.numel() * t.element_size()
         header[name] = {
             "dtype": _NAMES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
+        order.append((name, t))
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * ((-(8 + len(blob))) % _ALIGN)
@@ -171,8 +204,10 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, t in order:
-            if t.numel():
+        for name, t in order:
+            if t is None:
+                f.write(bytes(header[name]["shape"][0]))  # type: ignore[index]
+            elif t.numel():
                 f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     os.replace(tmp, path)
 

@@ -65,7 +65,9 @@ def test_direct_mmap_resident_bitwise(disk_dir: Path, preset: str, depth: int) -
 
 def test_auto_picks_direct_on_disk(disk_dir: Path) -> None:
     model = tiny(layers=2)
-    with quiet_offload(model, source="disk", cache_dir=disk_dir) as h:
+    with quiet_offload(model, source="disk", cache_dir=disk_dir) as h:  # the default
+        assert h.stats()["io"] == "mmap" and h.stats()["io_reason"] == "io='mmap'"
+    with quiet_offload(tiny(layers=2), source="disk", cache_dir=disk_dir, io="auto") as h:
         assert h.stats()["io"] == "direct" and h.stats()["io_reason"] == ""
     with quiet_offload(tiny(layers=2), source="cpu") as h:
         assert h.stats()["io"] == "memory"
@@ -75,7 +77,7 @@ def test_auto_falls_back_when_probe_fails(disk_dir: Path, monkeypatch) -> None: 
     monkeypatch.setattr(direct, "probe", lambda path: f"{path}: refuses O_DIRECT (test)")
     expected = logits(tiny(layers=3))
     model = tiny(layers=3)
-    with quiet_offload(model, source="disk", cache_dir=disk_dir, prefetch_depth=1) as h:
+    with quiet_offload(model, source="disk", cache_dir=disk_dir, prefetch_depth=1, io="auto") as h:
         assert h.stats()["io"] == "mmap" and "refuses O_DIRECT" in h.stats()["io_reason"]
         assert torch.equal(bounded(lambda: logits(model)), expected)
     with pytest.raises(ValueError, match="io='direct'.*refuses O_DIRECT"):
@@ -162,7 +164,7 @@ def test_close_with_direct_read_in_flight(disk_dir: Path) -> None:
     model = tiny(layers=4)
     # a few kB/s: the first read is still paced when close() comes
     h = quiet_offload(
-        model, source="disk", cache_dir=disk_dir, prefetch_depth=2, read_bandwidth=2e3
+        model, source="disk", cache_dir=disk_dir, prefetch_depth=2, read_bandwidth=2e3, io="direct"
     )
     assert h.stats()["io"] == "direct"
     deadline = time.time() + 10

@@ -222,7 +222,7 @@ def offload(
     *,
     read_bandwidth: float | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    io: str = "auto",
+    io: str = "mmap",
     _hooks: FaultHooks | None = None,
     _backend: Any = None,
 ) -> OffloadHandle:
@@ -243,8 +243,8 @@ def offload(
             storage; all copies, prefetch or synchronous, share it).
         cache_dir: folder for source="disk"'s file (kept there; default: a temporary
             file removed when the last view of it is gone).
-        io: how layers are read from a file source on the CPU: ``"mmap"`` (copied out
-            of a memory map by the reader thread), ``"direct"`` (``O_DIRECT`` reads
+        io: how layers are read from a file source on the CPU: ``"mmap"`` (default:
+            copied out of a memory map by the reader thread), ``"direct"`` (``O_DIRECT`` reads
             into the pool: the storage device's DMA, no CPU copy, no page cache), or
             ``"auto"``: ``"direct"`` when every file accepts ``O_DIRECT`` (probed once
             per file) and the offloaded tensors lie at 64-byte file offsets, else

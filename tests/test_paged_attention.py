@@ -1,6 +1,9 @@
-"""paged_attention (decode) and reshape_and_cache against their references."""
+"""paged_attention (decode, and several new tokens per sequence with cu_seqlens_q) and
+reshape_and_cache against their references."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -65,6 +68,112 @@ def test_paged_attention_matches_prefill_last_row():
     assert_close(torch_topg.ops.paged_attention(q, kc, vc, bt, sl)[0], prefill[0, -1])
 
 
+def _cu(q_lens) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+
+
+def _q_len(n: int, kind: str) -> int:
+    """A query length for a sequence of n cached tokens: none, one, a few, or all."""
+    return {"zero": 0, "one": min(n, 1), "few": min(n, 5), "all": n}[kind]
+
+
+@requires_kernel("paged_attention")
+@given(
+    seqs=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 15, 16, 17, 100, 300, 700]),
+            st.sampled_from(["zero", "one", "few", "all"]),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    heads=st.sampled_from([(1, 1), (4, 4), (4, 2), (8, 2), (32, 8), (6, 1), (3, 1)]),
+    d=st.sampled_from([32, 64, 80, 128, 20]),
+    block_size=st.sampled_from([1, 16, 32]),
+    dtype=st.sampled_from(DTYPES),
+    window=st.sampled_from([-1, -1, 0, 10, 200]),
+    softcap=st.sampled_from([0.0, 0.0, 10.0]),
+    scale=st.sampled_from([None, 0.2]),
+)
+@example([(700, "all"), (17, "few"), (0, "zero")], (32, 8), 128, 16, torch.bfloat16, -1, 0.0, None)
+@example([(300, "few"), (16, "all"), (1, "one")], (6, 1), 80, 32, torch.float16, 10, 10.0, 0.2)
+@example([(100, "zero"), (15, "all")], (4, 2), 20, 1, torch.float32, 200, 0.0, None)
+def test_paged_attention_ragged(seqs, heads, d, block_size, dtype, window, softcap, scale):
+    hq, hkv = heads
+    lens = [n for n, _ in seqs]
+    q_lens = [_q_len(n, kind) for n, kind in seqs]
+    _, kc, vc, bt, sl = _paged(lens, hq, hkv, d, block_size, dtype)
+    q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
+    kw = dict(cu_seqlens_q=_cu(q_lens), scale=scale, window_left=window, softcap=softcap)
+    out = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, reference.paged_attention(q, kc, vc, bt, sl, **kw))
+
+
+@requires_kernel("paged_attention")
+def test_paged_attention_ragged_one_token_each_is_decode():
+    # All q_len == 1: the ragged form is the plain form, bitwise. (A plain query of a
+    # sequence with seq_len 0 gives zeros; in the ragged form q_len 1 > 0 is an error.)
+    q, kc, vc, bt, sl = _paged([1, 700, 33, 2, 2100], 8, 2, 64, 16, torch.bfloat16)
+    for kw in ({}, {"window_left": 50, "softcap": 5.0}):
+        plain = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
+        ragged = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=_cu([1] * 5), **kw)
+        assert torch.equal(plain, ragged)
+
+
+@requires_kernel("paged_attention")
+@pytest.mark.parametrize("window", [-1, 40])
+def test_paged_attention_prefill_chunk_matches_causal_attention(window):
+    # A chunk of the last 50 tokens over 300 cached ones == the last 50 rows of causal
+    # prefill attention over the gathered K/V; the whole prompt (q_len == seq_len) too.
+    n, hq, hkv, d = 300, 8, 2, 64
+    _, kc, vc, bt, sl = _paged([n], hq, hkv, d, 16, torch.float32)
+    k = kc[bt[0].long()].flatten(0, 1)[:n]
+    v = vc[bt[0].long()].flatten(0, 1)[:n]
+    full_q = torch.randn(1, n, hq, d)
+    prefill = torch_topg.ops.attention(full_q, k[None], v[None], causal=True, window_left=window)
+    for chunk in (50, n):
+        out = torch_topg.ops.paged_attention(
+            full_q[0, n - chunk :], kc, vc, bt, sl, cu_seqlens_q=_cu([chunk]), window_left=window
+        )
+        assert_close(out, prefill[0, n - chunk :])
+
+
+@requires_kernel("paged_attention")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_batch_invariant(dtype):
+    # A sequence's output is bitwise the same alone and among batch-mates of other
+    # lengths, whatever the thread count, in the plain and the ragged form; a ragged row
+    # equals the decode of that token (speculative verification == one step at a time).
+    hq, hkv, d, bs = 8, 2, 64, 16
+    mates = [5, 3000, 129, 700, 1, 2048]
+    q, kc, vc, bt, sl = _paged([1500, *mates], hq, hkv, d, bs, dtype)
+    for kw in ({}, {"window_left": 600}, {"softcap": 20.0}):
+        batch = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
+        alone = torch_topg.ops.paged_attention(q[:1], kc, vc, bt[:1], sl[:1], **kw)
+        assert torch.equal(batch[:1], alone)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw), batch)
+        finally:
+            torch.set_num_threads(threads)
+
+        # Ragged: 4 new tokens of sequence 0 (positions 1496..1499), with mates.
+        q_lens = [4, 2, 300, 0, 7, 1, 1000]
+        rq = torch.randn(sum(q_lens), hq, d, dtype=dtype)
+        ragged = torch_topg.ops.paged_attention(rq, kc, vc, bt, sl, cu_seqlens_q=_cu(q_lens), **kw)
+        ragged_alone = torch_topg.ops.paged_attention(
+            rq[:4], kc, vc, bt[:1], sl[:1], cu_seqlens_q=_cu([4]), **kw
+        )
+        assert torch.equal(ragged[:4], ragged_alone)
+        for i in range(4):  # row i is the decode of the token at position 1496 + i
+            step = torch_topg.ops.paged_attention(
+                rq[i : i + 1], kc, vc, bt[:1], torch.tensor([1497 + i], dtype=torch.int32), **kw
+            )
+            assert torch.equal(ragged[i : i + 1], step)
+
+
 @requires_kernel("reshape_and_cache")
 @given(
     tokens=st.integers(1, 40),
@@ -105,6 +214,11 @@ def test_paged_opcheck():
         (q, kc, vc, bt, sl),
         {"window_left": 4, "softcap": 5.0, "scale": 0.1},
     )
+    torch.library.opcheck(
+        torch.ops.topg.paged_attention.default,
+        (torch.randn(7, 4, 32), kc, vc, bt, sl),
+        {"cu_seqlens_q": _cu([2, 5]), "window_left": 3},
+    )
     key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
     torch.library.opcheck(
         torch.ops.topg.reshape_and_cache.default, (key, value, kc, vc, torch.tensor([0, -1, 40]))
@@ -129,7 +243,26 @@ def test_attention_family_compile_fullgraph():
     assert torch.equal(kc2, args[2]) and torch.equal(vc2, args[3])
 
 
+def test_paged_attention_ragged_compile_fullgraph():
+    # A prefill chunk step: write the chunk's K/V into the cache, then attend in place.
+    def chunk_step(key, value, kc, vc, slots, q, bt, sl, cu):
+        torch_topg.ops.reshape_and_cache(key, value, kc, vc, slots)
+        return torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu, softcap=5.0)
+
+    _, kc, vc, bt, sl = _paged([5, 20], 4, 2, 32, 16, torch.float32)
+    cu = _cu([2, 3])  # the last 2 tokens of sequence 0, the last 3 of sequence 1
+    key, value, q = torch.randn(5, 2, 32), torch.randn(5, 2, 32), torch.randn(5, 4, 32)
+    pos = [(0, 3), (0, 4), (1, 17), (1, 18), (1, 19)]
+    slots = torch.stack([bt[s, p // 16] * 16 + p % 16 for s, p in pos]).long()
+    expected = chunk_step(key, value, kc.clone(), vc.clone(), slots, q, bt, sl, cu)
+    compiled = torch.compile(chunk_step, fullgraph=True, backend="aot_eager")
+    got = compiled(key, value, kc.clone(), vc.clone(), slots, q, bt, sl, cu)
+    assert_close(got, expected)
+
+
 _q, _kc, _vc, _bt, _sl = _paged([5, 20], 4, 2, 32, 16, torch.float32)
+_rq = torch.randn(7, 4, 32)  # ragged: 2 new tokens of sequence 0, 5 of sequence 1
+_ok_cu = _cu([2, 5])
 
 
 @pytest.mark.parametrize(
@@ -143,14 +276,23 @@ _q, _kc, _vc, _bt, _sl = _paged([5, 20], 4, 2, 32, 16, torch.float32)
         ((_q, _kc, _vc, _bt.long(), _sl), "argument 'block_tables'.*int32"),
         ((_q, _kc, _vc, _bt, _sl[:1]), "argument 'seq_lens'"),
         ((_q, _kc, _vc, _bt[0], _sl), "argument 'block_tables'.*2 dimensions"),
+        ((_rq, _kc, _vc, _bt, _sl, _ok_cu.long()), "argument 'cu_seqlens_q'.*int32"),
+        ((_rq, _kc, _vc, _bt, _sl, _ok_cu.float()), "argument 'cu_seqlens_q'.*int32"),
+        ((_rq, _kc, _vc, _bt, _sl, _ok_cu[:2]), "argument 'cu_seqlens_q'.*size 3.*num_seqs"),
+        ((_rq, _kc, _vc, _bt, _sl, _ok_cu[None]), "argument 'cu_seqlens_q'.*1 dimensions"),
+        ((_rq, _kc, _vc, _bt[:1], _sl, _ok_cu), "argument 'block_tables'.*num_seqs"),
     ],
 )
 def test_paged_attention_bad_input(args, match):
+    *args, cu = args if len(args) == 6 else (*args, None)
     with pytest.raises(RuntimeError, match=match):
-        torch_topg.ops.paged_attention(*args)
+        torch_topg.ops.paged_attention(*args, cu_seqlens_q=cu)
     with pytest.raises(RuntimeError, match=match):  # the fake kernel checks the same
         with torch._subclasses.FakeTensorMode() as mode:
-            torch_topg.ops.paged_attention(*(mode.from_tensor(a) for a in args))
+            fake_cu = None if cu is None else mode.from_tensor(cu)
+            torch_topg.ops.paged_attention(
+                *(mode.from_tensor(a) for a in args), cu_seqlens_q=fake_cu
+            )
 
 
 @pytest.mark.parametrize("impl", ["native", "reference"])
@@ -170,6 +312,52 @@ def test_paged_attention_bad_indices(impl):
     too_long = torch.tensor([5, _bt.shape[1] * 16 + 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="argument 'seq_lens'"):
         fn(_q, _kc, _vc, _bt, too_long)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize(
+    "q_lens, lens, match",
+    [
+        ([6, 1], [5, 20], "at most seq_lens\\[0\\] = 5 query tokens for sequence 0.*got 6"),
+        ([0, 21], [5, 20], "at most seq_lens\\[1\\] = 20 query tokens"),
+        ([1, 1], [0, 20], "at most seq_lens\\[0\\] = 0 query tokens"),
+    ],
+)
+def test_paged_attention_ragged_longer_than_sequence(impl, q_lens, lens, match):
+    fn = torch_topg.ops.paged_attention if impl == "native" else reference.paged_attention
+    sl = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 4, 32)
+    with pytest.raises(RuntimeError, match="argument 'cu_seqlens_q'.*" + match):
+        fn(q, _kc, _vc, _bt, sl, cu_seqlens_q=_cu(q_lens))
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 5, 2], [0, 8, 7], [1, 3, 7], [0, 2, 6], [0, 2, 8], [0, -1, 7], [-3, 2, 7]],
+)
+def test_paged_attention_bad_offsets(impl, offsets):
+    # Decreasing, not starting at 0, not ending at Tq (7): a clear error, never a crash.
+    fn = torch_topg.ops.paged_attention if impl == "native" else reference.paged_attention
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="argument 'cu_seqlens_q'.*non-decreasing offsets"):
+        fn(_rq, _kc, _vc, _bt, _sl, cu_seqlens_q=cu)
+    fn(_rq, _kc, _vc, _bt, _sl, cu_seqlens_q=_ok_cu)  # the good offsets run
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_paged_attention_ragged_bad_indices(impl):
+    # The block-table and length checks hold in the ragged form too.
+    fn = torch_topg.ops.paged_attention if impl == "native" else reference.paged_attention
+    bt = _bt.clone()
+    bt[1, 1] = -1
+    with pytest.raises(RuntimeError, match="argument 'block_tables'.*block ids"):
+        fn(_rq, _kc, _vc, bt, _sl, cu_seqlens_q=_ok_cu)
+    too_long = torch.tensor([5, _bt.shape[1] * 16 + 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="argument 'seq_lens'"):
+        fn(_rq, _kc, _vc, _bt, too_long, cu_seqlens_q=_ok_cu)
+    empty = fn(torch.randn(0, 4, 32), _kc, _vc, _bt, _sl, cu_seqlens_q=_cu([0, 0]))
+    assert empty.shape == (0, 4, 32)
 
 
 @pytest.mark.parametrize("impl", ["native", "reference"])

@@ -169,6 +169,16 @@ def test_unsupported_arguments_fall_back_with_reason():
             out = tpu._xla.xla_kernel("attention")(q, q, q, cu_seqlens_q=cu, causal=True)
         assert any("cu_seqlens" in str(w.message) for w in caught)
         assert torch.equal(out, reference.attention(q, q, q, cu_seqlens_q=cu, causal=True))
+        kc, vc = torch.randn(4, 4, 2, 16), torch.randn(4, 4, 2, 16)
+        bt, sl = torch.arange(4).view(2, 2).int(), torch.tensor([5, 3]).int()
+        pq = torch.randn(5, 4, 16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kernel = tpu._xla.xla_kernel("paged_attention")
+            out = kernel(pq, kc, vc, bt, sl, cu_seqlens_q=cu)
+        assert any("cu_seqlens_q" in str(w.message) for w in caught)
+        want = reference.paged_attention(pq, kc, vc, bt, sl, cu_seqlens_q=cu)
+        assert torch.equal(out, want)
         x = torch.randn(3, 8, dtype=torch.float16)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

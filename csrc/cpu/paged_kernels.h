@@ -1,12 +1,17 @@
 // Decode attention over a paged KV cache, and the cache writer (no torch).
 //
-// paged_attention: one work item = (sequence, partition of the context), all heads.
+// paged_attention: one work item = (query row, partition of the keys it sees), all
+// heads. A query row is a decode token, or one token of a sequence's ragged query
+// (cu_seqlens_q): row i of q_len new tokens is a "virtual sequence" of length
+// seq_len - q_len + i + 1 that reads the block-table row of its sequence.
 // The G = Hq / Hkv query heads of a kv head are computed together, so each K/V row is
 // read once per group, and all kv heads of a token tile are processed back to back, so
 // the cache is read in long contiguous runs (decode is bound by reading it). A partition
 // produces an unnormalised output, its max score m and its sum l; partitions of one
-// sequence are merged with their log-sum-exp afterwards (split-KV, like vLLM's
+// row are merged with their log-sum-exp afterwards (split-KV, like vLLM's
 // paged_attention_v2), which keeps both cores busy when there are few sequences.
+// A row's partitions depend only on its own visible length (part_tokens), so its
+// result is bitwise the same whatever the batch around it.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +34,14 @@ constexpr int64_t PREFETCH_BYTES = 12 << 10;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Tokens per partition for a row that sees `span` keys: a function of the row alone
+// (never of the batch or the thread count), so the row's reduction order is fixed.
+// Two partitions of 128..512 tokens (more past 1024 keys, multiples of TOKEN_TILE): both
+// cores busy at batch 1, few merges at large batches (measured, docs/ops.md).
+inline int64_t part_tokens(int64_t span) {
+  return std::clamp<int64_t>(round_up((span + 1) / 2, TOKEN_TILE), 128, 512);
+}
+
 template <typename T>
 struct PagedArgs {
   const T* q;
@@ -37,13 +50,12 @@ struct PagedArgs {
   const T* vc;
   const int32_t* bt;  // block tables, row stride bt_ss
   int64_t bt_ss;
-  const int32_t* seq_lens;
+  const int32_t* row_seq;  // query row -> its sequence (its row of the block table)
   int64_t hq, hkv, d, block_size;
   float scale, softcap;
-  int64_t window;     // -1 = unlimited
-  int64_t part_size;  // tokens per partition (multiple of 16)
+  int64_t window;  // -1 = unlimited
 
-  // First key the query (at position n - 1) may see.
+  // First key a query at position n - 1 may see.
   int64_t first_key(int64_t n) const {
     return window >= 0 ? std::max<int64_t>(0, n - 1 - window) : 0;
   }
@@ -153,13 +165,13 @@ inline void with_head_group(int hg, F&& f) {
   return f.template operator()<1>();
 }
 
-// One partition: tokens [t0, t1) of sequence `seq`, all heads. Token tiles are the
+// One partition: tokens [t0, t1) of the sequence of query row `row`, all heads. Token tiles are the
 // outer loop, so each tile's K (then V) rows of all kv heads, contiguous in the cache,
 // are read from memory once, while the rows PREFETCH_BYTES later are prefetched.
 // Writes, per query head h, the unnormalised output, the max score and the sum of exps
 // to res[h * part_stride(d) ...] (m = -inf, l = 0 for an empty partition).
 template <typename T>
-void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Workspace& ws,
+void partition(const PagedArgs<T>& a, int64_t row, int64_t t0, int64_t t1, Workspace& ws,
                float* res) {
   const int64_t H = a.hq, G = a.hq / a.hkv, d = a.d, dp = round_up(d, 8), rs = part_stride(d);
   const int64_t n = std::max<int64_t>(0, t1 - t0), ps = round_up(std::max<int64_t>(n, 1), 8);
@@ -176,7 +188,7 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
   ws.pb.resize(TOKEN_TILE * 4 * 8);
   ws.rows.resize(n);
   {  // token row offsets, walking the block table (no division per token)
-    const int32_t* blocks = a.bt + seq * a.bt_ss;
+    const int32_t* blocks = a.bt + int64_t(a.row_seq[row]) * a.bt_ss;
     int64_t blk = t0 / a.block_size, off = t0 % a.block_size;
     const int64_t row = a.hkv * d;
     for (int64_t t = 0; t < n; ++t) {
@@ -187,7 +199,7 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
 
   const float qscale = a.softcap > 0 ? a.scale / a.softcap : a.scale;
   for (int64_t h = 0; h < H; ++h) {
-    const T* src = a.q + seq * a.q_ss + h * a.q_sh;
+    const T* src = a.q + row * a.q_ss + h * a.q_sh;
     for (int64_t e = 0; e < d; ++e) ws.q[h * dp + e] = to_float(src[e]) * qscale;
   }
   const int64_t* rows = ws.rows.data();
@@ -263,7 +275,8 @@ void partition(const PagedArgs<T>& a, int64_t seq, int64_t t0, int64_t t1, Works
   for (int64_t h = 0; h < H; ++h) std::copy_n(acc + h * as, dp, res + h * rs);
 }
 
-// Merge the partitions of one sequence and write its `heads` output rows.
+// Merge the partitions of one query row (in partition order) and write its `heads`
+// output rows.
 template <typename T>
 void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, int64_t out_sh) {
   const int64_t dp = round_up(d, 8), rs = part_stride(d);

@@ -39,8 +39,8 @@ SCHEMAS: dict[str, str] = {
     ),
     "paged_attention": (
         "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, *, float? scale=None, "
-        "int window_left=-1, float softcap=0.0) -> Tensor"
+        "Tensor block_tables, Tensor seq_lens, *, Tensor? cu_seqlens_q=None, "
+        "float? scale=None, int window_left=-1, float softcap=0.0) -> Tensor"
     ),
     "reshape_and_cache": (
         "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "

@@ -76,27 +76,42 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    cu_seqlens_q: torch.Tensor | None = None,
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Decode attention over a paged KV cache (one query token per sequence, vLLM layout).
+    """Attention of new tokens over a paged KV cache (vLLM layout), read in place.
+
+    Without ``cu_seqlens_q``: decode, one query token per sequence. With it: several
+    new tokens per sequence (a prefill chunk, the tokens after a prefix-cache hit,
+    speculative tokens to verify), causal among themselves, with no gather of the cache.
 
     Args:
-        query: ``[num_seqs, Hq, D]``, float32 / bfloat16 / float16, last dim contiguous.
+        query: ``[num_seqs, Hq, D]`` (one token per sequence) or, with ``cu_seqlens_q``,
+            ``[Tq, Hq, D]``; float32 / bfloat16 / float16, last dim contiguous.
         key_cache, value_cache: contiguous ``[num_blocks, block_size, Hkv, D]``, the
             dtype of ``query``; ``Hq % Hkv == 0``.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``: token ``t`` of sequence
             ``s`` lives in block ``block_tables[s, t // block_size]`` at offset
             ``t % block_size``. The first ``ceil(seq_len / block_size)`` ids of a row
             must be in ``[0, num_blocks)``.
-        seq_lens: int32 ``[num_seqs]``: cached tokens including the current one (its K/V
-            is already in the cache), at most ``max_blocks_per_seq * block_size``.
-        scale, window_left, softcap: as in :func:`attention`. The query sits at position
-            ``seq_len - 1`` and sees keys ``0 .. seq_len - 1`` (implicitly causal).
+        seq_lens: int32 ``[num_seqs]``: cached tokens including the new ones (their K/V
+            are already in the cache), at most ``max_blocks_per_seq * block_size``.
+        cu_seqlens_q: None, or int32 ``[num_seqs + 1]`` on the query's device,
+            non-decreasing offsets from 0 to ``Tq``: sequence ``s`` owns query rows
+            ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` (``q_len`` of them, 0 allowed,
+            at most ``seq_lens[s]``), the *last* ``q_len`` tokens of the sequence.
+        scale, window_left, softcap: as in :func:`attention`. Query row ``i`` (0-based
+            within its sequence) sits at position ``p = seq_len - q_len + i`` and sees
+            keys ``max(0, p - window_left) .. p`` (``0 .. p`` when ``window_left == -1``):
+            causal, bottom-right aligned. Without ``cu_seqlens_q``, ``q_len = 1``.
 
     Returns:
-        ``[num_seqs, Hq, D]`` in the dtype of ``query``; zeros where ``seq_len == 0``.
+        The shape of ``query`` in its dtype; zeros for a query that sees no key
+        (``seq_len == 0``). A row's result depends only on its own query, sequence and
+        position: it is bitwise the same whatever else is in the batch, and a decode row
+        equals the same token given as a ragged row.
     """
     if torch.compiler.is_compiling():
         op = torch.ops.topg.paged_attention.default
@@ -108,6 +123,7 @@ def paged_attention(
         value_cache,
         block_tables,
         seq_lens,
+        cu_seqlens_q=cu_seqlens_q,
         scale=scale,
         window_left=window_left,
         softcap=softcap,
@@ -224,6 +240,7 @@ def _check_paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    cu_seqlens_q: torch.Tensor | None = None,
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
@@ -234,9 +251,15 @@ def _check_paged_attention(
     Arg(op, "key_cache", key_cache).contiguous()
     Arg(op, "value_cache", value_cache).contiguous()
     Arg(op, "block_tables", block_tables).dim(2).dtype([torch.int32]).same_device(query, "query")
-    Arg(op, "block_tables", block_tables).size(0, query.shape[0], "num_seqs of 'query'")
     Arg(op, "seq_lens", seq_lens).dim(1).dtype([torch.int32]).same_device(query, "query")
-    Arg(op, "seq_lens", seq_lens).size(0, query.shape[0], "num_seqs of 'query'")
+    if cu_seqlens_q is None:  # one query token per sequence
+        Arg(op, "block_tables", block_tables).size(0, query.shape[0], "num_seqs of 'query'")
+        Arg(op, "seq_lens", seq_lens).size(0, query.shape[0], "num_seqs of 'query'")
+    else:  # ragged: num_seqs from seq_lens; the offsets' values are checked by the kernels
+        ns = seq_lens.shape[0]
+        Arg(op, "block_tables", block_tables).size(0, ns, "num_seqs of 'seq_lens'")
+        cu = Arg(op, "cu_seqlens_q", cu_seqlens_q).dim(1).dtype([torch.int32])
+        cu.same_device(query, "query").size(0, ns + 1, "num_seqs + 1, from 'seq_lens'")
     check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
     check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap}")
 

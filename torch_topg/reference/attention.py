@@ -122,18 +122,31 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    cu_seqlens_q: torch.Tensor | None = None,
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     max_blocks = block_tables.shape[1]
+    lens = seq_lens.tolist()
+    if cu_seqlens_q is None:  # one query token per sequence
+        cu = list(range(len(lens) + 1))
+    else:
+        cu = cu_seqlens_q.tolist()
+        _check_paged_cu_seqlens(cu, len(lens), query.shape[0])
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
-    for s, n in enumerate(seq_lens.tolist()):
+    for s, n in enumerate(lens):
         if n < 0 or n > max_blocks * block_size:
             raise RuntimeError(
                 f"topg::paged_attention: argument 'seq_lens' expected values in "
                 f"[0, {max_blocks * block_size}] (max_blocks_per_seq * block_size), got {n}"
+            )
+        q0, q1 = cu[s], cu[s + 1]
+        if cu_seqlens_q is not None and q1 - q0 > n:  # (plain: seq_len 0 gives zeros)
+            raise RuntimeError(
+                f"topg::paged_attention: argument 'cu_seqlens_q' expected at most seq_lens[{s}]"
+                f" = {n} query tokens for sequence {s} (its last tokens), got {q1 - q0}"
             )
         if n == 0:
             continue
@@ -143,13 +156,30 @@ def paged_attention(
                 f"topg::paged_attention: argument 'block_tables' expected block ids in "
                 f"[0, {num_blocks}), got {blocks.tolist()} for sequence {s}"
             )
+        if q1 == q0:
+            continue
         k = key_cache[blocks].flatten(0, 1)[:n]  # [n, Hkv, D]
         v = value_cache[blocks].flatten(0, 1)[:n]
-        # The query is the last token: it sees keys 0..n-1 (bottom-right causal).
-        out[s] = _attend_one(query[s : s + 1], k, v, True, scale, window_left, softcap, None)[0].to(
+        # The queries are the last q1 - q0 tokens: query i sees keys 0 .. n - (q1 - q0) + i
+        # (bottom-right aligned causal).
+        out[q0:q1] = _attend_one(query[q0:q1], k, v, True, scale, window_left, softcap, None).to(
             query.dtype
         )
     return out
+
+
+def _check_paged_cu_seqlens(cu: list[int], num_seqs: int, total: int) -> None:
+    if len(cu) != num_seqs + 1:
+        raise RuntimeError(
+            f"topg::paged_attention: argument 'cu_seqlens_q' expected {num_seqs + 1} offsets "
+            f"(num_seqs + 1, from 'seq_lens'), got {len(cu)}"
+        )
+    ok = cu[0] == 0 and cu[-1] == total and all(a <= b for a, b in itertools.pairwise(cu))
+    if not ok:
+        raise RuntimeError(
+            f"topg::paged_attention: argument 'cu_seqlens_q' expected non-decreasing offsets "
+            f"from 0 to {total} (the query rows), got {cu}"
+        )
 
 
 def reshape_and_cache(

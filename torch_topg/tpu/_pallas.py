@@ -29,6 +29,8 @@ def unsupported(op: str, *args: Any, **kwargs: Any) -> str:
             return "ragged batches (cu_seqlens): the Pallas kernel takes dense batches"
         if kwargs.get("mask") is not None:
             return "an explicit mask: the Pallas kernel takes causal / window masks only"
+    if op == "paged_attention" and kwargs.get("cu_seqlens_q") is not None:
+        return "several query tokens per sequence (cu_seqlens_q): the Pallas kernel takes one"
     return ""
 
 
@@ -96,10 +98,12 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    cu_seqlens_q: torch.Tensor | None = None,
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
 ) -> torch.Tensor:
+    assert cu_seqlens_q is None, "unsupported() sends ragged calls to the reference"
     k = kernels("paged_attention")
     if query.shape[0] == 0:
         return torch.empty_like(query)

@@ -23,6 +23,7 @@ from torch_topg.offload import OffloadHandle, offload  # noqa: E402
 eager.install_transformers_hook()
 
 __all__ = [
+    "Engine",
     "OffloadHandle",
     "__version__",
     "disable",
@@ -35,6 +36,15 @@ __all__ = [
     "ops",
     "reference",
 ]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    # The engine is imported on first use: `import torch_topg` stays light.
+    if name == "Engine":
+        from torch_topg.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'torch_topg' has no attribute {name!r}")
 
 
 def native_available() -> bool:

@@ -17,6 +17,7 @@
 
 #include "checks.h"
 #include "dispatch.h"
+#include "modes.h"
 #include "gemm_kernels.h"
 #include "moe_kernels.h"
 #include "parallel.h"
@@ -54,7 +55,7 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
   for (int64_t e = 0; e < E; ++e) {
     const int64_t rows = route.offset[e + 1] - route.offset[e];
     if (rows == 0) continue;
-    const bool packed = rows > kDotMaxRows;
+    const bool packed = rows > kDotMaxRows || batch_invariant();
     any_dot |= !packed;
     hit.push_back({e, route.offset[e], rows, packed, ap1_size, ap2_size});
     if (packed) ap1_size += packed_a_size(rows, H), ap2_size += packed_a_size(rows, I);

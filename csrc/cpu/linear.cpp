@@ -5,6 +5,8 @@
 //                     (memory-bound; at M = 1 about the read bandwidth).
 //   M >  kDotMaxRows  packed GEMM (compute-bound): weights converted to fp32 while being
 //                     packed, so bf16 / fp16 run at the fp32 rate.
+// In batch-invariant mode (modes.h) every M takes the packed path: a row's sums then
+// run in the same order (K blocks of KC, k ascending) whatever M is.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -15,6 +17,7 @@
 #include "checks.h"
 #include "dispatch.h"
 #include "gemm_kernels.h"
+#include "modes.h"
 #include "parallel.h"
 
 namespace topg {
@@ -125,7 +128,7 @@ at::Tensor linear_cpu(const at::Tensor& input_, const at::Tensor& weight,
     if (K == 0) {  // empty sum: the output is the bias (or zeros)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) o[m * N + n] = b ? b[n] : from_float<T>(0.f);
-    } else if (M <= gemm::kDotMaxRows) {
+    } else if (M <= gemm::kDotMaxRows && !batch_invariant()) {
       linear_dot(x, M, K, w, N, b, o);
     } else {
       linear_packed(x, M, K, w, N, b, o);

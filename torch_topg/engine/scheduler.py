@@ -1,0 +1,145 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+The scheduler owns the KV block pool and every sequence's block table. Each step gets
+a token budget (``max_num_batched_tokens``) and a sequence limit (``max_batch_size``):
+
+1. Running sequences first, oldest first: a decode takes one token; a prompt still
+   being prefilled takes as much of the remaining budget as it needs (chunked
+   prefill: a long prompt is spread over steps and decodes of the others go on beside
+   it). A sequence that needs a block when none is free preempts the newest running
+   sequence (its blocks are freed, it goes back to the front of the queue and is
+   recomputed later: vLLM's recompute preemption), or itself if it is the newest.
+2. Then waiting sequences, in arrival order, while budget, sequence slots and blocks
+   last (none are admitted in a step that had to preempt).
+
+Requests join and leave at every step; memory never grows past the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from torch_topg.engine.block_pool import BlockPool
+from torch_topg.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens computed this step: [seq.num_computed, + num_new)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's end (its last logits are sampled)."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_batch_size: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- queue -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (any state) and free its blocks."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.out.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        """Give ``seq`` the blocks for ``num_new`` more tokens; False if the pool is short."""
+        need = self.pool.blocks_for(seq.num_computed + num_new) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        seq.blocks.extend(self.pool.allocate(need))
+        return True
+
+    # --- the step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.remaining, budget)
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = min(seq.remaining, budget)
+            if not self._grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the step ran: the scheduled tokens are in the cache."""
+        for s in out.scheduled:
+            s.seq.num_computed += s.num_new
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,103 @@
+"""A request and its sequences: tokens, block table, progress and output bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch_topg.engine.detokenize import IncrementalDetokenizer
+from torch_topg.engine.outputs import CompletionOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from torch_topg.engine.outputs import RequestHandle
+    from torch_topg.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of a request: its tokens (prompt + output) and its KV blocks.
+
+    ``num_computed`` tokens have their K/V in the cache; a step computes the next
+    ``num_new`` of the rest and samples a token when it reaches the end. Preemption
+    drops the blocks and sets ``num_computed`` back to 0 (recompute), so the sequence
+    resumes with the same tokens and the same keyed random draws.
+    """
+
+    def __init__(self, request: Request, index: int, seed: int) -> None:
+        self.request = request
+        self.index = index
+        self.seed = seed
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_computed = 0
+        self.blocks: list[int] = []  # owned by the scheduler
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.detok = IncrementalDetokenizer(
+            request.tokenizer, request.prompt_token_ids, request.params.stop
+        )
+        self.out = CompletionOutput(index=index)
+        if request.params.logprobs is not None:
+            self.out.logprobs = []
+        self.num_preemptions = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        self.token_ids.append(token)
+        self.out.token_ids.append(token)
+        self.out.token_times.append(now - self.request.arrival)
+        if logprob is not None and self.out.logprobs is not None:
+            self.out.logprobs.append(logprob)
+        self.detok.add(token)
+
+
+@dataclass
+class Request:
+    """A submitted input and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # output tokens allowed (from max_new_tokens / max_length / context)
+    eos_ids: frozenset[int]
+    tokenizer: Any
+    handle: RequestHandle
+    seed: int
+    arrival: float = field(default_factory=time.perf_counter)
+    seqs: list[Sequence] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.seqs = [Sequence(self, i, self.seed + i) for i in range(self.params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

@@ -25,7 +25,7 @@ from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.config import EngineConfig
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
-from torch_topg.engine.sampling import Sampler, SamplingParams
+from torch_topg.engine.sampling import Sampler, SamplingParams, seed_tensor
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence
 
@@ -360,7 +360,7 @@ class Engine:
         seqs = [s for s, _ in sampled]
         logits = torch.stack([r for _, r in sampled])
         params = [s.request.params for s in seqs]
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long)
+        seeds = seed_tensor([s.seed for s in seqs])
         positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
         needs_hist = any(p.has_penalties for p in params)
         res = self.sampler(

@@ -96,7 +96,11 @@ class Request:
     error: BaseException | None = None
 
     def __post_init__(self) -> None:
-        self.seqs = [Sequence(self, i, self.seed + i) for i in range(self.params.n)]
+        # Sample i's key: the request seed for sample 0, a distinct odd-step offset after.
+        self.seqs = [
+            Sequence(self, i, (self.seed + i * 0x9E3779B97F4A7C15) % 2**64)
+            for i in range(self.params.n)
+        ]
 
     @property
     def finished(self) -> bool:

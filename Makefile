@@ -36,18 +36,23 @@ test: build
 	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q tests
 	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q -p no:warnings tests
 
-# SmolLM2 (real weights) answered by eager and by torch.compile(backend="topg"), with
-# Inductor beside them: answers, tokens/s, compile times, what was replaced.
+# The engine on SmolLM2 (real weights): streams an answer, then serves 8 concurrent
+# requests (tokens/s, TTFT, batch sizes). The eager / Inductor / topg comparison of
+# the compile backend is in `make bench`.
 demo: build
-	$(PY) python/examples/smollm2_demo.py
+	$(PY) python/examples/engine_demo.py
 
 # Op benchmark, then whole models (eager / Inductor / topg / llama.cpp; ~30 min, most of
 # it Inductor compiling). llama-cpp-python builds from source once (~6 min on 2 cores);
-# if that fails the llama.cpp column says so and the rest runs.
+# if that fails the llama.cpp column says so and the rest runs. Then the engine beside
+# transformers and llama.cpp (llama-server / llama-bench built once from the vendored
+# sources by python/benchmarks/llama_cpp_build.py, ~20 min on 2 cores; ~25 min to run).
 bench: build
+	$(PY) python/examples/smollm2_demo.py
 	$(PY) python/benchmarks/bench_ops.py
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python==0.3.36 || true
 	$(PY) python/benchmarks/bench_models.py
+	$(PY) python/benchmarks/engine.py --dtype fp32,bf16 --md bench_results/engine.md
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -17,8 +17,8 @@
 
 #include "checks.h"
 #include "dispatch.h"
-#include "modes.h"
 #include "gemm_kernels.h"
+#include "modes.h"
 #include "moe_kernels.h"
 #include "parallel.h"
 

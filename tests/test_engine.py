@@ -186,6 +186,25 @@ def test_n_samples_and_seeded_sampling_reproducible():
         assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
 
 
+@pytest.mark.parametrize("prompt_len", [8, 9])  # ends on a block boundary / inside a block
+def test_n_samples_fork_from_the_prompt_blocks(prompt_len):
+    ref = tiny("llama-tiny")
+    p = prompts(18, [prompt_len])[0]
+    want = hf_greedy(ref, p, 10)
+    with Engine.from_model(tiny("llama-tiny"), block_size=4, compile=False) as eng, whole_pool(eng):
+        forks = []
+        real = eng.scheduler.fork
+        eng.scheduler.fork = lambda parent, children: (
+            forks.append(real(parent, children)) or forks[-1]
+        )
+        out = eng.generate([p], n=3, max_new_tokens=10, **GREEDY)[0]
+        # Greedy samples forked from the shared prompt blocks (and the copied partial
+        # block) continue exactly as one sequence would.
+        assert [o.token_ids for o in out.outputs] == [want] * 3
+        # Full blocks shared; a partial last block copied once per other sample.
+        assert len(forks) == 1 and len(forks[0]) == (0 if prompt_len % 4 == 0 else 2)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [

@@ -261,8 +261,9 @@ class Engine:
                     self._aborts.clear()
             for req in new:
                 self._requests[req.request_id] = req
-                for s in req.seqs:
-                    self.scheduler.add(s)
+                # n > 1: the first sample prefills the prompt, the others fork from it
+                # (sharing its blocks) when it samples its first token.
+                self.scheduler.add(req.seqs[0])
                 self._stats.requests["submitted"] += 1
             if self._stopping:
                 for rid in list(self._requests):
@@ -357,6 +358,15 @@ class Engine:
         return [r for _, r in done]
 
     def _sample(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> None:
+        for seq, row in list(sampled):
+            req = seq.request
+            if seq.index == 0 and len(req.seqs) > 1 and not req.forked:
+                req.forked = True
+                children = req.seqs[1:]
+                copies = self.scheduler.fork(seq, children)
+                if copies is not None:  # the children's first tokens come from this row
+                    self.runner.copy_blocks(copies)
+                    sampled.extend((c, row) for c in children)
         seqs = [s for s, _ in sampled]
         logits = torch.stack([r for _, r in sampled])
         params = [s.request.params for s in seqs]

@@ -115,6 +115,16 @@ class ModelRunner:
             logits = self._step(*args)
         return logits.float()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV block ``src`` to ``dst`` in every layer (copy-on-write of a fork)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        with torch.inference_mode():
+            for cache in self.kv_caches:
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+
     # --- packing -----------------------------------------------------------------------
     def pack(
         self, items: list[tuple[list[int], int, int, list[int]]], samples: list[bool]

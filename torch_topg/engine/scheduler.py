@@ -101,6 +101,36 @@ class Scheduler:
         seq.blocks.extend(self.pool.allocate(need))
         return True
 
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]] | None:
+        """Start ``children`` from ``parent``'s computed prompt, sharing its full blocks.
+
+        Each child gets the parent's full blocks (reference counted, no copy) and, if
+        the prompt ends inside a block, a fresh block to receive a copy of that partial
+        block (its next token is written there). Returns the ``(src, dst)`` block copies
+        the runner must make, or None when the pool has no room for them (the children
+        are then queued to prefill on their own).
+        """
+        bs = self.pool.block_size
+        n = parent.num_computed
+        full, partial = n // bs, n % bs != 0
+        if partial and self.pool.num_free < len(children):
+            for c in children:
+                self.add(c)
+            return None
+        copies = []
+        for c in children:
+            shared = parent.blocks[:full]
+            self.pool.share(shared)
+            c.blocks = list(shared)
+            if partial:
+                (dst,) = self.pool.allocate(1)
+                c.blocks.append(dst)
+                copies.append((parent.blocks[full], dst))
+            c.num_computed = n
+            c.status = Status.RUNNING
+            self.running.append(c)
+        return copies
+
     # --- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -94,6 +94,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     error: BaseException | None = None
+    forked: bool = False  # n > 1: the other samples have started from the first one
 
     def __post_init__(self) -> None:
         # Sample i's key: the request seed for sample 0, a distinct odd-step offset after.

@@ -113,6 +113,25 @@ def test_stream_iterators_and_cancel_free_blocks():
             asyncio.run(cancel())
 
 
+def test_concurrent_asyncio_tasks():
+    ref = tiny("llama-tiny")
+    ps = prompts(19, [4, 9, 6, 12])
+    want = [hf_greedy(ref, p, 7) for p in ps]
+    with Engine.from_model(tiny("llama-tiny"), block_size=4, compile=False) as eng:
+
+        async def one(p):
+            ids = []
+            async for d in eng.submit(p, max_new_tokens=7, **GREEDY):
+                ids += d.token_ids
+            return ids
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in ps))
+
+        with whole_pool(eng):
+            assert asyncio.run(main()) == want
+
+
 def test_abort_by_id_and_shutdown_with_work_in_flight():
     eng = Engine.from_model(tiny("llama-tiny"), block_size=4)
     p = prompts(5, [8])[0]

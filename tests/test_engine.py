@@ -343,10 +343,11 @@ def test_model_errors_name_what_works(tmp_path):
 @pytest.mark.skipif(
     not torch_topg.native_available(), reason="batch invariance is a property of the native kernels"
 )
-def test_logits_independent_of_batch_mates_deterministic():
+@pytest.mark.parametrize("preset", ["llama-tiny", "mixtral-tiny"])
+def test_logits_independent_of_batch_mates_deterministic(preset):
     """deterministic=True: a sequence's greedy tokens and logprobs are bitwise the same
     alone and in a batch with others of different lengths."""
-    with Engine.from_model(tiny("llama-tiny"), block_size=4, deterministic=True) as eng:
+    with Engine.from_model(tiny(preset), block_size=4, deterministic=True) as eng:
         p = prompts(16, [11])[0]
         alone = eng.generate([p], max_new_tokens=10, logprobs=0, **GREEDY)[0]
         others = [eng.submit(q, max_new_tokens=30, **GREEDY) for q in prompts(17, [3, 40, 8])]

@@ -172,6 +172,14 @@ def test_paged_attention_batch_invariant(dtype):
                 rq[i : i + 1], kc, vc, bt[:1], torch.tensor([1497 + i], dtype=torch.int32), **kw
             )
             assert torch.equal(ragged[i : i + 1], step)
+        # The 1000 new tokens of the last sequence (positions 1048..2047, rows processed
+        # in groups that share K/V reads): some rows against their own decode step.
+        r0 = sum(q_lens[:-1])
+        for i in (0, 1, 15, 16, 17, 31, 500, 999):
+            step = torch_topg.ops.paged_attention(
+                rq[r0 + i : r0 + i + 1], kc, vc, bt[-1:], torch.tensor([1049 + i]).int(), **kw
+            )
+            assert torch.equal(ragged[r0 + i : r0 + i + 1], step)
 
 
 @requires_kernel("reshape_and_cache")

@@ -5,7 +5,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -92,45 +94,68 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
     a.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
     a.softcap = float(softcap), a.window = window_left;
 
-    // Items (row, partition): a row's keys [lo, len) cut into partitions of
-    // part_tokens(len - lo) tokens (a function of the row alone: batch invariance).
+    // A row's keys [lo, n) meet the partitions [k * P, (k + 1) * P) with P =
+    // part_tokens(n - lo): a function of the row alone (batch invariance), aligned to the
+    // sequence start so that rows of one ragged query with the same P share partitions.
+    // Work item: one partition of one sequence for up to kItemRows of its rows.
     struct Item {
-      int64_t tokens, row, t0, t1, res;  // res: offset of its result, in partitions
+      int64_t cost, r0, r1, k, size;  // rows [r0, r1), partition k of `size` tokens
     };
     std::vector<Item> work;
-    std::vector<int64_t> first(rows + 1);  // partitions of row r: first[r] .. first[r + 1]
+    std::vector<int64_t> lo(rows), size(rows), first(rows + 1);  // first: result slots
     std::vector<float> res;
+    const std::unique_ptr<std::atomic<int32_t>[]> pending(new std::atomic<int32_t>[rows]);
     T* o = ptr<T>(out);
-    for (int64_t w0 = 0; w0 < rows;) {  // a wave of rows [w0, w1)
-      work.clear();
+    const auto k0 = [&](int64_t r) { return lo[r] / size[r]; };  // a row's first partition
+    for (int64_t w0 = 0; w0 < rows;) {                           // a wave of rows [w0, w1)
       int64_t w1 = w0, nparts = 0;
       for (; w1 < rows; ++w1) {
-        const int64_t n = row_len[w1], lo = a.first_key(n), span = n - lo;
-        const int64_t size = paged::part_tokens(span);
-        const int64_t parts = std::max<int64_t>(1, (span + size - 1) / size);
+        const int64_t n = row_len[w1];
+        lo[w1] = a.first_key(n), size[w1] = paged::part_tokens(n - lo[w1]);
+        const int64_t parts = n > lo[w1] ? (n + size[w1] - 1) / size[w1] - k0(w1) : 1;
         if (w1 > w0 && (nparts + parts) * hq * rs > kWaveFloats) break;
         first[w1] = nparts;
-        for (int64_t p = 0; p < parts; ++p) {
-          const int64_t t0 = lo + p * size, t1 = std::min(n, t0 + size);
-          work.push_back({std::max<int64_t>(0, t1 - t0), w1, t0, t1, nparts + p});
-        }
         nparts += parts;
       }
       first[w1] = nparts;
       res.resize(size_t(nparts * hq * rs));
-      // Longest partitions first (the shorter ones fill the gaps at the end).
+      work.clear();
+      for (int64_t g0 = w0; g0 < w1;) {  // groups: rows of one sequence with one P
+        int64_t g1 = g0 + 1;
+        while (g1 < w1 && g1 - g0 < paged::kItemRows && row_seq[g1] == row_seq[g0] &&
+               size[g1] == size[g0] && row_len[g0] > 0)
+          ++g1;
+        const int64_t P = size[g0], last = (row_len[g1 - 1] + P - 1) / P;
+        if (row_len[g1 - 1] == 0) work.push_back({0, g0, g1, 0, P});  // empty: zeros
+        // lo and n grow with the row: the rows that see keys in partition k are a range.
+        for (int64_t k = k0(g0), r0 = g0, r1 = g0; k < last; ++k) {
+          while (row_len[r0] <= k * P) ++r0;
+          while (r1 < g1 && lo[r1] < (k + 1) * P) ++r1;
+          const int64_t tokens = std::min<int64_t>(row_len[r1 - 1], (k + 1) * P) - k * P;
+          work.push_back({tokens * (r1 - r0 + 1), r0, r1, k, P});
+        }
+        g0 = g1;
+      }
+      // Costliest items first (the cheaper ones fill the gaps at the end).
       std::stable_sort(work.begin(), work.end(),
-                       [](const Item& x, const Item& y) { return x.tokens > y.tokens; });
-      parallel_items_with<paged::Workspace>(
-          int64_t(work.size()), [&](int64_t i, paged::Workspace& ws) {
-            const Item& it = work[i];
-            paged::partition(a, it.row, it.t0, it.t1, ws, res.data() + it.res * hq * rs);
-          });
-      const int64_t grain = std::max<int64_t>(1, 16 * (w1 - w0) / nparts);
-      at::parallel_for(w0, w1, grain, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r)
-          paged::combine(res.data() + first[r] * hq * rs, first[r + 1] - first[r], hq, d,
-                         o + r * hq * d, d);
+                       [](const Item& x, const Item& y) { return x.cost > y.cost; });
+      // A row is merged by whichever thread finishes its last partition (the merge reads
+      // the partitions in order: the same result whichever thread it is).
+      for (int64_t r = w0; r < w1; ++r)
+        pending[r].store(int32_t(first[r + 1] - first[r]), std::memory_order_relaxed);
+      parallel_items_with<paged::Workspace>(int64_t(work.size()), [&](int64_t i,
+                                                                      paged::Workspace& ws) {
+        const Item& it = work[i];
+        paged::RowPart rp[paged::kItemRows];
+        for (int64_t r = it.r0; r < it.r1; ++r)
+          rp[r - it.r0] = {r, lo[r], row_len[r], res.data() + (first[r] + it.k - k0(r)) * hq * rs};
+        const int64_t t0 = it.k * it.size;
+        paged::partition(a, rp, it.r1 - it.r0, t0,
+                         std::min<int64_t>(row_len[it.r1 - 1], t0 + it.size), ws);
+        for (int64_t r = it.r0; r < it.r1; ++r)
+          if (pending[r].fetch_sub(1, std::memory_order_acq_rel) == 1)
+            paged::combine(res.data() + first[r] * hq * rs, first[r + 1] - first[r], hq, d,
+                           o + r * hq * d, d);
       });
       w0 = w1;
     }

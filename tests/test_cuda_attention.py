@@ -8,6 +8,8 @@ partitions, query groups larger than the 8 rows of one block, empty sequences.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import DTYPES, NEEDS_CUDA, assert_close, requires_cuda_kernel
@@ -74,6 +76,77 @@ def test_cuda_paged_attention_bad_indices():
     too_long = torch.tensor([5, bt.shape[1] * 16 + 1], dtype=torch.int32, device=DEV)
     with pytest.raises(RuntimeError, match="argument 'seq_lens'"):
         torch_topg.ops.paged_attention(q, kc, vc, bt, too_long)
+
+
+def _cu(q_lens) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEV)
+
+
+@requires_cuda_kernel("paged_attention")
+@given(
+    seqs=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 17, 255, 257, 700, 2049]),
+            st.sampled_from(["zero", "one", "few", "all"]),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    heads=st.sampled_from([(1, 1), (8, 2), (32, 8), (12, 1)]),
+    d=st.sampled_from([20, 64, 128, 256]),
+    block_size=st.sampled_from([1, 16]),
+    dtype=st.sampled_from(DTYPES),
+    window=st.sampled_from([-1, -1, 0, 300]),
+    softcap=st.sampled_from([0.0, 10.0]),
+)
+@example([(2049, "all"), (17, "few"), (0, "zero")], (32, 8), 128, 16, torch.bfloat16, -1, 0.0)
+@example([(700, "few"), (257, "one")], (12, 1), 80, 16, torch.float32, 300, 10.0)
+def test_cuda_paged_attention_ragged(seqs, heads, d, block_size, dtype, window, softcap):
+    # Several new tokens per sequence (cu_seqlens_q), causal among them.
+    hq, hkv = heads
+    lens = [n for n, _ in seqs]
+    q_lens = [{"zero": 0, "one": min(n, 1), "few": min(n, 5), "all": n}[k] for n, k in seqs]
+    _, kc, vc, bt, sl = _paged(lens, hq, hkv, d, block_size, dtype)
+    q = torch.randn(sum(q_lens), hq, d, device=DEV).to(dtype)
+    kw = dict(cu_seqlens_q=_cu(q_lens), window_left=window, softcap=softcap)
+    out = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, reference.paged_attention(q, kc, vc, bt, sl, **kw))
+
+
+@requires_cuda_kernel("paged_attention")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_paged_attention_batch_invariant(dtype):
+    # Bitwise: a sequence alone == in a batch (other lengths, other table widths); a
+    # ragged row == the decode of its token; ragged with q_len 1 == the plain form.
+    q, kc, vc, bt, sl = _paged([1500, 5, 20000, 129, 700, 1, 2048], 8, 2, 128, 16, dtype)
+    batch = torch_topg.ops.paged_attention(q, kc, vc, bt, sl)
+    alone = torch_topg.ops.paged_attention(q[:1], kc, vc, bt[:1, :96], sl[:1])  # fewer slots
+    assert torch.equal(batch[:1], alone)
+    # 129 tokens alone in a 256-token table: one partition slot, the direct-write path.
+    alone = torch_topg.ops.paged_attention(q[3:4], kc, vc, bt[3:4, :16], sl[3:4])
+    assert torch.equal(batch[3:4], alone)
+    q_lens = [4, 2, 300, 0, 7, 1, 1000]
+    rq = torch.randn(sum(q_lens), 8, 128, device=DEV).to(dtype)
+    ragged = torch_topg.ops.paged_attention(rq, kc, vc, bt, sl, cu_seqlens_q=_cu(q_lens))
+    for i in range(4):
+        step_len = torch.tensor([1497 + i], dtype=torch.int32, device=DEV)
+        step = torch_topg.ops.paged_attention(rq[i : i + 1], kc, vc, bt[:1], step_len)
+        assert torch.equal(ragged[i : i + 1], step)
+    ones = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=_cu([1] * 7))
+    assert torch.equal(ones, batch)
+
+
+@requires_cuda_kernel("paged_attention")
+def test_cuda_paged_attention_bad_offsets():
+    _, kc, vc, bt, sl = _paged([5, 20], 4, 2, 32, 16, torch.float32)
+    q = torch.randn(7, 4, 32, device=DEV)
+    for offsets in ([0, 5, 2], [1, 3, 7], [0, 2, 8]):
+        cu = torch.tensor(offsets, dtype=torch.int32, device=DEV)
+        with pytest.raises(RuntimeError, match="argument 'cu_seqlens_q'.*non-decreasing"):
+            torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu)
+    with pytest.raises(RuntimeError, match="argument 'cu_seqlens_q'.*at most seq_lens"):
+        torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=_cu([6, 1]))
 
 
 def _qkv(b, sq, sk, hq, hkv, d, dtype, transposed=False):

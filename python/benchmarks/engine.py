@@ -315,7 +315,8 @@ def w_engine_batch1(dtype: str, repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
     kw = dict(temperature=0, ignore_eos=True)
     eng.generate(_rand_ids(g, DECODE_CONTEXT), max_new_tokens=8, **kw)  # warm-up
-    eng.generate(_rand_ids(g, TTFT_PROMPT), max_new_tokens=1, **kw)
+    for _ in range(2):
+        eng.generate(_rand_ids(g, TTFT_PROMPT), max_new_tokens=1, **kw)
     decode, ttft = [], []
     for _ in range(repeats):
         o = eng.generate(_rand_ids(g, DECODE_CONTEXT), max_new_tokens=DECODE_TOKENS, **kw)[0]
@@ -442,8 +443,7 @@ WORKERS = {
     "engine": lambda a: w_engine(a.dtype, a.rounds, a.new_tokens),
     "engine-batch1": lambda a: w_engine_batch1(a.dtype, a.repeats_b1),
     "hf-cb": lambda a: w_hf_cb(a.dtype, a.repeats, a.new_tokens),
-    # ~2 min a round at 128 tokens (fp32): one measured round; it is mainly the memory baseline
-    "hf-generate": lambda a: w_hf_generate(a.dtype, 1, a.new_tokens),
+    "hf-generate": lambda a: w_hf_generate(a.dtype, a.repeats, a.new_tokens),
 }
 
 
@@ -546,7 +546,7 @@ def run_llama_server(
     cmd = [
         str(server), "-m", str(gguf), "--parallel", str(CONCURRENCY),
         "-c", str(per_slot * CONCURRENCY), "-t", str(THREADS), "-tb", str(THREADS),
-        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+        "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--cache-ram", "0",
     ]  # fmt: skip
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT)
@@ -593,6 +593,10 @@ def run_llama_server(
             n_pred = [r.get("tokens_predicted") for r in res]
             if any(n != new_tokens for n in n_pred):
                 problems.append(f"tokens_predicted {sorted(set(map(str, n_pred)))}")
+            # every prompt token evaluated (no KV reuse between the requests)
+            n_prompt = sum((r.get("timings") or {}).get("prompt_n", 0) for r in res)
+            if n_prompt != sum(len(x) for x in ids):
+                problems.append(f"prompt tokens evaluated {n_prompt}, sent {sum(map(len, ids))}")
             tokens = tokens or toks
         peak = peak_rss_mb(proc.pid)
     finally:
@@ -648,28 +652,66 @@ def run_llama_bench(bench: Path, gguf: Path, repeats: int) -> dict:
 
 
 # --- orchestration ----------------------------------------------------------------------
-def agreement(ref: list[list[int]] | None, other: list[list[int]] | None) -> str:
-    """Identical greedy sequences out of 16, and the mean common prefix length."""
+def agreement(
+    ref: list[list[int]] | None, other: list[list[int]] | None, eos: frozenset[int] = frozenset()
+) -> str:
+    """Identical greedy sequences out of 16 and the mean common prefix length; and how
+    many of the first differences are an EOS that ``ref`` emitted and ``other`` did not
+    (the engine's and transformers' continuous batching ``ignore_eos`` keep generating
+    after an EOS they sample, vLLM's meaning; ``min_new_tokens`` in transformers
+    ``generate`` and llama.cpp's ``ignore_eos`` ban EOS, so they take the runner-up)."""
     if not ref or not other or len(ref) != len(other):
         return "-"
     same = sum(a == b for a, b in zip(ref, other, strict=True))
-    pref = []
+    pref, at_eos = [], 0
     for a, b in zip(ref, other, strict=True):
         k = 0
         while k < min(len(a), len(b)) and a[k] == b[k]:
             k += 1
         pref.append(k)
-    return f"{same}/{len(ref)} (prefix {statistics.mean(pref):.0f})"
+        if k < min(len(a), len(b)) and a[k] in eos and b[k] not in eos:
+            at_eos += 1
+    out = f"{same}/{len(ref)} (prefix {statistics.mean(pref):.0f})"
+    if same < len(ref) and eos:
+        out += f"; {at_eos} of {len(ref) - same} first differ where the engine emitted EOS"
+    return out
+
+
+def machine_check() -> dict:
+    """torch's fp32 GEMM rate now (a fresh measurement) and the 1-minute load average:
+    the machine is shared, and a drop says another process had the cores."""
+    from torch_topg.utils import benchmark
+
+    benchmark._cache.clear()
+    try:
+        load1 = os.getloadavg()[0]
+    except OSError:
+        load1 = float("nan")
+    return {"gemm": benchmark.gemm_rate(), "load1": load1}
 
 
 def run_dtype(dtype: str, a: argparse.Namespace, llama: dict | str, shape: dict) -> dict:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     from torch_topg.models.hf import smollm2_folder
 
-    ids = prompt_ids(AutoTokenizer.from_pretrained(smollm2_folder()))
-    res: dict = {"dtype": dtype, "prompt_lens": [len(x) for x in ids]}
+    tok = AutoTokenizer.from_pretrained(smollm2_folder())
+    ids = prompt_ids(tok)
+    eos = {tok.eos_token_id}
+    gen_eos = GenerationConfig.from_pretrained(smollm2_folder()).eos_token_id
+    eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    res: dict = {
+        "dtype": dtype,
+        "prompt_lens": [len(x) for x in ids],
+        "eos_ids": sorted(e for e in eos if e is not None),
+    }
     systems = a.systems.split(",")
+
+    res["checks"] = {}
+
+    def check(name):
+        res["checks"][name] = c = machine_check()
+        print(f"[{dtype}] {name}: GEMM {c['gemm'] / 1e9:.0f} GFLOP/s, load {c['load1']:.2f}")
 
     def log(name, r):
         if "error" in r:
@@ -679,6 +721,7 @@ def run_dtype(dtype: str, a: argparse.Namespace, llama: dict | str, shape: dict)
 
     for name in ("engine", "engine-batch1", "hf-cb", "hf-generate"):
         if name.split("-batch1")[0] in systems or name in systems:
+            check(name)
             res[name] = spawn(name, dtype, a)
             log(name, res[name])
     if "llama" in systems:
@@ -697,12 +740,13 @@ def run_dtype(dtype: str, a: argparse.Namespace, llama: dict | str, shape: dict)
                     (
                         "llama-server",
                         lambda: run_llama_server(
-                            llama["llama-server"], gguf, ids, a.repeats, a.new_tokens,
+                            llama["llama-server"], gguf, ids, a.rounds, a.new_tokens,
                             out / f"llama-server-{dtype}.log",
                         ),
                     ),
                     ("llama-bench", lambda: run_llama_bench(llama["llama-bench"], gguf, a.repeats_b1)),
                 ):  # fmt: skip
+                    check(key)
                     t0 = time.perf_counter()
                     try:
                         res[key] = fn()
@@ -745,7 +789,9 @@ def throughput_rows(r: dict, shape: dict, gemm: float, new_tokens: int) -> list[
                 "wall_s": statistics.median(walls),
                 "gflops": flops / statistics.median(walls) / 1e9,
                 "of_peak": flops / statistics.median(walls) / gemm,
-                "agree": "reference" if key == "engine" else agreement(eng_tokens, x.get("tokens")),
+                "agree": "reference"
+                if key == "engine"
+                else agreement(eng_tokens, x.get("tokens"), frozenset(r.get("eos_ids", []))),
                 "peak_rss_mb": x.get("peak_rss_mb"),
                 "problems": x.get("problems", []),
             }
@@ -768,9 +814,13 @@ def render(results: list[dict], meta: dict, shape: dict) -> tuple[str, str]:
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}; torch {meta['torch']}; transformers {meta['transformers']}; "
         f"{meta['threads']} threads; CPU: {meta['cpu']}",
+        f"- torch_topg at {meta.get('commit', '?')}\n"
         f"- model: SmolLM2-135M-Instruct (same weights in every system); llama.cpp: "
         f"{meta['llama']}",
-        f"- measured fp32 GEMM peak (torch, 1024^3, this run): {gemm / 1e9:.1f} GFLOP/s",
+        f"- fp32 GEMM rate of torch (1024^3, `torch_topg.utils.benchmark.gemm_rate`), measured "
+        f"before every system in this run: best {gemm / 1e9:.1f} GFLOP/s (the reference for the "
+        f"FLOP rates), worst {meta.get('gemm_min', gemm) / 1e9:.1f}; a low one means another "
+        "process had the cores (the machine is shared).",
         f"- FLOPs of a round: sum over requests of 2 * N * T + 4 * L * H * d * T(T+1)/2 with "
         f"T = P + {nt} - 1 positions passed through the model (P = prompt tokens), "
         f"N = {shape['params_non_embedding'] / 1e6:.1f}M non-embedding parameters, L = "
@@ -791,8 +841,8 @@ def render(results: list[dict], meta: dict, shape: dict) -> tuple[str, str]:
             f"{min(r['prompt_lens'])}-{max(r['prompt_lens'])} tokens, "
             f"{sum(r['prompt_lens'])} in all), {nt} new tokens each, greedy, EOS ignored",
             "",
-            "| system | output tokens/s | round wall s | GFLOP/s | of fp32 GEMM peak | "
-            "vs engine (tokens/s) | greedy tokens identical to engine's | peak RSS MB |",
+            "| system | output tokens/s | round wall s | GFLOP/s | of measured fp32 GEMM rate | "
+            "engine tokens/s over this | greedy tokens identical to engine's | peak RSS MB |",
             "|---|---|---|---|---|---|---|---|",
         ]
         rows = throughput_rows(r, shape, gemm, nt)
@@ -810,6 +860,16 @@ def render(results: list[dict], meta: dict, shape: dict) -> tuple[str, str]:
             )
             for p in x["problems"]:
                 L.append(f"|  | problem: {p} | | | | | | |")
+        if r.get("checks"):
+            L += [
+                "",
+                "Machine check before each system (torch fp32 GEMM GFLOP/s / 1-min load "
+                "average): "
+                + "; ".join(
+                    f"{k} {c['gemm'] / 1e9:.0f} / {c['load1']:.1f}" for k, c in r["checks"].items()
+                )
+                + ".",
+            ]
         e = r.get("engine", {})
         if "rounds" in e:
             ttfts = [t * 1e3 for q in e["rounds"] for t in q["ttft_s"]]
@@ -897,15 +957,20 @@ def render(results: list[dict], meta: dict, shape: dict) -> tuple[str, str]:
         if "rounds" in e and kvr and all(v is not None for v in kvr):
             rss = e["rss_after_rounds_mb"]
             rest = [a - b for a, b in zip(rss, kvr, strict=True)]
+            grew = kvr[-1] - kvr[1]
+            why = (
+                "flat: the rounds reuse the blocks the warm-up round wrote"
+                if abs(grew) < 8
+                else f"{grew:+.0f} MB: rounds wrote pool blocks never written before (the pool "
+                "is torch.empty, its pages commit on first write), bounded by the pool size"
+            )
             L += [
                 "",
                 "Engine RSS after each round (warm-up first), split by mincore into the KV "
                 f"pool's resident pages and the rest: KV {', '.join(f'{v:.0f}' for v in kvr)} "
-                f"MB; rest {', '.join(f'{v:.0f}' for v in rest)} MB (rest changes by "
-                f"{rest[-1] - rest[1]:+.0f} MB from round 1 to round {len(rest) - 1}). The pool "
-                "is torch.empty and the free list is FIFO (freed blocks go to the back), so "
-                "each round writes blocks not touched before and the resident KV grows until "
-                "every block has been used once, then stays at the pool size.",
+                f"MB; rest {', '.join(f'{v:.0f}' for v in rest)} MB. From round 1 to round "
+                f"{len(rest) - 1} the rest changes by {rest[-1] - rest[1]:+.0f} MB and the "
+                f"resident KV by {why}.",
             ]
         L.append("")
         # summary
@@ -953,9 +1018,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp32,bf16")
     ap.add_argument("--md", default="bench_results/engine.md")
     ap.add_argument("--systems", default="engine,hf-cb,hf-generate,llama")
-    ap.add_argument("--rounds", type=int, default=5, help="engine throughput rounds")
-    ap.add_argument("--repeats", type=int, default=3, help="other systems' throughput rounds")
-    ap.add_argument("--repeats-b1", type=int, default=5, help="batch-1 repetitions")
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="throughput rounds of the engine and llama-server"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="throughput rounds of transformers generate_batch"
+    )
+    ap.add_argument("--repeats-b1", type=int, default=7, help="batch-1 repetitions")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1-2 repetitions")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -973,12 +1042,10 @@ def main() -> None:
     torch = _setup_torch()
     import transformers
 
-    from torch_topg.utils.benchmark import gemm_rate
-
     md = Path(a.md)
     md.parent.mkdir(parents=True, exist_ok=True)
-    gemm = gemm_rate()
-    print(f"fp32 GEMM peak {gemm / 1e9:.1f} GFLOP/s; torch {torch.__version__}, {THREADS} threads")
+    gemm = machine_check()["gemm"]
+    print(f"fp32 GEMM {gemm / 1e9:.1f} GFLOP/s; torch {torch.__version__}, {THREADS} threads")
     llama: dict | str = "not requested"
     notes: dict[str, str] = {}
     if "llama" in a.systems.split(","):
@@ -1004,6 +1071,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "threads": THREADS,
         "cpu": _cpu_name(),
+        "commit": _git_commit(),
         "gemm_flops": gemm,
         "new_tokens": a.new_tokens,
         "llama": "llama-cpp-python 0.3.36's vendored llama.cpp (llama-server, llama-bench)"
@@ -1014,6 +1082,8 @@ def main() -> None:
     results = []
     for d in dtypes:
         results.append(run_dtype(d, a, llama, shape))
+        rates = [gemm] + [c["gemm"] for r in results for c in r["checks"].values()]
+        meta["gemm_flops"], meta["gemm_min"] = max(rates), min(rates)
         table, summary = render(results, meta, shape)
         md.write_text(table + "\n")
         md.with_suffix(".json").write_text(
@@ -1025,14 +1095,40 @@ def main() -> None:
     print(f"\nwrote {md} and {md.with_suffix('.json')}")
 
 
-def _cpu_name() -> str:
+def _git_commit() -> str:
+    """HEAD of the checkout the engine is imported from, and whether torch_topg/ differs."""
+    import torch_topg
+
+    root = Path(torch_topg.__file__).resolve().parent.parent
     try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "torch_topg", "csrc"],
+            capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+        return head + (" (with uncommitted changes in torch_topg/ or csrc/)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def _cpu_name() -> str:
+    """Model name, family/model and the vector extensions that decide GEMM speed."""
+    try:
+        info: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({platform.machine()})"
+            k, _, v = line.partition(":")
+            info.setdefault(k.strip(), v.strip())
+        flags = set(info.get("flags", "").split())
+        ext = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+        return (
+            f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model "
+            f"{info.get('model', '?')}, {' '.join(ext)}; {os.cpu_count()} CPUs)"
+        )
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

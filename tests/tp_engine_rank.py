@@ -10,6 +10,7 @@ Rank 0 builds the engine on the process group torchrun started and prints
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -34,6 +35,12 @@ def main() -> None:
             follow()
     finally:
         dist.destroy_process_group()
+    # Skip the interpreter's teardown, as the engine's spawned workers do: once, under
+    # load, rank 0 aborted there ("terminate called without an active exception", a
+    # native thread still joinable at exit) after printing the right tokens.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
+from torch_topg.engine.keyed import _mix64
 from torch_topg.engine.sampling import (
     MAX_LOGPROBS,
     SALT_ACCEPT,
@@ -22,7 +23,6 @@ from torch_topg.engine.sampling import (
     SALT_SAMPLE,
     Sampler,
     SamplingParams,
-    _mix64,
     keyed_gumbel,
     keyed_uniform,
     sample_from_probs,

@@ -27,7 +27,7 @@ from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
 from torch_topg.engine.sampling import Sampler, SamplingParams, seed_tensor
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
-from torch_topg.engine.sequence import Request, Sequence
+from torch_topg.engine.sequence import Request, Sequence, Status
 
 
 class QueueFull(RuntimeError):
@@ -323,7 +323,7 @@ class Engine:
         with self._cv:
             self._queued = len(self._inbox) + sum(
                 1 for r in self._requests.values()
-                if all(s.num_computed == 0 and s.status.value == "waiting" for s in r.seqs)
+                if all(s.num_computed == 0 and s.status is Status.WAITING for s in r.seqs)
             )  # fmt: skip
 
     def _run(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
@@ -408,11 +408,15 @@ class Engine:
         seq.out.text = seq.detok.text
         text = seq.detok.pending(final=reason is not None)
         d = Delta(req.request_id, seq.index, text, [tok], [lp] if lp else None, reason)
-        if req.finished:
-            d.usage = self._output(req).usage
+        if not req.finished:
+            req.handle._push(d)
+            return
+        out = self._output(req)
+        d.usage = out.usage
         req.handle._push(d)
-        if req.finished:
-            self._complete(req)
+        self._requests.pop(req.request_id, None)
+        self._stats.requests["finished"] += 1
+        req.handle._finish(out, None)
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(
@@ -422,11 +426,6 @@ class Engine:
             outputs=[s.out for s in req.seqs],
             cached_prompt_tokens=req.cached_prompt_tokens,
         )
-
-    def _complete(self, req: Request) -> None:
-        self._requests.pop(req.request_id, None)
-        self._stats.requests["finished"] += 1
-        req.handle._finish(self._output(req), None)
 
     def _end_request(self, req: Request, reason: str) -> None:
         for s in req.seqs:

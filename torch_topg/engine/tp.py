@@ -130,19 +130,24 @@ class TPGroup:
         ]
         return "; ".join(gone) or None
 
-    def wait(self, work: Any, what: str, timeout_s: float) -> None:
-        """Wait for an async collective, checking the workers while it runs."""
+    def poll(
+        self, done: Any, what: str, timeout_s: float, late: str, interval_s: float = 0.01
+    ) -> None:
+        """Wait until ``done()``, checking the workers meanwhile: a dead one raises
+        ``RuntimeError`` naming it, ``timeout_s`` without an answer ``TimeoutError(late)``."""
         deadline = time.monotonic() + timeout_s
-        while not work.is_completed():
+        while not done():
             gone = self.dead()
             if gone:
                 raise RuntimeError(f"Engine(tp_size={self.tp_size}): {what}: {gone}")
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"Engine(tp_size={self.tp_size}): {what}: no answer from the workers "
-                    f"after {timeout_s:.0f} s (TOPG_TP_TIMEOUT_S)"
-                )
-            time.sleep(0.01)
+                raise TimeoutError(f"Engine(tp_size={self.tp_size}): {late}")
+            time.sleep(interval_s)
+
+    def wait(self, work: Any, what: str, timeout_s: float) -> None:
+        """Wait for an async collective, checking the workers while it runs."""
+        late = f"{what}: no answer from the workers after {timeout_s:.0f} s (TOPG_TP_TIMEOUT_S)"
+        self.poll(work.is_completed, what, timeout_s, late)
         work.wait()
 
     def failure(self, err: BaseException, what: str) -> RuntimeError:
@@ -421,17 +426,14 @@ def _spawn(group: TPGroup, tp_size: int, device: torch.device, threads: int | No
         group.procs.append(p)
     # Wait for every worker to reach the store (a worker that dies while importing is
     # reported now, by its exit code, not after the rendezvous timeout).
-    deadline = time.monotonic() + timeout_s
     keys = [f"topg/engine/up/{r}" for r in range(1, tp_size)]
-    while not store.check(keys):
-        gone = group.dead()
-        if gone:
-            raise RuntimeError(f"Engine(tp_size={tp_size}): starting the workers: {gone}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"Engine(tp_size={tp_size}): the workers did not start within {timeout_s:.0f} s"
-            )
-        time.sleep(0.02)
+    group.poll(
+        lambda: store.check(keys),
+        "starting the workers",
+        timeout_s,
+        f"the workers did not start within {timeout_s:.0f} s",
+        interval_s=0.02,
+    )
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=0, world_size=tp_size, timeout=timeout)

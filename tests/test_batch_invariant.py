@@ -14,7 +14,8 @@ from conftest import DTYPES
 import torch_topg
 
 pytestmark = pytest.mark.skipif(
-    not torch_topg.native_available(), reason="a mode of the native kernels"
+    not torch_topg.native_available(),
+    reason="needs the native CPU kernels (not built, or TOPG_DISABLE_NATIVE=1)",
 )
 
 

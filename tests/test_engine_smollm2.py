@@ -19,7 +19,10 @@ pytestmark = [
     pytest.mark.skipif(smollm2_available() is not None, reason=str(smollm2_available())),
     # The reference fallback (TOPG_DISABLE_NATIVE=1) runs a 135M model at ~0.5 s a token;
     # the tiny-model engine tests cover that path.
-    pytest.mark.skipif(not torch_topg.native_available(), reason="native kernels not loaded"),
+    pytest.mark.skipif(
+        not torch_topg.native_available(),
+        reason="needs the native CPU kernels (not built, or TOPG_DISABLE_NATIVE=1)",
+    ),
 ]
 
 QUESTIONS = [

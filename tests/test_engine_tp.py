@@ -139,7 +139,10 @@ def test_torchrun_ranks_follow_rank_0(llama3kv):
 
 
 @pytest.mark.skipif(smollm2_available() is not None, reason=str(smollm2_available()))
-@pytest.mark.skipif(not torch_topg.native_available(), reason="a 135M model on the reference path")
+@pytest.mark.skipif(
+    not torch_topg.native_available(),
+    reason="needs the native CPU kernels (not built, or TOPG_DISABLE_NATIVE=1)",
+)
 def test_smollm2_tp2_text_equals_tp1():
     chats = [[{"role": "user", "content": q}] for q in
              ("What is the capital of France?", "Write a haiku about the sea.")]  # fmt: skip

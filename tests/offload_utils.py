@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,17 @@ def quiet_offload(model: nn.Module, **kw: Any) -> torch_topg.OffloadHandle:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="offload: source='cpu'")
         return torch_topg.offload(model, **kw)
+
+
+def eventually(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds pass (False): for
+    effects of the background reader, which land when its copy completes."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:

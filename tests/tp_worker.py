@@ -8,6 +8,7 @@ with the traceback in its log."""
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -231,6 +232,12 @@ def main() -> None:
         JOBS[job](int(rank), int(world), Path(tmp))
     dist.destroy_process_group()
     print("DONE", flush=True)
+    # Interpreter teardown with gloo's worker threads still being destroyed aborts now
+    # and then ("terminate called without an active exception", rank 1, seen in CI; a
+    # torch issue: pytorch/pytorch#190489, #179291). Everything this job checks has run
+    # and printed by now, so leave without the interpreter's teardown.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
-"""Typed wrappers of the ``topg`` ops (``torch.ops.topg.*``); importing registers them."""
+"""Typed wrappers of the ``topg`` ops (``torch.ops.topg.*``); importing registers them.
 
+``OPS`` is the op registry (name -> :class:`OpSpec`: schema, check, fake, reference,
+fallback, wrapper, kernels per device).
+"""
+
+from torch_topg.ops._registry import OPS, OpSpec
 from torch_topg.ops.activation import gelu_and_mul, silu_and_mul
 from torch_topg.ops.attention import attention, paged_attention, reshape_and_cache
 from torch_topg.ops.collectives import all_reduce, fused_all_reduce_add_rms_norm
@@ -10,6 +15,8 @@ from torch_topg.ops.norm import fused_add_rms_norm, rms_norm
 from torch_topg.ops.rotary import rotary_embedding
 
 __all__ = [
+    "OPS",
+    "OpSpec",
     "all_reduce",
     "attention",
     "fused_add_rms_norm",

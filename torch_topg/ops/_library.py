@@ -8,6 +8,8 @@ Per op this module registers two things against the schema from ``_schemas.py``:
   the same argument checks as the native kernels and warns once per (op, device).
 
 Native kernels registered for ``CPU`` / ``CUDA`` take precedence over the fallback.
+Each registration is also recorded in the op registry (``_registry.OPS``), which is what
+other modules read.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torch_topg.ops._registry import OpSpec, add
 from torch_topg.ops._schemas import INTERNAL_SCHEMAS, SCHEMAS
 
 LIB = torch.library.Library("topg", "DEF")
@@ -62,12 +65,15 @@ def register(
     check: Callable[..., None],
     fake: Callable[..., Any],
     reference: Callable[..., Any],
-) -> None:
-    """Register the fake kernel and the reference fallback of ``topg::<name>``.
+    wrapper: Callable[..., Any] | None = None,
+) -> OpSpec:
+    """Register the fake kernel and the reference fallback of ``topg::<name>`` and
+    record the op in the registry.
 
     ``check(*args)`` validates arguments (shared by both paths, written with
     ``torch._check`` where sizes may be symbolic); ``fake(*args)`` returns empty outputs
-    of the right shape; ``reference(*args)`` computes the op in plain PyTorch.
+    of the right shape; ``reference(*args)`` computes the op in plain PyTorch;
+    ``wrapper`` is the typed wrapper ``torch_topg.ops.<name>``.
     """
     assert name in SCHEMAS, f"topg::{name} has no schema in _schemas.py"
 
@@ -80,8 +86,20 @@ def register(
         check(*args, **kwargs)
         return fake(*args, **kwargs)
 
+    fallback.__name__ = f"{name}_fallback"
     LIB.impl(name, fallback, "CompositeExplicitAutograd")
     torch.library.register_fake(f"topg::{name}", fake_kernel, lib=LIB)
+    spec = OpSpec(
+        name=name,
+        schema=SCHEMAS[name],
+        check=check,
+        fake=fake,
+        reference=reference,
+        fallback=fallback,
+        wrapper=wrapper,
+    )
+    add(spec)
+    return spec
 
 
 def eager_entry(name: str) -> Callable[..., Any]:
@@ -96,4 +114,5 @@ def eager_entry(name: str) -> Callable[..., Any]:
             return torch.ops.topg.<name>.default(...)
         return _<name>(...)
     """
+    assert name in SCHEMAS, f"topg::{name} has no schema in _schemas.py"
     return getattr(torch.ops.topg, name).default._op

@@ -64,7 +64,14 @@ def _check_gelu(input: torch.Tensor, approximate: str = "none") -> None:
 register(
     "silu_and_mul",
     check=lambda input: _check_gated("silu_and_mul", input),
+    wrapper=silu_and_mul,
     fake=_gated_fake,
     reference=reference.silu_and_mul,
 )
-register("gelu_and_mul", check=_check_gelu, fake=_gated_fake, reference=reference.gelu_and_mul)
+register(
+    "gelu_and_mul",
+    check=_check_gelu,
+    fake=_gated_fake,
+    reference=reference.gelu_and_mul,
+    wrapper=gelu_and_mul,
+)

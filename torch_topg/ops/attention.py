@@ -293,16 +293,24 @@ def _empty_out(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
-register("attention", check=_check_attention, fake=_empty_out, reference=reference.attention)
+register(
+    "attention",
+    check=_check_attention,
+    fake=_empty_out,
+    reference=reference.attention,
+    wrapper=attention,
+)
 register(
     "paged_attention",
     check=_check_paged_attention,
     fake=_empty_out,
     reference=reference.paged_attention,
+    wrapper=paged_attention,
 )
 register(
     "reshape_and_cache",
     check=_check_reshape_and_cache,
     fake=lambda *args: None,
     reference=reference.reshape_and_cache,
+    wrapper=reshape_and_cache,
 )

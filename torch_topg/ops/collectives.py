@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch_topg import reference
 from torch_topg.ops._checks import Arg, check_op
 from torch_topg.ops._library import LIB, eager_entry, register
-from torch_topg.ops.norm import _check_fused_add_rms_norm
+from torch_topg.ops.norm import check_add_rms_norm
 from torch_topg.utils.distributed import peer_failure
 
 _all_reduce = eager_entry("all_reduce")
@@ -146,7 +146,7 @@ def _check_fused_all_reduce_add_rms_norm(
     epsilon: float,
     group_name: str,
 ) -> None:
-    _check_fused_add_rms_norm(input, residual, weight, epsilon, op="fused_all_reduce_add_rms_norm")
+    check_add_rms_norm("fused_all_reduce_add_rms_norm", input, residual, weight)
     _check_group_name("fused_all_reduce_add_rms_norm", group_name)
 
 
@@ -173,12 +173,14 @@ def _fused_all_reduce_add_rms_norm_impl(
 register(
     "all_reduce",
     check=_check_all_reduce,
+    wrapper=all_reduce,
     fake=lambda input, group_name: torch.empty_like(input, memory_format=torch.contiguous_format),
     reference=reference.all_reduce,
 )
 register(
     "fused_all_reduce_add_rms_norm",
     check=_check_fused_all_reduce_add_rms_norm,
+    wrapper=fused_all_reduce_add_rms_norm,
     fake=lambda input, residual, weight, epsilon, group_name: None,
     reference=reference.fused_all_reduce_add_rms_norm,
 )

@@ -102,4 +102,10 @@ def _fake_fused_moe(
     return hidden_states.new_empty(hidden_states.shape)
 
 
-register("fused_moe", check=_check_fused_moe, fake=_fake_fused_moe, reference=reference.fused_moe)
+register(
+    "fused_moe",
+    check=_check_fused_moe,
+    fake=_fake_fused_moe,
+    reference=reference.fused_moe,
+    wrapper=fused_moe,
+)

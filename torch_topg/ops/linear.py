@@ -48,4 +48,6 @@ def _fake_linear(
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 
-register("linear", check=_check_linear, fake=_fake_linear, reference=reference.linear)
+register(
+    "linear", check=_check_linear, fake=_fake_linear, reference=reference.linear, wrapper=linear
+)

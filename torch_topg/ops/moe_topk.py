@@ -77,4 +77,4 @@ def _fake(router_logits: torch.Tensor, top_k: int, **kwargs: object):
     )
 
 
-register(_OP, check=_check, fake=_fake, reference=reference.moe_topk)
+register(_OP, check=_check, fake=_fake, reference=reference.moe_topk, wrapper=moe_topk)

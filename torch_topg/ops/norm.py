@@ -55,13 +55,11 @@ def _check_rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float) -
     _check_norm("rms_norm", input, weight)
 
 
-def _check_fused_add_rms_norm(
-    input: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    epsilon: float,
-    op: str = "fused_add_rms_norm",
+def check_add_rms_norm(
+    op: str, input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 ) -> None:
+    """The argument check of an in-place residual add + RMSNorm named ``op`` (also
+    ``fused_all_reduce_add_rms_norm``'s)."""
     _check_norm(op, input, weight)
     Arg(op, "input", input).contiguous()
     Arg(op, "residual", residual).same_dtype(input, "input").same_device(
@@ -71,9 +69,16 @@ def _check_fused_add_rms_norm(
         Arg(op, "residual", residual).size(d, input.shape[d], "the shape of 'input'")
 
 
+def _check_fused_add_rms_norm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+) -> None:
+    check_add_rms_norm("fused_add_rms_norm", input, residual, weight)
+
+
 register(
     "rms_norm",
     check=_check_rms_norm,
+    wrapper=rms_norm,
     fake=lambda input, weight, epsilon: torch.empty_like(
         input, memory_format=torch.contiguous_format
     ),
@@ -82,6 +87,7 @@ register(
 register(
     "fused_add_rms_norm",
     check=_check_fused_add_rms_norm,
+    wrapper=fused_add_rms_norm,
     fake=lambda input, residual, weight, epsilon: None,
     reference=reference.fused_add_rms_norm,
 )

@@ -91,4 +91,5 @@ register(
     check=_check,
     fake=lambda *args: None,
     reference=reference.rotary_embedding,
+    wrapper=rotary_embedding,
 )

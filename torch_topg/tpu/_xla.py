@@ -12,7 +12,6 @@ registered at ``CompositeExplicitAutograd`` (``ops/_library.py``).
 
 from __future__ import annotations
 
-import importlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -21,27 +20,20 @@ from typing import Any
 
 import torch
 
-from torch_topg import reference
-from torch_topg.ops import _library
+from torch_topg.ops import OPS, _library
 from torch_topg.tpu import _pallas
 
-# The op modules (``torch_topg.ops.attention`` etc. are shadowed by the wrappers of the
-# same name in ``torch_topg.ops``).
-_attention = importlib.import_module("torch_topg.ops.attention")
-_fused_moe = importlib.import_module("torch_topg.ops.fused_moe")
-_moe_topk = importlib.import_module("torch_topg.ops.moe_topk")
-_norm = importlib.import_module("torch_topg.ops.norm")
-
-#: op -> (argument check, reference): the same check the fake kernel and fallback run.
-_OPS: dict[str, tuple[Callable[..., None], Callable[..., Any]]] = {
-    "rms_norm": (_norm._check_rms_norm, reference.rms_norm),
-    "fused_add_rms_norm": (_norm._check_fused_add_rms_norm, reference.fused_add_rms_norm),
-    "attention": (_attention._check_attention, reference.attention),
-    "paged_attention": (_attention._check_paged_attention, reference.paged_attention),
-    "moe_topk": (_moe_topk._check, reference.moe_topk),
-    "fused_moe": (_fused_moe._check_fused_moe, reference.fused_moe),
-}
-PALLAS_OPS: tuple[str, ...] = tuple(_OPS)
+#: The ops with a Pallas kernel (a function of the same name in ``_pallas``). Their
+#: argument check and reference come from the op registry (``torch_topg.ops.OPS``): the
+#: same check the fake kernel and the fallback run.
+PALLAS_OPS: tuple[str, ...] = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "attention",
+    "paged_attention",
+    "moe_topk",
+    "fused_moe",
+)
 
 
 @dataclass(frozen=True)
@@ -153,7 +145,8 @@ def _reference(op: str, ref: Callable[..., Any], args: tuple, kwargs: dict) -> A
 
 def xla_kernel(op: str) -> Callable[..., Any]:
     """The Python kernel registered for ``topg::<op>`` at the ``XLA`` key."""
-    check, ref = _OPS[op]
+    spec = OPS[op]
+    check, ref = spec.check, spec.reference
     impl = getattr(_pallas, op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:

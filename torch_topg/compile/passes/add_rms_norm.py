@@ -17,53 +17,7 @@ dtype (no broadcasting or promotion), and not graph inputs or outputs.
 
 from __future__ import annotations
 
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-from torch_topg.compile.passes.base import F, Pass, Site, topg
-
-# Producers whose output is a fresh tensor (never a view of something else).
-_FRESH_KINDS = {"linear", "add", "mul", "sdpa", "matmul"}
-_FRESH_TOPG = {
-    "linear",
-    "attention",
-    "fused_moe",
-    "rms_norm",
-    "silu_and_mul",
-    "gelu_and_mul",
-    "all_reduce",
-}
-
-
-def _fresh(node) -> bool:
-    if not isinstance(node, F.Node) or node.op in ("placeholder", "get_attr"):
-        return False
-    if F.is_kind(node, "view", "reshape"):  # a reshaped temporary nobody else reads
-        src = node.args[0]
-        return isinstance(src, F.Node) and len(src.users) == 1 and _fresh(src)
-    if F.kind(node) in _FRESH_KINDS:
-        return True
-    if F.kind(node) is None and node.op == "call_function":
-        t = node.target
-        if getattr(t, "namespace", None) == "topg":
-            return t._opname in _FRESH_TOPG
-        name = getattr(t, "__name__", "")
-        return name in ("embedding",)
-    return False
-
-
-def _same_shape(x, y) -> bool:
-    """Provably equal shapes, without adding guards on symbolic sizes."""
-    if x is None or y is None or len(x) != len(y):
-        return False
-    return all(statically_known_true(a == b) for a, b in zip(x, y, strict=True))
-
-
-def _dies_at(node, at, order) -> bool:
-    """``node`` is read by no one after ``at`` and is not a graph output."""
-    for u in node.users:
-        if u.op == "output" or (u is not at and order.get(u, -1) > order[at]):
-            return False
-    return True
+from torch_topg.compile.passes.base import F, Pass, Site, dies_at, fresh, same_shape, topg
 
 
 class AddRMSNormPass(Pass):
@@ -88,13 +42,13 @@ class AddRMSNormPass(Pass):
             why = None
             if not (F.is_tensor(a) and F.is_tensor(b)):
                 why = "not a tensor + tensor add"
-            elif not _same_shape(F.shape(a), F.shape(b)) or not (
+            elif not same_shape(F.shape(a), F.shape(b)) or not (
                 F.dtype(a) == F.dtype(b) == F.dtype(h)
             ):
                 why = "operands differ in shape or dtype (broadcast / promotion)"
-            elif not (_fresh(a) and _fresh(b)):
+            elif not (fresh(a) and fresh(b)):
                 why = "an operand is not a private temporary"
-            elif not (_dies_at(a, h, order) and _dies_at(b, h, order)):
+            elif not (dies_at(a, h, order) and dies_at(b, h, order)):
                 why = "an operand is read after the add"
             elif any(isinstance(x, F.Node) and order.get(x, -1) > order[h] for x in n.args[1:]):
                 why = "the weight is computed after the add (e.g. Gemma's 1 + w)"

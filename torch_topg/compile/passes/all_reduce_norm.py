@@ -30,8 +30,7 @@ on the residual (a private temporary whose last reader is the add).
 
 from __future__ import annotations
 
-from torch_topg.compile.passes.add_rms_norm import _dies_at, _fresh, _same_shape
-from torch_topg.compile.passes.base import F, Pass, Site, topg
+from torch_topg.compile.passes.base import F, Pass, Site, dies_at, fresh, same_shape, topg
 
 
 def _is_all_reduce(node) -> bool:
@@ -69,7 +68,7 @@ class AllReduceNormPass(Pass):
         x = ar.args[0]
         if not F.is_tensor(x) or F.dtype(x) != F.dtype(ar):
             return "the all-reduce input is not a tensor of the output's dtype"
-        if not _fresh(x) or len(x.users) != 1:
+        if not fresh(x) or len(x.users) != 1:
             return "the all-reduce input is not a private temporary"
         return None
 
@@ -97,11 +96,11 @@ class AllReduceNormPass(Pass):
         if why is None:
             if len(ar.users) != 1 or any(u.op == "output" for u in h.users):
                 why = "the reduced sum or the add is read elsewhere (or is a graph output)"
-            elif not _same_shape(F.shape(ar), F.shape(residual)) or not (
+            elif not same_shape(F.shape(ar), F.shape(residual)) or not (
                 F.dtype(ar) == F.dtype(residual) == F.dtype(h)
             ):
                 why = "operands differ in shape or dtype (broadcast / promotion)"
-            elif not (_fresh(residual) and _dies_at(residual, h, order)):
+            elif not (fresh(residual) and dies_at(residual, h, order)):
                 why = "the residual is not a private temporary the add reads last"
             elif any(isinstance(v, F.Node) and order.get(v, -1) > order[h] for v in n.args[1:]):
                 why = "the weight is computed after the add"

@@ -8,8 +8,10 @@ from typing import Any, ClassVar
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_topg.compile import fx as F
+from torch_topg.ops import OPS
 
 
 @dataclass
@@ -128,7 +130,58 @@ class Pass:
 
 
 def topg(name: str) -> Any:
-    return getattr(torch.ops.topg, name).default
+    """``torch.ops.topg.<name>.default``; a ``KeyError`` for an op not in the registry."""
+    return OPS[name].overload
 
 
-__all__ = ["Context", "F", "Pass", "Site", "topg", "where"]
+# Producers whose output is a fresh tensor (never a view of something else).
+_FRESH_KINDS = {"linear", "add", "mul", "sdpa", "matmul"}
+
+
+def fresh(node: Any) -> bool:
+    """``node`` makes a new tensor that nothing else aliases (a private temporary if it
+    has one reader): a fresh-result aten kind, or a ``topg`` op whose registry entry
+    says it returns a new tensor, possibly behind a view/reshape nobody else reads."""
+    if not isinstance(node, F.Node) or node.op in ("placeholder", "get_attr"):
+        return False
+    if F.is_kind(node, "view", "reshape"):  # a reshaped temporary nobody else reads
+        src = node.args[0]
+        return isinstance(src, F.Node) and len(src.users) == 1 and fresh(src)
+    if F.kind(node) in _FRESH_KINDS:
+        return True
+    if F.kind(node) is None and node.op == "call_function":
+        t = node.target
+        if getattr(t, "namespace", None) == "topg":
+            spec = OPS.get(t._opname)
+            return spec is not None and spec.returns_new_tensor
+        name = getattr(t, "__name__", "")
+        return name in ("embedding",)
+    return False
+
+
+def same_shape(x: Any, y: Any) -> bool:
+    """Provably equal shapes, without adding guards on symbolic sizes."""
+    if x is None or y is None or len(x) != len(y):
+        return False
+    return all(statically_known_true(a == b) for a, b in zip(x, y, strict=True))
+
+
+def dies_at(node: fx.Node, at: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """``node`` is read by no one after ``at`` and is not a graph output."""
+    for u in node.users:
+        if u.op == "output" or (u is not at and order.get(u, -1) > order[at]):
+            return False
+    return True
+
+
+__all__ = [
+    "Context",
+    "F",
+    "Pass",
+    "Site",
+    "dies_at",
+    "fresh",
+    "same_shape",
+    "topg",
+    "where",
+]

@@ -1,0 +1,160 @@
+"""python/gpu_suite.sh without a GPU: its dry run, its budgets and file counts, a clean
+exit on a machine without a GPU, and its stage handling with stand-in tools.
+
+The suite runs on a lent GPU machine where one command may run at most 600 s and at
+most 8 files come back (docs/gpu.md); these tests keep it inside those limits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "python" / "gpu_suite.sh"
+# Per mode: the script's own budget and the run's timeout_s that docs/gpu.md gives.
+MODES = {"build-test": (290, 300), "bench": (230, 240)}
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bash") is None or shutil.which("timeout") is None,
+    reason="needs bash and coreutils timeout",
+)
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Stand-in for the GPU machine's python3: the preflight, pytest and the scripts.
+case "$1" in
+  -c) echo "torch 0.0 (fake)"; exit "${FAKE_CUDA_RC:-0}" ;;
+  -m) echo "pytest: $*"; exit "${FAKE_PYTEST_RC:-0}" ;;
+esac
+echo "ran $*"
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --md) echo "| fake | row |" >"$2"; shift ;;
+    --json) echo "{}" >"$2"; shift ;;
+  esac
+  shift
+done
+"""
+FAKE_TOOL = '#!/usr/bin/env bash\necho "$(basename "$0") $*"\nexit "${FAKE_%s_RC:-0}"\n'
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of the script in a tiny repository-shaped folder, with stand-in tools."""
+    (tmp_path / "python").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "python" / "gpu_suite.sh")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_cuda_ops.py").write_text("def test_cuda_x(): pass\n")
+    (tests / "test_norm.py").write_text("def sample_inputs(device): return []\n")
+    (tests / "test_engine.py").write_text("def test_engine(): pass\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tools = {"python3": FAKE_PYTHON, "cmake": FAKE_TOOL % "CMAKE"}
+    tools["compute-sanitizer"] = FAKE_TOOL % "SANITIZER"
+    for name, text in tools.items():
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return tmp_path
+
+
+def run_suite(tree: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(
+        PATH=f"{tree / 'bin'}:{os.environ['PATH']}",
+        PYTHON=str(tree / "bin" / "python3"),
+        OUT=str(tree / "out"),
+    )
+    full_env.update(env)
+    return subprocess.run(
+        ["bash", str(tree / "python" / "gpu_suite.sh"), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_syntax() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dry_run_fits_the_device_limits(tree: Path, mode: str) -> None:
+    budget, timeout_s = MODES[mode]
+    done = run_suite(tree, mode, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    limits = [int(m) for m in re.findall(r"^stage \S+ limit=(\d+)s", done.stdout, re.M)]
+    assert len(limits) >= 3
+    assert sum(limits) <= budget < timeout_s  # a stage killed at its limit has 5 s more
+    files = re.search(r"^writes \((\d+)\): (.*)$", done.stdout, re.M)
+    names = files.group(2).split()
+    assert int(files.group(1)) == len(names) <= 8
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in names)
+    assert not (tree / "out").exists()  # a dry run writes nothing
+    # The CUDA tests and the device-parametrised test files, not the others.
+    pytest_line = next(line for line in done.stdout.splitlines() if "-m pytest" in line)
+    assert "tests/test_cuda_*.py tests/test_norm.py -k" in pytest_line
+    assert "test_engine" not in pytest_line
+
+
+@pytest.mark.parametrize("args", [(), ("all",), ("bench", "--fast"), ("bench", "--dry-run", "x")])
+def test_usage_errors(tree: Path, args: tuple[str, ...]) -> None:
+    done = run_suite(tree, *args)
+    assert done.returncode == 64
+    assert "build-test" in done.stderr
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_gpu_stops_cleanly(tree: Path, mode: str) -> None:
+    done = run_suite(tree, mode, FAKE_CUDA_RC="1")
+    assert done.returncode == 2
+    assert sorted(os.listdir(tree / "out")) == ["summary.md"]
+    summary = (tree / "out" / "summary.md").read_text()
+    assert "no usable GPU" in summary
+    assert "cmake" not in done.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_all_stages_pass(tree: Path, mode: str) -> None:
+    done = run_suite(tree, mode)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = sorted(os.listdir(tree / "out"))
+    assert "summary.md" in out
+    assert len(out) <= 8
+    summary = (tree / "out" / "summary.md").read_text()
+    rows = re.findall(r"^\| ([\w-]+) \| (\S+) \| \d+ \|", summary, re.M)
+    assert rows and all(rc == "0" for _, rc in rows), summary
+    if mode == "bench":
+        assert "| fake | row |" in summary  # the result tables are in the summary too
+
+
+def test_build_failure_stops_the_run(tree: Path) -> None:
+    done = run_suite(tree, "build-test", FAKE_CMAKE_RC="1")
+    assert done.returncode == 1
+    assert sorted(os.listdir(tree / "out")) == ["build.log", "summary.md"]
+    summary = (tree / "out" / "summary.md").read_text()
+    assert "the build failed" in summary
+    assert "## build.log (last 30 lines)" in summary
+
+
+def test_failed_stage_does_not_stop_the_next(tree: Path) -> None:
+    done = run_suite(tree, "build-test", FAKE_PYTEST_RC="1")
+    assert done.returncode == 1
+    summary = (tree / "out" / "summary.md").read_text()
+    assert re.search(r"^\| tests \| 1 \|", summary, re.M)
+    assert re.search(r"^\| sanitizer \| 0 \|", summary, re.M)
+
+
+def test_docs_give_the_commands() -> None:
+    gpu_md = (ROOT / "docs" / "gpu.md").read_text()
+    for mode, (_, timeout_s) in MODES.items():
+        call = f'run(command="bash python/gpu_suite.sh {mode}", timeout_s={timeout_s})'
+        assert call in gpu_md

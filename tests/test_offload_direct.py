@@ -177,13 +177,18 @@ def test_close_with_direct_read_in_flight(disk_dir: Path) -> None:
 
 
 def test_io_error_raised_at_use(disk_dir: Path) -> None:
-    """The file is truncated after offload(): the short O_DIRECT read fails the layer's
-    copy, and that layer's use raises (naming the layer), never garbage."""
+    """The file is truncated after offload(): the size check before the copy fails the
+    layer (and, past that check, the short O_DIRECT read would); that layer's use raises
+    (naming the layer), never garbage."""
     model = tiny(layers=3)
     h = quiet_offload(model, source="disk", cache_dir=disk_dir, prefetch_depth=0, io="direct")
     (file,) = disk_dir.glob("*.safetensors")
     with open(file, "r+b") as f:
         os.ftruncate(f.fileno(), 4096)
+    with pytest.raises(RuntimeError, match=r"layer 0 .*failed: SafetensorsError: .*truncated"):
+        bounded(lambda: logits(model))
+    for info in h._engine.layers.values():
+        info.check = None  # a truncation racing the check: the read itself comes up short
     with pytest.raises(RuntimeError, match=r"layer 0 .*failed: OSError: short read"):
         bounded(lambda: logits(model))
     h._engine.close()  # the map now lies past the file's end: do not touch its views

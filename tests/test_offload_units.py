@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_topg.offload.order import LayerOrder
-from torch_topg.offload.pool import Layout
+from torch_topg.offload.pool import SlotLayout
 from torch_topg.offload.source import checkpoint_files, read_safetensors, write_safetensors
 
 
@@ -43,7 +43,7 @@ def test_order_failed_forward_keeps_previous() -> None:
 def test_layout_alignment_and_views() -> None:
     a = torch.arange(3, dtype=torch.float32)
     b = torch.arange(10, dtype=torch.bfloat16).view(2, 5)
-    lay = Layout.of([("a", a), ("b", b)], align=64)
+    lay = SlotLayout.of([("a", a), ("b", b)], align=64)
     assert [e.offset for e in lay.entries] == [0, 64]
     assert lay.payload == 12 + 20 and lay.nbytes == 64 + 20
     buf = torch.zeros(lay.nbytes, dtype=torch.uint8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import warnings
@@ -14,7 +15,7 @@ from torch import nn
 
 from torch_topg.offload import direct
 from torch_topg.offload.engine import Engine, FaultHooks, LayerInfo, placeholder
-from torch_topg.offload.pool import Layout
+from torch_topg.offload.pool import SlotLayout
 from torch_topg.offload.reader import CpuBackend
 from torch_topg.offload.source import (
     MemorySource,
@@ -361,9 +362,10 @@ def offload(
                 layout=(
                     direct.layout(named, wsrc.extent)  # type: ignore[attr-defined]
                     if io_used == "direct"
-                    else Layout.of(named, getattr(backend, "align", 64))
+                    else SlotLayout.of(named, getattr(backend, "align", 64))
                 ),
                 placeholders=[placeholder(t, dev) for t in tensors],
+                check=functools.partial(wsrc.check, [k for k, _ in named]),
             )
         )
     # everything else stays (or becomes) resident on the device

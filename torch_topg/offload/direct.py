@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from torch_topg.offload.pool import ALIGN, Entry, Layout, Read
+from torch_topg.offload.pool import ALIGN, Entry, Read, SlotLayout
 from torch_topg.offload.reader import CHUNK, Cancelled, CpuBackend, Job, Throttle
 
 PAGE = 4096
@@ -63,7 +63,9 @@ def misaligned(named: Sequence[tuple[str, torch.Tensor]], extent: Callable[[str]
     return ""
 
 
-def layout(named: Sequence[tuple[str, torch.Tensor]], extent: Callable[[str], Extent]) -> Layout:
+def layout(
+    named: Sequence[tuple[str, torch.Tensor]], extent: Callable[[str], Extent]
+) -> SlotLayout:
     """The slot layout of one layer read by direct I/O: page-aligned file regions, the
     tensors contiguous in one file coalesced; entries stay in ``named`` order."""
     spans = sorted((extent(name), name) for name, _ in named)
@@ -96,7 +98,7 @@ def layout(named: Sequence[tuple[str, torch.Tensor]], extent: Callable[[str], Ex
         nbytes = t.numel() * t.element_size()
         entries.append(Entry(name, where[name], nbytes, t.dtype, tuple(t.shape)))
         payload += nbytes
-    return Layout(tuple(entries), cur, payload, tuple(reads))
+    return SlotLayout(tuple(entries), cur, payload, tuple(reads))
 
 
 class DirectBackend(CpuBackend):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from torch_topg.offload.order import LayerOrder
-from torch_topg.offload.pool import Layout, Slot, SlotPool, State
+from torch_topg.offload.pool import Slot, SlotLayout, SlotPool, State
 from torch_topg.offload.reader import Cancelled, Job, Reader
 
 
@@ -33,9 +33,12 @@ class LayerInfo:
     name: str  # module path, e.g. "model.layers.3"
     tensors: list[torch.Tensor]  # the Parameter / buffer objects rebound at each use
     sources: list[torch.Tensor]  # host tensors copied from, in layout order
-    layout: Layout
+    layout: SlotLayout
     placeholders: list[torch.Tensor]
     slot: Slot | None = None  # the slot bound between wait and release
+    # called by the reader before each copy of this layer: raises if its source file
+    # was truncated since it was opened (copying from the map would end in SIGBUS)
+    check: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass
@@ -92,6 +95,9 @@ class Engine:
     def _before_copy(self, layer: int) -> None:
         if self.hooks.before_copy is not None:
             self.hooks.before_copy(layer)
+        check = self.layers[layer].check
+        if check is not None:
+            check()
 
     def _copy_done(self, job: Job, error: BaseException | None, seconds: float, ok: bool) -> None:
         """Called by the reader with the lock held."""

@@ -42,7 +42,7 @@ class Read:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class SlotLayout:
     """Where each tensor of one layer lies in a slot."""
 
     entries: tuple[Entry, ...]
@@ -51,7 +51,7 @@ class Layout:
     reads: tuple[Read, ...] = ()  # direct I/O only: the file regions to read
 
     @staticmethod
-    def of(named: list[tuple[str, torch.Tensor]], align: int = ALIGN) -> Layout:
+    def of(named: list[tuple[str, torch.Tensor]], align: int = ALIGN) -> SlotLayout:
         entries = []
         offset = 0
         payload = 0
@@ -61,7 +61,7 @@ class Layout:
             entries.append(Entry(name, offset, nbytes, t.dtype, tuple(t.shape)))
             offset += nbytes
             payload += nbytes
-        return Layout(tuple(entries), offset, payload)
+        return SlotLayout(tuple(entries), offset, payload)
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of ``buf`` (a flat uint8 slot buffer), one per entry."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from torch_topg.offload.pool import Layout, Slot, State
+from torch_topg.offload.pool import Slot, SlotLayout, State
 
 CHUNK = 4 << 20  # bytes per copy step: the granularity of throttling and of stopping
 
@@ -36,7 +36,7 @@ class Job:
     generation: int
     layer: int
     name: str
-    layout: Layout
+    layout: SlotLayout
     sources: list[torch.Tensor]
     done: threading.Event
 
@@ -61,7 +61,7 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
-def chunks(layout: Layout, sources: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+def chunks(layout: SlotLayout, sources: list[torch.Tensor]):  # type: ignore[no-untyped-def]
     """(slot offset, flat uint8 source chunk) pairs covering a layer, CHUNK bytes each."""
     for e, src in zip(layout.entries, sources, strict=True):
         flat = src.reshape(-1).view(torch.uint8)

@@ -3,8 +3,10 @@
 
 A shard is described by a :class:`Slice`: the checkpoint name, the dimension and one or
 more ``[start, end)`` ranges concatenated along it (gate and up rows of a fused expert
-``gate_up_proj`` are two ranges). A safetensors source reads each range with
-``safe_open(...).get_slice(name)[...]``, so a rank reads only its shard's bytes.
+``gate_up_proj`` are two ranges). A checkpoint is read through the shared safetensors
+reader (``torch_topg/utils/safetensors_file.py``: headers validated, files
+memory-mapped), each range copied out of its tensor's view, so a rank reads only the
+pages of its shard.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from torch_topg.utils.safetensors_file import SafetensorsSource
 
 
 @dataclass(frozen=True)
@@ -62,47 +66,73 @@ class TensorSource(Source):
         return parts[0] if len(parts) == 1 else torch.cat(parts, s.dim)
 
 
-class SafetensorsSource(Source):
+class CheckpointSource(Source):
     """One ``.safetensors`` file, a folder with ``model.safetensors`` or with a
-    ``model.safetensors.index.json`` (sharded checkpoint)."""
+    ``model.safetensors.index.json`` (sharded checkpoint), read through the shared
+    safetensors reader (headers validated, files memory-mapped)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from safetensors import safe_open
-
         p = Path(path)
         index = p / "model.safetensors.index.json" if p.is_dir() else None
+        weight_map: dict[str, str] = {}
+        where: dict[str, Path] = {}
         if index is not None and index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-            self._files = {f: safe_open(str(p / f), framework="pt") for f in files}
-            self._where = {k: self._files[f] for k, f in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"tensor_parallel: {index} is not a weight index ({e})") from e
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"tensor_parallel: {index}: weight_map is not an object")
+            for f in weight_map.values():
+                if not isinstance(f, str) or f not in where:
+                    where[f] = _inside(p, f, index)  # raises for a name that is not a str
+            files = sorted(set(where.values()))
         else:
             file = p / "model.safetensors" if p.is_dir() else p
             if not file.exists():
                 raise FileNotFoundError(f"tensor_parallel: checkpoint '{file}' does not exist")
-            h = safe_open(str(file), framework="pt")
-            self._files = {file.name: h}
-            self._where = {k: h for k in h.keys()}
+            files = [file]
+        self.st = SafetensorsSource(files)
+        for name, f in weight_map.items():
+            if name not in self.st or self.st.file_of(name) != where[f]:
+                self.st.close()
+                raise ValueError(
+                    f"tensor_parallel: {index} puts '{name}' in {f}, which does not hold it"
+                )
         self.path = str(p)
 
     def read(self, s: Slice) -> torch.Tensor:
-        h = self._where.get(s.name)
-        if h is None:
+        if s.name not in self.st:
             raise KeyError(f"tensor_parallel: '{s.name}' is missing from checkpoint {self.path}")
-        if not s.ranges:
-            return h.get_tensor(s.name)
-        sl = h.get_slice(s.name)
-        ndim = len(sl.get_shape())
-        parts = []
-        for a, b in s.ranges:
-            index = [slice(None)] * ndim
-            index[s.dim] = slice(a, b)
-            parts.append(sl[tuple(index)])
-        return parts[0] if len(parts) == 1 else torch.cat(parts, s.dim)
+        self.st.check([s.name])  # truncated since it was opened: an error, not SIGBUS
+        t = self.st.tensor(s.name)
+        parts = [t.narrow(s.dim, a, b - a) for a, b in s.ranges] or [t]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, s.dim)
+        # a copy (cat already made one): the model never holds views of the map
+        return out if len(parts) > 1 else out.clone(memory_format=torch.contiguous_format)
 
     def close(self) -> None:
-        self._files.clear()
-        self._where.clear()
+        self.st.close()
+
+
+def _inside(folder: Path, name: object, index: Path | None) -> Path:
+    """``folder / name`` for a file name read from the weight index, refused unless it
+    stays inside ``folder``: a relative path without ``..`` whose folder resolves
+    (symlinks followed) under ``folder``. The file itself may be a symlink, as every
+    file of a Hugging Face cache snapshot is (into ``../../blobs``)."""
+    bad = not isinstance(name, str) or not name
+    if not bad:
+        rel = Path(name)  # type: ignore[arg-type]
+        bad = rel.is_absolute() or ".." in rel.parts
+    if not bad:
+        parent = (folder / rel).parent.resolve()
+        bad = not parent.is_relative_to(folder.resolve())
+    if bad:
+        raise ValueError(
+            f"tensor_parallel: {index} names file {name!r} outside the checkpoint folder "
+            f"{folder}; weight_map entries must be file names inside it"
+        )
+    return folder / rel
 
 
 def make_source(
@@ -113,7 +143,7 @@ def make_source(
     if state_dict is not None and checkpoint is not None:
         raise ValueError("tensor_parallel: pass state_dict= or checkpoint=, not both")
     if checkpoint is not None:
-        return SafetensorsSource(checkpoint)
+        return CheckpointSource(checkpoint)
     if state_dict is not None:
         return TensorSource(state_dict)
     # the model's own full tensors (kept referenced until every shard is copied)

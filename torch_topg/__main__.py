@@ -1,7 +1,11 @@
-"""Command line: ``python -m torch_topg explain [--model NAME] [--dtype DTYPE] [--tokens N]``.
+"""Command line:
 
-Prints what ``torch.compile(model, backend="topg")`` replaces in a model's prefill and
-decode graphs: per pattern site replaced or not (and why), graph and graph-break counts.
+``python -m torch_topg explain [--model NAME] [--dtype DTYPE] [--tokens N]`` prints what
+``torch.compile(model, backend="topg")`` replaces in a model's prefill and decode graphs:
+per pattern site replaced or not (and why), graph and graph-break counts.
+
+``python -m torch_topg bench compare A.json B.json`` prints what got faster or slower
+from benchmark record A to B beyond the spread of either (records: ``bench_results/``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,24 @@ def explain_main(argv: list[str]) -> int:
     return 0
 
 
+def bench_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m torch_topg bench")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare", help="what changed from record A to B beyond the spread")
+    c.add_argument("a")
+    c.add_argument("b")
+    args = p.parse_args(argv)
+    from torch_topg.bench import compare_records, load_record
+
+    try:
+        a, b = load_record(args.a), load_record(args.b)
+    except (OSError, ValueError) as exc:
+        print(f"cannot read a record: {exc}", file=sys.stderr)
+        return 2
+    print(compare_records(a, b), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -51,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "explain":
         return explain_main(argv[1:])
+    if argv[0] == "bench":
+        return bench_main(argv[1:])
     print(f"unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
     return 2
 

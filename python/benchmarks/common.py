@@ -1,18 +1,43 @@
-"""What every op benchmark family shares: the result row and the physical limits.
+"""What every op benchmark family shares: the row, how it is measured, and its limit.
 
-A family module (``families/<family>.py``) exposes ``run(quick: bool) -> list[Row]``.
-Times come from ``torch_topg.utils.benchmark.bench`` (the one timing helper); each row
-holds topg's time, the baselines measured in the same run, and the physical-limit time
-(bytes over the measured read bandwidth, or FLOPs over the measured GEMM rate).
+A family module (``families/<family>.py``) exposes ``run(quick: bool) -> list[Row]`` and
+builds each row with ``measure(...)``: the variants (``"topg"`` first, then the
+baselines) are timed by ``torch_topg.bench.compare`` in interleaved rounds, and every
+figure and ratio is a ``Stats`` (median and spread).
+
+Limits:
+
+* memory (``dram_bytes``): the bytes that must move between DRAM and the core (inputs
+  read once, outputs written once) over the read bandwidth measured in this run. Only
+  compared when they do come from DRAM: the working set is at least ``DRAM_FACTOR x``
+  the LLC, or the row rotates ``cold_sets`` input sets that together are (``Rotation``).
+  Otherwise the row says "in cache" and has no "% of limit".
+* compute (``flops``): "of best", topg's rate over the best rate any variant reached
+  on this shape in this run, and "of peak", over the machine's theoretical fp32 peak
+  (``torch_topg.bench.theoretical_peak``; its assumptions are printed with the table).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
 
-from torch_topg.utils.benchmark import bench, gemm_rate, read_bandwidth
+from torch_topg.bench import (
+    DRAM_FACTOR,
+    Budget,
+    Stats,
+    cold_copies,
+    compare,
+    llc_bytes,
+    read_bandwidth,
+    theoretical_peak,
+    verdict,
+)
 
-__all__ = ["Row", "bench", "bw_limit_ms", "gemm_limit_ms", "gemm_rate", "ms", "read_bandwidth"]
+__all__ = ["Rotation", "Row", "measure"]
+
+MiB = 1 << 20
 
 
 @dataclasses.dataclass
@@ -21,39 +46,166 @@ class Row:
     op: str
     case: str  # sizes, e.g. "B=1 S=512 Hq=16 Hkv=4 D=64 causal"
     dtype: str  # "fp32" | "bf16" | "fp16"
-    topg_ms: float
-    # name -> ms measured in the same run, e.g. {"sdpa": 1.2, "reference": 3.4}
-    baselines: dict[str, float]
-    limit_ms: float | None = None  # physical-limit time for this case
+    figures: dict[str, Stats]  # ms per call; "topg" first, then the baselines
+    # speed-up of topg over each baseline (their time / topg's, per round), and where a
+    # limit applies "limit" (fraction of the DRAM limit) or "of best" / "of peak" (GEMM)
+    ratios: dict[str, Stats]
+    regime: str = ""  # "DRAM" | "cold: ..." | "in cache (...)" | "compute"
+    limit_ms: float | None = None  # the physical-limit time (DRAM bytes or best GEMM)
     limit_kind: str = ""  # "read bw" | "gemm"
-    # the issue's target for this row: (baseline name or "limit", minimum ratio), e.g.
-    # ("sdpa", 1.2) means topg must be >= 1.2x faster than sdpa; ("limit", 0.8) means
-    # topg reaches >= 80% of the physical limit (limit_ms / topg_ms >= 0.8).
+    # the issue's target: (ratio name, minimum), e.g. ("sdpa", 1.2): topg >= 1.2x faster
+    # than sdpa; ("limit", 0.8): topg reaches >= 80% of the DRAM limit
     target: tuple[str, float] | None = None
-
-    def ratio(self, name: str) -> float:
-        """Speed-up of topg over a baseline, or fraction of the limit for "limit"."""
-        other = self.limit_ms if name == "limit" else self.baselines[name]
-        assert other is not None
-        return other / self.topg_ms
+    note: str = ""
 
     @property
-    def ok(self) -> bool | None:
+    def key(self) -> str:
+        return f"{self.op} | {self.case} | {self.dtype}"
+
+    @property
+    def topg(self) -> Stats:
+        return self.figures["topg"]
+
+    @property
+    def baselines(self) -> list[str]:
+        return [n for n in self.figures if n != "topg"]
+
+    @property
+    def verdict(self) -> str | None:
         if self.target is None:
             return None
         name, minimum = self.target
-        return self.ratio(name) >= minimum
+        if name not in self.ratios:
+            return "not measured"
+        return verdict(self.ratios[name], minimum)
+
+    @property
+    def ok(self) -> bool | None:
+        """Met: the ratio's median reaches the target (noise or not)."""
+        v = self.verdict
+        return None if v is None else v.startswith("met")
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "unit": "ms",
+            "family": self.family,
+            "op": self.op,
+            "case": self.case,
+            "dtype": self.dtype,
+            "figures": {k: v.to_dict() for k, v in self.figures.items()},
+            "ratios": {k: v.to_dict() for k, v in self.ratios.items()},
+            "regime": self.regime,
+            "limit_ms": self.limit_ms,
+            "limit_kind": self.limit_kind,
+            "target": list(self.target) if self.target else None,
+            "verdict": self.verdict,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Row:
+        return cls(
+            d["family"], d["op"], d["case"], d["dtype"],
+            {k: Stats.from_dict(v) for k, v in d["figures"].items()},
+            {k: Stats.from_dict(v) for k, v in d["ratios"].items()},
+            d.get("regime", ""), d.get("limit_ms"), d.get("limit_kind", ""),
+            tuple(d["target"]) if d.get("target") else None, d.get("note", ""),
+        )  # fmt: skip
 
 
-def ms(timing) -> float:
-    return timing.median_s * 1e3
+class Rotation:
+    """``sets`` input sets used in turn, one per call (``next()``): with ``cold=True``
+    enough of them that together they are ``DRAM_FACTOR x`` the LLC, so each call finds
+    its inputs evicted; with ``cold=False`` one set (it stays in whatever cache holds
+    it)."""
+
+    def __init__(self, make: Callable[[int], tuple], working_set: int, cold: bool):
+        self.working_set = working_set
+        self.n = cold_copies(working_set) if cold else 1
+        self.sets = [make(i) for i in range(self.n)]
+        self._it = itertools.cycle(self.sets)
+
+    def next(self) -> tuple:
+        return next(self._it)
+
+    @property
+    def first(self) -> tuple:
+        return self.sets[0]
 
 
-def bw_limit_ms(nbytes: float) -> float:
-    """Time to read ``nbytes`` at the measured memory read bandwidth."""
-    return nbytes / read_bandwidth() * 1e3
+def _budget(quick: bool, heavy: bool) -> Budget:
+    if heavy:
+        return Budget.heavy(quick)
+    return Budget.quick() if quick else Budget()
 
 
-def gemm_limit_ms(flops: float) -> float:
-    """Time for ``flops`` at the measured fp32 GEMM rate of torch on this machine."""
-    return flops / gemm_rate() * 1e3
+def size(nbytes: float) -> str:
+    return f"{nbytes / MiB:.0f} MiB" if nbytes >= MiB else f"{nbytes / 1024:.0f} KiB"
+
+
+def regime_of(working_set: int, sets: int = 1) -> str:
+    """ "DRAM", "cold: ..." (rotated input sets) or "in cache (...)"; see the module."""
+    llc = llc_bytes()[0]
+    if sets > 1 and sets * working_set >= DRAM_FACTOR * llc:
+        return f"cold: {sets} sets of {size(working_set)} rotated"
+    if working_set >= DRAM_FACTOR * llc:
+        return "DRAM"
+    return f"in cache ({size(working_set)})"
+
+
+def measure(
+    family: str,
+    op: str,
+    case: str,
+    dtype: str,
+    variants: dict[str, Callable[[], object]],
+    *,
+    quick: bool,
+    heavy: bool = False,
+    target: tuple[str, float] | None = None,
+    dram_bytes: float | None = None,
+    working_set: int | None = None,
+    rotation: Rotation | None = None,
+    flops: float | None = None,
+    note: str = "",
+) -> Row:
+    """Time ``variants`` (``"topg"`` first) side by side and build the row.
+
+    ``dram_bytes``: the bytes one call must move to or from DRAM; ``working_set``: the
+    bytes one call touches (default ``dram_bytes``); ``rotation``: the inputs' rotation,
+    if any. ``flops``: for a compute-bound row. ``heavy``: calls of up to seconds.
+    """
+    assert next(iter(variants)) == "topg", "topg is the first variant"
+    cmp = compare(variants, _budget(quick, heavy))
+    figures = {name: cmp.ms(name) for name in variants}
+    ratios = {name: cmp.ratio(name, "topg") for name in variants if name != "topg"}
+    row = Row(family, op, case, dtype, figures, ratios, target=target, note=note)
+    if dram_bytes is not None:
+        ws = int(working_set or (rotation.working_set if rotation else dram_bytes))
+        row.regime = regime_of(ws, rotation.n if rotation else 1)
+        if not row.regime.startswith("in cache"):
+            limit_s = dram_bytes / read_bandwidth()
+            row.limit_ms, row.limit_kind = limit_s * 1e3, "read bw"
+            row.ratios["limit"] = cmp.per_round("topg", lambda t: limit_s / t)
+    elif flops is not None:
+        best = min(variants, key=lambda n: cmp.stats(n).median)
+        best_s = cmp.stats(best).median
+        peak = theoretical_peak()["fp32_flops"]
+        row.regime, row.limit_kind, row.limit_ms = "compute", "gemm", best_s * 1e3
+        row.ratios["of best"] = cmp.per_round("topg", lambda t: best_s / t)
+        if peak > 0:
+            row.ratios["of peak"] = cmp.per_round("topg", lambda t: flops / t / peak)
+        row.note = (row.note + "; " if row.note else "") + f"best: {best}"
+    return row
+
+
+def single(family: str, op: str, case: str, dtype: str, ms: dict[str, float], **kw) -> Row:
+    """A row from single measurements (n=1), e.g. a one-shot run in a fresh process."""
+    figures = {k: Stats(v, v, v, 1, "n=1") for k, v in ms.items()}
+    ratios = {
+        k: Stats(v / ms["topg"], v / ms["topg"], v / ms["topg"], 1, "n=1")
+        for k, v in ms.items()
+        if k != "topg"
+    }
+    return Row(family, op, case, dtype, figures, ratios, **kw)

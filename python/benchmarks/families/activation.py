@@ -2,14 +2,15 @@
 
 Two stock baselines: what transformers' LlamaMLP / GemmaMLP run (``ACT2FN[...]`` is an
 nn.Module, so a module call plus a multiply) and the leanest eager form (``F.silu`` or
-``F.gelu`` times ``up``). The issue's target is against the first.
+``F.gelu`` times ``up``). The issue's target is against the first. Run warm (gate_up is the projection's fresh
+output): T=1 is "in cache"; T=512 I=14336 (56-84 MiB) is classified by its size.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import Row, bench, bw_limit_ms, ms
+from common import Row, measure
 from transformers.activations import ACT2FN
 
 import torch_topg
@@ -25,30 +26,29 @@ def run(quick: bool) -> list[Row]:
             gate_up = torch.randn(tokens, 2 * inter, dtype=dtype)
             gate, up = gate_up[:, :inter], gate_up[:, inter:]
             hf_silu, hf_gelu = ACT2FN["silu"], ACT2FN["gelu_pytorch_tanh"]
-            with torch.inference_mode():
-                t_topg = ms(bench(lambda: torch_topg.ops.silu_and_mul(gate_up)))
-                t_hf_mlp = ms(bench(lambda: hf_silu(gate) * up))
-                t_hf_mlp_gelu = ms(bench(lambda: hf_gelu(gate) * up))
-                t_hf = ms(bench(lambda: F.silu(gate) * up))
-                t_ref = ms(bench(lambda: reference.silu_and_mul(gate_up)))
-                t_gelu = ms(bench(lambda: torch_topg.ops.gelu_and_mul(gate_up, "tanh")))
-                t_hf_gelu = ms(bench(lambda: F.gelu(gate, approximate="tanh") * up))
+            # Read gate and up, write the product (half their size).
             nbytes = 1.5 * gate_up.numel() * gate_up.element_size()
             case = f"T={tokens} I={inter}"
-            rows.append(
-                Row("activation", "silu_and_mul", case, dname, t_topg,
-                    {"hf LlamaMLP act_fn(gate) * up": t_hf_mlp, "F.silu(gate) * up": t_hf,
-                     "reference": t_ref}, bw_limit_ms(nbytes), "read bw",
-                    ("hf LlamaMLP act_fn(gate) * up", 1.5) if tokens == 1 else None)
-            )  # fmt: skip
-            rows.append(
-                Row("activation", "gelu_and_mul", case + " tanh", dname, t_gelu,
-                    {"hf GemmaMLP act_fn(gate) * up": t_hf_mlp_gelu, "F.gelu(gate) * up": t_hf_gelu},
-                    bw_limit_ms(nbytes), "read bw")
-            )  # fmt: skip
+            with torch.inference_mode():
+                rows.append(measure(
+                    "activation", "silu_and_mul", case, dname,
+                    {"topg": lambda: torch_topg.ops.silu_and_mul(gate_up),
+                     "hf LlamaMLP act_fn(gate) * up": lambda: hf_silu(gate) * up,
+                     "F.silu(gate) * up": lambda: F.silu(gate) * up,
+                     "reference": lambda: reference.silu_and_mul(gate_up)},
+                    quick=quick, dram_bytes=nbytes,
+                    target=("hf LlamaMLP act_fn(gate) * up", 1.5) if tokens == 1 else None,
+                ))  # fmt: skip
+                rows.append(measure(
+                    "activation", "gelu_and_mul", case + " tanh", dname,
+                    {"topg": lambda: torch_topg.ops.gelu_and_mul(gate_up, "tanh"),
+                     "hf GemmaMLP act_fn(gate) * up": lambda: hf_gelu(gate) * up,
+                     "F.gelu(gate) * up": lambda: F.gelu(gate, approximate="tanh") * up},
+                    quick=quick, dram_bytes=nbytes,
+                ))  # fmt: skip
     return rows
 
 
 if __name__ == "__main__":
     for row in run(quick=True):
-        print(row)
+        print(row.key, {k: v.fmt() for k, v in row.ratios.items()}, row.regime, row.verdict)

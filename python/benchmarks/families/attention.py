@@ -4,30 +4,32 @@ the memory-bandwidth limit, ``reshape_and_cache`` vs ``index_copy_``.
 SDPA gets the ``[B, H, S, D]`` layout it wants; both of its GQA forms are timed
 (``enable_gqa=True`` and K/V ``repeat_interleave``d beforehand, the repeat not timed)
 and the faster one is the baseline, named in the row. topg gets the same tensors as a
-transposed ``[B, S, H, D]`` view (no copy), as Hugging Face would pass them.
+transposed ``[B, S, H, D]`` view (no copy), as Hugging Face would pass them. The
+target is against the faster form in this run.
+
+Decode ``paged_attention`` rows run cold: one large cache, and each call reads another
+set of sequences (block tables over disjoint blocks), so that the sets together are at
+least ``DRAM_FACTOR x`` the LLC. Prefill rows are compute-bound ("of best", "of peak").
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
-from common import Row, bench, bw_limit_ms, gemm_limit_ms, ms
+from common import Rotation, Row, measure, single
 
 import torch_topg
 from torch_topg import reference
+from torch_topg.bench import cold_copies
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _heavy(fn) -> float:
-    """Median of a few runs of something that takes up to seconds."""
-    return ms(bench(fn, warmup=1, min_runs=3, min_time_s=0.0))
-
-
-def _prefill(s: int, d: int, dname: str, with_reference: bool) -> Row:
+def _prefill(s: int, d: int, dname: str, with_reference: bool, quick: bool) -> Row:
     b, hq, hkv = 1, 16, 4
     dtype = DTYPES[dname]
     q = torch.randn(b, hq, s, d, dtype=dtype)
@@ -35,21 +37,23 @@ def _prefill(s: int, d: int, dname: str, with_reference: bool) -> Row:
     v = torch.randn(b, hkv, s, d, dtype=dtype)
     kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    base: dict[str, float] = {}
-    with torch.inference_mode():
-        t_topg = _heavy(lambda: torch_topg.ops.attention(qt, kt, vt, causal=True))
-        gqa = _heavy(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        )
-        rep = _heavy(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True))
-        sdpa = "sdpa(enable_gqa)" if gqa <= rep else "sdpa(repeat_kv)"
-        base[sdpa] = min(gqa, rep)
-        if with_reference:
-            base["reference"] = _heavy(lambda: reference.attention(qt, kt, vt, causal=True))
+    variants = {
+        "topg": lambda: torch_topg.ops.attention(qt, kt, vt, causal=True),
+        "sdpa(enable_gqa)": lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ),
+        "sdpa(repeat_kv)": lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True),
+    }
+    if with_reference:
+        variants["reference"] = lambda: reference.attention(qt, kt, vt, causal=True)
     flops = 2 * 2 * b * hq * s * s / 2 * d  # QK^T and PV over the causal half
     case = f"B={b} S={s} Hq={hq} Hkv={hkv} D={d} causal"
-    return Row("attention", "attention", case, dname, t_topg, base, gemm_limit_ms(flops), "gemm",
-               (sdpa, 1.2))  # fmt: skip
+    with torch.inference_mode():
+        row = measure("attention", "attention", case, dname, variants, quick=quick,
+                      heavy=True, flops=flops)  # fmt: skip
+    sdpa = min(("sdpa(enable_gqa)", "sdpa(repeat_kv)"), key=lambda n: row.figures[n].median)
+    row.target = (sdpa, 1.2)
+    return row
 
 
 _MEMORY_PROBE = """
@@ -82,46 +86,55 @@ def _prefill_memory(s: int = 8192, d: int = 64) -> Row:
     grown, t_topg = (float(x) for x in probe.stdout.split())
     qs, ks, vs = (torch.randn(1, h, s, d) for h in (hq, hkv, hkv))
     with torch.inference_mode():
-        t_sdpa = ms(bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                                 enable_gqa=True),
-                          warmup=0, min_runs=1, min_time_s=0.0))  # fmt: skip
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        t_sdpa = (time.perf_counter() - t0) * 1e3
     scores = s * s * 4 / 2**20  # one head's fp32 score matrix, MiB
     out = s * hq * d * 4 / 2**20
     case = (f"B=1 S={s} Hq={hq} Hkv={hkv} D={d} causal; peak RSS +{grown:.0f} MiB "
             f"(output {out:.0f} MiB; one SxS fp32 score matrix {scores:.0f} MiB)")  # fmt: skip
-    flops = 2 * 2 * hq * s * s / 2 * d
-    return Row("attention", "attention", case, "fp32", t_topg, {"sdpa(enable_gqa)": t_sdpa},
-               gemm_limit_ms(flops), "gemm")  # fmt: skip
+    return single("attention", "attention", case, "fp32",
+                  {"topg": t_topg, "sdpa(enable_gqa)": t_sdpa}, regime="compute",
+                  note="one call each, topg in a fresh process")  # fmt: skip
 
 
-def _paged(ns: int, ctx: int, dname: str, with_reference: bool) -> Row:
+def _paged(ns: int, ctx: int, dname: str, with_reference: bool, quick: bool) -> Row:
     hq, hkv, d, bs = 32, 8, 128, 16
     dtype = DTYPES[dname]
     nblk = ctx // bs
-    kc = torch.randn(ns * nblk, bs, hkv, d, dtype=dtype)
-    vc = torch.randn(ns * nblk, bs, hkv, d, dtype=dtype)
-    bt = torch.randperm(ns * nblk).view(ns, nblk).int()  # scattered blocks, as after churn
+    elt = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * ns * ctx * hkv * d * elt
+    sets = cold_copies(kv_bytes)
+    kc = torch.randn(sets * ns * nblk, bs, hkv, d, dtype=dtype)
+    vc = torch.randn(sets * ns * nblk, bs, hkv, d, dtype=dtype)
+    perm = torch.randperm(sets * ns * nblk)  # scattered blocks, as after churn
     sl = torch.full((ns,), ctx, dtype=torch.int32)
     q = torch.randn(ns, hq, d, dtype=dtype)
+    rot = Rotation(lambda i: (perm[i * ns * nblk : (i + 1) * ns * nblk].view(ns, nblk).int(),),
+                   kv_bytes, cold=True)  # fmt: skip
 
     def gather_sdpa():  # stock PyTorch: gather the pages, then SDPA
-        k = kc[bt.long()].view(ns, ctx, hkv, d).transpose(1, 2)
-        v = vc[bt.long()].view(ns, ctx, hkv, d).transpose(1, 2)
+        bt = rot.next()[0].long()
+        k = kc[bt].view(ns, ctx, hkv, d).transpose(1, 2)
+        v = vc[bt].view(ns, ctx, hkv, d).transpose(1, 2)
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
 
-    base: dict[str, float] = {}
-    with torch.inference_mode():
-        t_topg = ms(bench(lambda: torch_topg.ops.paged_attention(q, kc, vc, bt, sl)))
-        base["gather+sdpa"] = ms(bench(gather_sdpa, min_runs=3, min_time_s=0.1))
-        if with_reference:
-            base["reference"] = _heavy(lambda: reference.paged_attention(q, kc, vc, bt, sl))
-    kv_bytes = 2 * ns * ctx * hkv * d * kc.element_size()
+    variants = {
+        "topg": lambda: torch_topg.ops.paged_attention(q, kc, vc, rot.next()[0], sl),
+        "gather+sdpa": gather_sdpa,
+    }
+    if with_reference:
+        variants["reference"] = lambda: reference.paged_attention(q, kc, vc, rot.next()[0], sl)
+    # Read K and V of every sequence (q, the block table and the output are < 1%).
+    nbytes = kv_bytes + 2 * q.numel() * elt + ns * nblk * 4
     case = f"seqs={ns} ctx={ctx} Hq={hq} Hkv={hkv} D={d} block={bs}"
-    return Row("attention", "paged_attention", case, dname, t_topg, base, bw_limit_ms(kv_bytes),
-               "read bw", ("limit", 0.7))  # fmt: skip
+    with torch.inference_mode():
+        return measure("attention", "paged_attention", case, dname, variants, quick=quick,
+                       heavy=with_reference and ns * ctx > 4096, dram_bytes=nbytes,
+                       rotation=rot, target=("limit", 0.7))  # fmt: skip
 
 
-def _paged_chunk(ns: int, q_len: int, ctx: int, dname: str) -> Row:
+def _paged_chunk(ns: int, q_len: int, ctx: int, dname: str, quick: bool) -> Row:
     """Ragged paged_attention (cu_seqlens_q): a q_len-token prefill chunk per sequence, the
     last tokens of a ctx-token context already in the cache, read in place."""
     hq, hkv, d, bs = 32, 8, 128, 16
@@ -148,19 +161,19 @@ def _paged_chunk(ns: int, q_len: int, ctx: int, dname: str) -> Row:
         qs = q.view(ns, q_len, hq, d).transpose(1, 2)
         return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, enable_gqa=True)
 
-    base: dict[str, float] = {}
-    with torch.inference_mode():
-        call = lambda: torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu)  # noqa: E731
-        t_topg = _heavy(call)
-        base["gather+sdpa"] = _heavy(gather_sdpa)
-        base["gather+topg.attention"] = _heavy(gather_attention)
+    variants = {
+        "topg": lambda: torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu),
+        "gather+sdpa": gather_sdpa,
+        "gather+topg.attention": gather_attention,
+    }
     flops = 2 * 2 * ns * hq * d * int(visible.sum())  # QK^T and PV over the visible keys
     case = f"seqs={ns} q_len={q_len} ctx={ctx} Hq={hq} Hkv={hkv} D={d} block={bs} (cu_seqlens_q)"
-    return Row("attention", "paged_attention", case, dname, t_topg, base, gemm_limit_ms(flops),
-               "gemm")  # fmt: skip
+    with torch.inference_mode():
+        return measure("attention", "paged_attention", case, dname, variants, quick=quick,
+                       heavy=True, flops=flops)  # fmt: skip
 
 
-def _cache(tokens: int, dname: str) -> Row:
+def _cache(tokens: int, dname: str, quick: bool) -> Row:
     hkv, d, bs = 8, 128, 16
     dtype = DTYPES[dname]
     nblk = 4096
@@ -169,14 +182,16 @@ def _cache(tokens: int, dname: str) -> Row:
     key = torch.randn(tokens, hkv, d, dtype=dtype)
     value = torch.randn(tokens, hkv, d, dtype=dtype)
     slots = torch.randperm(nblk * bs)[:tokens]
-    with torch.inference_mode():
-        t_topg = ms(bench(lambda: torch_topg.ops.reshape_and_cache(key, value, kc, vc, slots)))
-        t_ref = ms(bench(lambda: reference.reshape_and_cache(key, value, kc, vc, slots)))
-    # Read K/V, write them to random slots (whole rows): limit = that traffic at the read
-    # bandwidth. No issue target (the issue asks only for memcpy-like rows).
+    # Read K/V, write them to random slots (whole rows). Run warm: "in cache". No issue
+    # target (the issue asks only for memcpy-like rows).
     moved = 2 * 2 * key.numel() * key.element_size()
-    return Row("attention", "reshape_and_cache", f"T={tokens} Hkv={hkv} D={d} block={bs}", dname,
-               t_topg, {"index_copy_ (reference)": t_ref}, bw_limit_ms(moved), "read bw")  # fmt: skip
+    with torch.inference_mode():
+        return measure(
+            "attention", "reshape_and_cache", f"T={tokens} Hkv={hkv} D={d} block={bs}", dname,
+            {"topg": lambda: torch_topg.ops.reshape_and_cache(key, value, kc, vc, slots),
+             "index_copy_ (reference)": lambda: reference.reshape_and_cache(key, value, kc, vc, slots)},
+            quick=quick, dram_bytes=moved,
+        )  # fmt: skip
 
 
 def run(quick: bool) -> list[Row]:
@@ -187,12 +202,12 @@ def run(quick: bool) -> list[Row]:
                                                    (16, 512), (16, 4096)]  # fmt: skip
     for dname in DTYPES:
         for s, d in prefill:
-            rows.append(_prefill(s, d, dname, with_reference=s <= 1024))
+            rows.append(_prefill(s, d, dname, s <= 1024, quick))
         for ns, ctx in paged:
-            rows.append(_paged(ns, ctx, dname, with_reference=not quick or ns * ctx <= 4096))
-        rows.append(_paged_chunk(4, 128, 1024, dname))
+            rows.append(_paged(ns, ctx, dname, not quick or ns * ctx <= 4096, quick))
+        rows.append(_paged_chunk(4, 128, 1024, dname, quick))
         for tokens in [16, 2048]:
-            rows.append(_cache(tokens, dname))
+            rows.append(_cache(tokens, dname, quick))
     if not quick:
         rows.append(_prefill_memory())
     return rows
@@ -200,9 +215,4 @@ def run(quick: bool) -> list[Row]:
 
 if __name__ == "__main__":
     for row in run(quick="--full" not in sys.argv):
-        ratios = {n: f"{row.ratio(n):.2f}x" for n in row.baselines}
-        if row.limit_ms:
-            ratios["limit"] = f"{row.ratio('limit'):.2f}"
-        print(
-            f"{row.op:18s} {row.dtype} {row.case:50s} {row.topg_ms:9.3f} ms  {ratios}  ok={row.ok}"
-        )
+        print(row.key, {k: v.fmt() for k, v in row.ratios.items()}, row.regime, row.verdict)

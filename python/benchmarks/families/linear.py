@@ -1,14 +1,17 @@
 """linear vs torch F.linear (same dtype and fp32), the reference and the physical limit.
 
-M = 1 and 16 are memory-bound (limit: the weight bytes over the measured read
-bandwidth); M = 256 is compute-bound (limit: FLOPs over torch's measured fp32 GEMM rate).
+M = 1, 4 and 16 are memory-bound: the limit is the weight (and x, out) bytes over the
+measured read bandwidth, and the rows run cold: weights under ``DRAM_FACTOR x`` the LLC
+are rotated through copies (as a model's layers follow one another), every variant on
+the same rotation. M = 256 is compute-bound: "of best" (the best rate any variant
+reached on the shape) and "of peak" (the theoretical fp32 peak).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import Row, bench, bw_limit_ms, gemm_limit_ms, ms
+from common import Rotation, Row, measure
 
 import torch_topg
 from torch_topg import reference
@@ -16,30 +19,36 @@ from torch_topg import reference
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _time(fn, heavy: bool) -> float:
-    # A torch bf16 GEMM at M=256 takes seconds here: fewer runs for the heavy cases.
-    return ms(bench(fn, warmup=1, min_runs=3, min_time_s=0.0) if heavy else bench(fn))
-
-
 def _case(m: int, k: int, n: int, dname: str, dtype: torch.dtype, quick: bool) -> Row:
+    # A torch bf16 GEMM at M=256 takes seconds here: fewer rounds for the heavy cases.
     heavy = m > 16
-    x32, w32 = torch.randn(m, k), torch.randn(n, k) / k**0.5
-    x, w = x32.to(dtype), w32.to(dtype)
-    base: dict[str, float] = {}
-    with torch.inference_mode():
-        t_topg = _time(lambda: torch_topg.ops.linear(x, w), heavy)
-        base["F.linear"] = _time(lambda: F.linear(x, w), heavy)
-        if dtype != torch.float32 and heavy:
-            base["F.linear fp32"] = _time(lambda: F.linear(x32, w32), heavy)
-        if not (quick and heavy):
-            base["reference"] = _time(lambda: reference.linear(x, w), heavy)
+    x32 = torch.randn(m, k)
+    x = x32.to(dtype)
+    elt = x.element_size()
+
+    def weights(i: int):
+        w32 = torch.randn(n, k, generator=torch.Generator().manual_seed(i)) / k**0.5
+        return (w32, w32.to(dtype)) if heavy and dtype != torch.float32 else (w32.to(dtype),)
+
+    nbytes = (n * k + m * k + m * n) * elt  # read w and x, write out
+    rot = Rotation(weights, n * k * elt, cold=not heavy)
+    variants = {
+        "topg": lambda: torch_topg.ops.linear(x, rot.next()[-1]),
+        "F.linear": lambda: F.linear(x, rot.next()[-1]),
+    }
+    if dtype != torch.float32 and heavy:
+        variants["F.linear fp32"] = lambda: F.linear(x32, rot.next()[0])
+    if not (quick and heavy):
+        variants["reference"] = lambda: reference.linear(x, rot.next()[-1])
     if m <= 16:
-        limit, kind = bw_limit_ms(w.numel() * w.element_size()), "read bw"
         target = ("limit", 0.8) if m == 1 else None
+        kw = {"dram_bytes": nbytes, "rotation": rot}
     else:
-        limit, kind = gemm_limit_ms(2.0 * m * n * k), "gemm"
         target = ("F.linear fp32", 0.8) if dtype != torch.float32 else None
-    return Row("linear", "linear", f"M={m} K={k} N={n}", dname, t_topg, base, limit, kind, target)
+        kw = {"flops": 2.0 * m * n * k}
+    with torch.inference_mode():
+        return measure("linear", "linear", f"M={m} K={k} N={n}", dname, variants,
+                       quick=quick, heavy=heavy, target=target, **kw)  # fmt: skip
 
 
 def run(quick: bool) -> list[Row]:
@@ -53,6 +62,4 @@ if __name__ == "__main__":
     import sys
 
     for row in run(quick="--quick" in sys.argv):
-        ratios = {name: f"{row.ratio(name):.2f}x" for name in row.baselines}
-        print(f"{row.case:<24} {row.dtype} topg {row.topg_ms:8.3f} ms  {ratios}  "
-              f"limit {row.ratio('limit'):.0%} {row.limit_kind}  ok={row.ok}")  # fmt: skip
+        print(row.key, {k: v.fmt() for k, v in row.ratios.items()}, row.regime, row.verdict)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from common import Row, bench, ms
+from common import Row, measure
 
 import torch_topg
 
@@ -20,15 +20,15 @@ def run(quick: bool) -> list[Row]:
         for experts, k in [(8, 2), (64, 8)]:
             logits = torch.randn(tokens, experts)
             with torch.inference_mode():
-                t_topg = ms(bench(lambda: torch_topg.ops.moe_topk(logits, k, renormalize=True)))
-                t_hf = ms(bench(lambda: hf_router(logits, k)))
-            rows.append(
-                Row("moe", "moe_topk", f"T={tokens} E={experts} k={k}", "fp32", t_topg,
-                    {"hf softmax+topk+renorm": t_hf})
-            )  # fmt: skip
+                rows.append(measure(
+                    "moe", "moe_topk", f"T={tokens} E={experts} k={k}", "fp32",
+                    {"topg": lambda: torch_topg.ops.moe_topk(logits, k, renormalize=True),
+                     "hf softmax+topk+renorm": lambda: hf_router(logits, k)},
+                    quick=quick,
+                ))  # fmt: skip
     return rows
 
 
 if __name__ == "__main__":
     for row in run(quick=True):
-        print(row)
+        print(row.key, {k: v.fmt() for k, v in row.ratios.items()}, row.verdict)

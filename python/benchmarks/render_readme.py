@@ -1,0 +1,124 @@
+"""Rewrite the benchmark tables of README.md and docs/benchmarks.md from the records.
+
+    python python/benchmarks/render_readme.py                  # newest records in bench_results/
+    python python/benchmarks/render_readme.py --ops A.json B.json C.json
+    python python/benchmarks/render_readme.py --check          # exit 1 if a block is stale
+
+Each generated block sits between ``<!-- bench:NAME:begin -->`` and
+``<!-- bench:NAME:end -->``; only the text between the markers is replaced, nothing else
+in the file is touched. Blocks:
+
+* ``ops-targets`` (README.md): one line per ops run (targets met, within noise, in
+  cache, the largest fraction of a limit), then the latest run's targeted rows.
+* ``ops-all`` (docs/benchmarks.md): every row of the latest ops run.
+* ``models`` (README.md): the latest ``bench_models.py`` record's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from torch_topg.bench import latest, load_record  # noqa: E402
+
+
+class MissingBlock(LookupError):
+    pass
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """``text`` with the block ``name`` replaced by ``body``; ``MissingBlock`` if absent."""
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise MissingBlock(f"no block {name!r} (markers {begin} ... {end})")
+    return pattern.sub(lambda _: f"{begin}\n{body.strip()}\n{end}", text, count=1)
+
+
+def ops_runs_line(rec: dict) -> str:
+    from bench_ops import Row, summary
+
+    rows = [Row.from_dict(d) for d in rec["rows"]]
+    return f"- {rec['date']}, commit {rec['commit']}: {summary(rows)}"
+
+
+def ops_targets(recs: list[dict]) -> str:
+    from bench_ops import render
+
+    lines = [
+        f"Command: `python python/benchmarks/bench_ops.py --runs {len(recs)}` "
+        f"({len(recs)} run{'s' if len(recs) > 1 else ''}, one record each; this block is "
+        "written by `python python/benchmarks/render_readme.py` from them).",
+        "",
+        *[ops_runs_line(r) for r in recs],
+        "",
+        "The latest run's rows that carry one of the issue's targets (medians, "
+        "[spread]; all rows: [docs/benchmarks.md](docs/benchmarks.md)):",
+        "",
+        render(recs[0], targets_only=True),
+    ]
+    return "\n".join(lines)
+
+
+def ops_all(recs: list[dict]) -> str:
+    from bench_ops import render
+
+    return render(recs[0])
+
+
+def models(recs: list[dict]) -> str:
+    from bench_models import render_record
+
+    return render_record(recs[0])
+
+
+# block -> (file, benchmark, how many records, render)
+BLOCKS = {
+    "ops-targets": ("README.md", "ops", 3, ops_targets),
+    "ops-all": ("docs/benchmarks.md", "ops", 1, ops_all),
+    "models": ("README.md", "models", 1, models),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(ROOT / "bench_results"))
+    ap.add_argument("--ops", nargs="*", help="ops records, newest first (default: newest 3)")
+    ap.add_argument("--models", nargs="*", help="a bench_models record")
+    ap.add_argument("--root", default=str(ROOT), help="where README.md and docs/ are")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a block would change")
+    args = ap.parse_args(argv)
+    given = {"ops": args.ops, "models": args.models}
+    stale, root = [], Path(args.root)
+    for block, (file, bench, n, fn) in BLOCKS.items():
+        paths = given.get(bench) or latest(args.results, bench, n=n)
+        if not paths:
+            print(f"{block}: no {bench} record under {args.results}; left as it is")
+            continue
+        recs = sorted((load_record(p) for p in paths), key=lambda r: r["date"], reverse=True)
+        path = root / file
+        text = path.read_text()
+        try:
+            new = replace_block(text, block, fn(recs))
+        except MissingBlock as exc:
+            print(f"{file}: {exc}; left as it is")
+            continue
+        if new != text:
+            stale.append(f"{file}:{block}")
+            if not args.check:
+                path.write_text(new)
+        print(f"{file}: {block} from {', '.join(str(p) for p in paths)}")
+    if args.check and stale:
+        print("stale blocks:", ", ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,314 @@
+"""The benchmark harness (torch_topg.bench) on synthetic clocks and records: no timing
+thresholds, nothing measured."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from torch_topg import bench
+from torch_topg.bench import Budget, Stats, compare, summarize, verdict
+from torch_topg.bench.machine import (
+    classify,
+    cold_copies,
+    fp32_flops_per_cycle,
+    llc_bytes,
+    theoretical_peak,
+)
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "python" / "benchmarks"
+sys.path.insert(0, str(BENCH_DIR))  # common, bench_ops, render_readme
+MiB = 1 << 20
+
+
+class Clock:
+    """A synthetic timer: variants advance it by their scripted durations."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.log: list[str] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def variant(self, name: str, durations: list[float]):
+        it = iter(durations)
+
+        def fn() -> None:
+            self.log.append(name)
+            self.now += next(it)
+
+        return fn
+
+
+NO_CALIBRATION = Budget(warmup=1, min_rounds=1, max_rounds=100, min_sample_s=0.0)
+
+
+def test_rounds_interleave_variants():
+    clock = Clock()
+    variants = {n: clock.variant(n, [1.0] * 10) for n in ("a", "b", "c")}
+    compare(variants, NO_CALIBRATION, rounds=4, timer=clock)
+    # one calibration call each, then rounds a b c a b c ..., never a run of one variant
+    assert clock.log[:3] == ["a", "b", "c"]
+    assert clock.log[3:] == ["a", "b", "c"] * 4
+
+
+def test_warmup_calls_precede_calibration():
+    clock = Clock()
+    variants = {n: clock.variant(n, [1.0] * 10) for n in ("a", "b")}
+    compare(variants, Budget(warmup=3, min_sample_s=0.0), rounds=2, timer=clock)
+    assert clock.log == ["a", "a", "a", "b", "b", "b", "a", "b", "a", "b"]
+
+
+def test_samples_are_per_call_means_when_calibrated():
+    clock = Clock()
+    # calibration call 0.5 ms: a sample of at least 2 ms takes 4 calls
+    fn = clock.variant("a", [0.5e-3] + [1e-3, 2e-3, 3e-3, 2e-3] * 3)
+    cmp = compare({"a": fn}, Budget(warmup=1, min_sample_s=2e-3), rounds=3, timer=clock)
+    assert cmp.samples["a"] == pytest.approx([2e-3] * 3)
+
+
+def test_median_and_spread():
+    s = summarize([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (s.median, s.lo, s.hi, s.n, s.spread) == (3.0, 1.0, 5.0, 5, "min-max")
+    s = summarize([float(x) for x in range(1, 12)])  # 1..11
+    assert s.spread == "p10-p90"
+    assert (s.median, s.lo, s.hi) == pytest.approx((6.0, 2.0, 10.0))
+    s = summarize([float(x) for x in range(10)])  # 0..9: interpolated ends
+    assert (s.lo, s.hi) == pytest.approx((0.9, 8.1))
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_ratio_is_taken_per_round():
+    """A drift that hits both variants alike leaves the per-round ratio exact."""
+    clock = Clock()
+    drift = [1.0, 3.0, 2.0, 5.0, 4.0]
+    a = clock.variant("a", [1.0, *drift])
+    b = clock.variant("b", [2.0, *(2 * t for t in drift)])
+    cmp = compare({"a": a, "b": b}, NO_CALIBRATION, rounds=5, timer=clock)
+    assert cmp.stats("a") == Stats(3.0, 1.0, 5.0, 5, "min-max")
+    assert cmp.ms("b").median == pytest.approx(6000.0)
+    r = cmp.ratio("b", "a")  # b's time over a's: a is 2x faster, every round
+    assert (r.median, r.lo, r.hi) == pytest.approx((2.0, 2.0, 2.0))
+    limit = cmp.per_round("a", lambda t: 0.5 / t)
+    assert (limit.median, limit.lo, limit.hi) == pytest.approx((0.5 / 3, 0.1, 0.5))
+
+
+def test_rounds_follow_the_budget():
+    clock = Clock()
+    fn = clock.variant("a", [0.1] * 100)
+    cmp = compare({"a": fn}, Budget(warmup=1, min_rounds=3, max_rounds=50, budget_s=1.0,
+                                    min_sample_s=0.0), timer=clock)  # fmt: skip
+    assert len(cmp.samples["a"]) == 10
+    fn = clock.variant("b", [10.0] * 100)
+    cmp = compare({"b": fn}, Budget(warmup=1, min_rounds=3, budget_s=1.0, min_sample_s=0.0),
+                  timer=clock)  # fmt: skip
+    assert len(cmp.samples["b"]) == 3
+
+
+def test_bench_single_callable():
+    clock = Clock()
+    t = bench.bench(clock.variant("a", [1.0] * 20), warmup=2, min_runs=5, max_runs=5,
+                    min_time_s=0.0, timer=clock)  # fmt: skip
+    assert t.runs == 5 and t.median_ms == pytest.approx(1000.0)
+
+
+def test_stats_helpers():
+    s = Stats(2.0, 1.0, 4.0, 7, "min-max")
+    assert s.scaled(1e3) == Stats(2000.0, 1000.0, 4000.0, 7, "min-max")
+    assert s.inverse(8.0) == Stats(4.0, 2.0, 8.0, 7, "min-max")
+    assert s.fmt(".1f") == "2.0 [1.0-4.0]"
+    assert Stats.from_dict(s.to_dict()) == s
+    assert s.overlaps(Stats(4.0, 4.0, 5.0, 3, "min-max"))
+    assert not s.overlaps(Stats(5.0, 4.5, 5.5, 3, "min-max"))
+
+
+@pytest.mark.parametrize(
+    ("ratio", "expected"),
+    [
+        (Stats(1.30, 1.25, 1.40, 9, "min-max"), "met"),
+        (Stats(1.30, 1.10, 1.50, 9, "min-max"), "met, within noise"),
+        (Stats(1.10, 1.00, 1.15, 9, "min-max"), "missed"),
+        (Stats(1.10, 1.00, 1.30, 9, "min-max"), "missed, within noise"),
+        (Stats(1.20, 1.20, 1.20, 1, "n=1"), "met"),
+    ],
+)
+def test_verdict(ratio, expected):
+    assert verdict(ratio, 1.2) == expected
+
+
+def test_in_cache_classification(tmp_path):
+    llc = 32 * MiB
+    assert classify(1 * MiB, llc) == "in cache"
+    assert classify(10 * MiB, llc) == "in cache"  # the rotary row that read 287%
+    assert classify(35 * MiB, llc) == "in cache"  # fused_moe fp32, one token
+    assert classify(4 * llc, llc) == "DRAM"
+    assert cold_copies(4 * MiB, llc) == 32
+    assert cold_copies(35 * MiB, llc) == 4
+    assert cold_copies(200 * MiB, llc) == 1
+    # sysfs: the largest level's data/unified cache
+    for i, (level, kind, size) in enumerate(
+        [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+         (3, "Unified", "32768K")]
+    ):  # fmt: skip
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert llc_bytes(tmp_path) == (32 * MiB, f"L3 from {tmp_path}")
+    assert llc_bytes(tmp_path / "missing")[0] == 32 * MiB  # assumed, and says so
+
+
+def test_rows_classify_and_rotate(monkeypatch):
+    import common
+
+    monkeypatch.setattr(common, "llc_bytes", lambda: (32 * MiB, "test"))
+    monkeypatch.setattr(common, "cold_copies", lambda ws: cold_copies(ws, 32 * MiB))
+    assert common.regime_of(10 * MiB) == "in cache (10 MiB)"
+    assert common.regime_of(200 * MiB) == "DRAM"
+    assert common.regime_of(4 * MiB, sets=32) == "cold: 32 sets of 4 MiB rotated"
+    made = []
+    rot = common.Rotation(lambda i: made.append(i) or (i,), 16 * MiB, cold=True)
+    assert rot.n == 8 and made == list(range(8))
+    assert [rot.next()[0] for _ in range(10)] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert common.Rotation(lambda i: (i,), 16 * MiB, cold=False).n == 1
+
+
+def test_theoretical_peak_assumptions():
+    zen4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fma avx avx2 avx512f"}
+    intel = {"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "fma avx avx2 avx512f"}
+    avx2 = {"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "fma avx avx2"}
+    assert fp32_flops_per_cycle(zen4)[0] == 32
+    assert fp32_flops_per_cycle(intel)[0] == 64
+    assert fp32_flops_per_cycle(avx2)[0] == 32
+    peak = theoretical_peak(threads=2, info={**avx2, "cpu MHz": "3000.0"})
+    if peak["clock_hz"] == 3e9:  # no cpufreq on this machine: cpuinfo's clock is used
+        assert peak["fp32_flops"] == pytest.approx(2 * 32 * 3e9)
+    assert "assumed" in peak["assumptions"]
+
+
+MACHINE = {
+    "cpu_model": "Test CPU",
+    "logical_cpus": 2,
+    "threads": 2,
+    "llc_bytes": 32 * MiB,
+    "torch": "2.x",
+    "torch_cpu_capability": "AVX2",
+    "compiler": "c++ 12",
+    "read_bw_buffer_bytes": 256 * MiB,
+    "peak": {"fp32_flops": 1.6e11, "assumptions": "test"},
+    "read_bw": Stats(20e9, 19e9, 21e9, 10, "p10-p90").to_dict(),
+    "gemm_fp32_1024": Stats(1e11, 0.9e11, 1.1e11, 10, "p10-p90").to_dict(),
+}
+
+
+def _row(op: str, topg: Stats, base: Stats, target=None, limit: Stats | None = None):
+    from common import Row
+
+    ratios = {"hf": Stats(base.median / topg.median, 1.0, 2.0, 10, "p10-p90")}
+    if limit:
+        ratios["limit"] = limit
+    regime = "DRAM" if limit else "in cache (8 KiB)"
+    return Row("fam", op, "T=1", "fp32", {"topg": topg, "hf": base}, ratios, regime=regime,
+               limit_ms=0.5 if limit else None, limit_kind="read bw" if limit else "",
+               target=target)  # fmt: skip
+
+
+def _record(rows, date="2026-12-01T00:00:00Z"):
+    return bench.new_record("ops", [r.to_dict() for r in rows], MACHINE, date=date, argv=["x"])
+
+
+def test_record_round_trip(tmp_path):
+    from common import Row
+
+    rows = [
+        _row("a", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(2.0, 1.9, 2.1, 10, "p10-p90"),
+             target=("hf", 1.5)),
+        _row("b", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(2.0, 1.9, 2.1, 10, "p10-p90"),
+             target=("limit", 0.8), limit=Stats(0.9, 0.85, 0.95, 10, "p10-p90")),
+    ]  # fmt: skip
+    rec = _record(rows)
+    path = bench.write_record(rec, tmp_path)
+    assert path.name.startswith("ops-20261201T000000Z-")
+    back = bench.load_record(path)
+    assert back == json.loads(json.dumps(rec))
+    assert [Row.from_dict(d) for d in back["rows"]] == rows
+    assert {"date", "commit", "machine", "rows", "argv"} <= set(back)
+    assert back["rows"][1]["verdict"] == "met"
+    assert bench.latest(tmp_path, "ops") == [path]
+    bad = dict(rec, schema="other/1")
+    with pytest.raises(ValueError):
+        bench.write_record(bad, tmp_path)
+
+
+def test_bench_compare_cli(tmp_path, capsys):
+    from torch_topg.__main__ import main
+
+    same = Stats(1.0, 0.9, 1.1, 10, "p10-p90")
+    old = [
+        _row("faster_op", Stats(2.0, 1.9, 2.1, 10, "p10-p90"), same),
+        _row("slower_op", same, same),
+        _row("noisy_op", same, same),
+        _row("gone_op", same, same),
+    ]
+    new = [
+        _row("faster_op", Stats(1.0, 0.95, 1.05, 10, "p10-p90"), same),
+        _row("slower_op", Stats(1.5, 1.4, 1.6, 10, "p10-p90"), same),
+        _row("noisy_op", Stats(1.05, 0.8, 1.3, 10, "p10-p90"), same),
+    ]
+    a = bench.write_record(_record(old), tmp_path / "a")
+    b = bench.write_record(_record(new, date="2026-12-02T00:00:00Z"), tmp_path / "b")
+    assert main(["bench", "compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    faster, slower = out.split("faster beyond the spread")[1].split("slower beyond the spread")
+    assert "faster_op | T=1 | fp32 | topg" in faster and "2.00x" in faster
+    assert "slower_op" in slower and "noisy_op" not in out.split("within the spread")[0]
+    assert "(1):" in faster and "(1):" in slower
+    assert "only in A: gone_op | T=1 | fp32" in out
+    assert main(["bench", "compare", str(a), str(tmp_path / "missing.json")]) == 2
+
+
+def test_ops_table_marks_noise_and_cache():
+    import bench_ops
+
+    noisy = _row("noisy", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(1.6, 1.0, 2.0, 10, "p10-p90"),
+                 target=("hf", 1.5))  # fmt: skip
+    rows = [noisy, _row("cached", Stats(1.0, 0.9, 1.1, 10, "p10-p90"),
+                        Stats(3.0, 2.9, 3.1, 10, "p10-p90"))]  # fmt: skip
+    text = bench_ops.table(rows)
+    assert "yes, within noise" in text
+    assert "in cache (8 KiB)" in text
+    summary = bench_ops.summary(rows)
+    assert "targets met: 1 of 1" in summary and "1 within noise" in summary
+    assert "2 rows in cache" in summary
+
+
+def test_render_readme_replaces_only_the_block(tmp_path):
+    import render_readme
+
+    text = "# x\nbefore\n<!-- bench:ops-targets:begin -->\nold\n<!-- bench:ops-targets:end -->\nafter\n"
+    new = render_readme.replace_block(text, "ops-targets", "new table")
+    assert new == text.replace("\nold\n", "\nnew table\n")
+    with pytest.raises(render_readme.MissingBlock):
+        render_readme.replace_block(text, "models", "x")
+    rows = [_row("a", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(2.0, 1.9, 2.1, 10, "p10-p90"),
+                 target=("hf", 1.5))]  # fmt: skip
+    rec_path = bench.write_record(_record(rows), tmp_path / "results")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(text)
+    (tmp_path / "docs" / "benchmarks.md").write_text(
+        "<!-- bench:ops-all:begin -->\n<!-- bench:ops-all:end -->\n"
+    )
+    argv = ["--root", str(tmp_path), "--results", str(tmp_path / "results")]
+    assert render_readme.main([*argv, "--check"]) == 1
+    assert render_readme.main(argv) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# x\nbefore\n") and readme.endswith("after\n")
+    assert "targets met: 1 of 1" in readme and "| a | T=1 | fp32 |" in readme
+    assert "| a | T=1 | fp32 |" in (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert render_readme.main([*argv, "--check", "--ops", str(rec_path)]) == 0

@@ -1,0 +1,74 @@
+"""The one benchmark harness: timing, the machine's limits, and the record of a run.
+
+* ``compare(variants)`` times variants in interleaved rounds after a warm-up and returns
+  per-round samples; ``Comparison.ms(name)`` and ``Comparison.ratio(a, b)`` summarise a
+  figure or a per-round ratio as ``Stats`` (median and spread). ``bench(fn)`` times one
+  callable. ``verdict(ratio, target)`` says "met", "missed", or either "within noise".
+* ``read_bandwidth_stats()``, ``llc_bytes()``, ``classify()``, ``cold_copies()``,
+  ``theoretical_peak()``, ``gemm_stats()``, ``machine_info()``: the limits (machine.py).
+* ``new_record()``, ``write_record()``, ``load_record()``, ``compare_records()``: the JSON
+  record of a run under ``bench_results/`` (record.py); ``python -m torch_topg bench
+  compare A.json B.json`` prints what changed beyond the spread.
+"""
+
+from torch_topg.bench.machine import (
+    DRAM_FACTOR,
+    classify,
+    cold_copies,
+    describe,
+    gemm_rate,
+    gemm_stats,
+    llc_bytes,
+    machine_info,
+    read_bandwidth,
+    read_bandwidth_stats,
+    remeasure,
+    theoretical_peak,
+)
+from torch_topg.bench.record import (
+    SCHEMA,
+    compare_records,
+    latest,
+    load_record,
+    new_record,
+    write_record,
+)
+from torch_topg.bench.timing import (
+    Budget,
+    Comparison,
+    Stats,
+    Timing,
+    bench,
+    compare,
+    summarize,
+    verdict,
+)
+
+__all__ = [
+    "DRAM_FACTOR",
+    "SCHEMA",
+    "Budget",
+    "Comparison",
+    "Stats",
+    "Timing",
+    "bench",
+    "classify",
+    "cold_copies",
+    "compare",
+    "compare_records",
+    "describe",
+    "gemm_rate",
+    "gemm_stats",
+    "latest",
+    "llc_bytes",
+    "load_record",
+    "machine_info",
+    "new_record",
+    "read_bandwidth",
+    "read_bandwidth_stats",
+    "remeasure",
+    "summarize",
+    "theoretical_peak",
+    "verdict",
+    "write_record",
+]

@@ -1,0 +1,242 @@
+"""The machine's limits, measured in the run and derived from what the CPU says it is.
+
+* ``read_bandwidth_stats()``: a read-bandwidth probe that sums a buffer of at least
+  ``8 x`` the last-level cache with every thread the benchmark uses (torch's thread
+  count), reported with its spread. Time of a row's DRAM bytes at its median is the
+  row's memory limit.
+* ``llc_bytes()``: the last-level cache, from ``/sys/devices/system/cpu/cpu0/cache``.
+  A working set under ``DRAM_FACTOR x`` that is "in cache" (see ``classify``).
+* ``theoretical_peak()``: fp32 FLOP/s from the ISA, the core count and the clock, with
+  the assumptions it rests on spelled out (see ``fp32_flops_per_cycle``).
+* ``gemm_stats()``: torch's measured fp32 GEMM rate (1024^3), a machine figure for the
+  record; a GEMM row's own limit is the best rate reached on its shape in the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from torch_topg.bench.timing import Budget, Stats, compare
+
+# A working set of at least this many LLCs is taken as streamed from DRAM: between two
+# uses of a byte, three LLCs of other data have passed, whatever the replacement policy.
+DRAM_FACTOR = 4
+_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text)
+    if not m:
+        raise ValueError(f"cache size {text!r}")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+
+
+def cache_sizes(root: Path = _CACHE_DIR) -> dict[int, int]:
+    """Level -> bytes of the data/unified caches cpu0 sees (empty when not exposed)."""
+    out: dict[int, int] = {}
+    for index in sorted(root.glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((index / "level").read_text())
+            out[level] = max(out.get(level, 0), _parse_size((index / "size").read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def llc_bytes(root: Path = _CACHE_DIR) -> tuple[int, str]:
+    """The last-level cache's size and where it came from (32 MiB assumed if unknown)."""
+    sizes = cache_sizes(root)
+    if sizes:
+        level = max(sizes)
+        return sizes[level], f"L{level} from {root}"
+    return 32 << 20, "assumed 32 MiB (sysfs gives no cache sizes)"
+
+
+def classify(working_set: int, llc: int | None = None) -> str:
+    """``"DRAM"`` when ``working_set >= DRAM_FACTOR x LLC``, else ``"in cache"``."""
+    llc = llc_bytes()[0] if llc is None else llc
+    return "DRAM" if working_set >= DRAM_FACTOR * llc else "in cache"
+
+
+def cold_copies(working_set: int, llc: int | None = None) -> int:
+    """How many input sets to rotate through so that the whole rotation is at least
+    ``DRAM_FACTOR x LLC`` (each use then finds its inputs evicted): 1 if one is."""
+    llc = llc_bytes()[0] if llc is None else llc
+    return max(1, -(-DRAM_FACTOR * llc // max(1, working_set)))
+
+
+def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty off Linux)."""
+    out: dict[str, str] = {}
+    try:
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                if out:
+                    break
+                continue
+            key, _, value = line.partition(":")
+            out[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def clock_hz(info: dict[str, str] | None = None) -> tuple[float, str]:
+    """The core clock: cpufreq's maximum if exposed, else cpuinfo's ``cpu MHz`` (in a VM
+    the nominal clock: a boost clock above it makes measured rates exceed the peak)."""
+    try:
+        khz = int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text())
+        return khz * 1e3, "cpufreq cpuinfo_max_freq"
+    except (OSError, ValueError):
+        pass
+    info = cpuinfo() if info is None else info
+    if "cpu MHz" in info:
+        return float(info["cpu MHz"]) * 1e6, "/proc/cpuinfo cpu MHz (nominal; boost not seen)"
+    return 0.0, "unknown"
+
+
+def fp32_flops_per_cycle(info: dict[str, str]) -> tuple[int, str]:
+    """fp32 FLOPs per cycle per core of FMA code, and the assumption behind the number.
+
+    Two FMA pipes per core everywhere: AVX2 2 x 8 lanes x 2 = 32; AVX-512 2 x 16 x 2 = 64,
+    except AMD family 0x19 (Zen 4), whose 512-bit instructions run on 256-bit pipes: 32.
+    """
+    flags = set(info.get("flags", "").split())
+    vendor = info.get("vendor_id", "")
+    family = int(info.get("cpu family", "0") or 0)
+    if "avx512f" in flags:
+        if vendor == "AuthenticAMD" and family == 0x19:
+            return 32, "Zen 4: AVX-512 on 2 x 256-bit FMA pipes, 2 x 8 x 2"
+        return 64, "AVX-512: 2 x 512-bit FMA pipes assumed, 2 x 16 x 2"
+    if "avx2" in flags and "fma" in flags:
+        return 32, "AVX2 + FMA: 2 x 256-bit FMA pipes assumed, 2 x 8 x 2"
+    if "avx" in flags:
+        return 16, "AVX without FMA: one 8-wide add and one 8-wide multiply"
+    return 8, "SSE: one 4-wide add and one 4-wide multiply (or unknown ISA)"
+
+
+def theoretical_peak(threads: int | None = None, info: dict[str, str] | None = None) -> dict:
+    """fp32 FMA peak FLOP/s of ``threads`` cores (torch's thread count by default)."""
+    info = cpuinfo() if info is None else info
+    threads = threads or torch.get_num_threads()
+    per_cycle, isa = fp32_flops_per_cycle(info)
+    hz, clock_source = clock_hz(info)
+    return {
+        "fp32_flops": per_cycle * threads * hz,
+        "flops_per_cycle_per_core": per_cycle,
+        "cores": threads,
+        "clock_hz": hz,
+        "assumptions": f"{isa}; clock: {clock_source}; one core per thread",
+    }
+
+
+@functools.cache
+def read_bandwidth_stats(threads: int | None = None, factor: int = 8) -> Stats:
+    """Read bandwidth in bytes/s: ``sum()`` over an fp32 buffer of ``factor x LLC`` (at
+    least 256 MiB) with ``threads`` threads (torch's count by default), 10 rounds."""
+    nbytes = max(factor * llc_bytes()[0], 256 << 20)
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        budget = Budget(warmup=2, min_rounds=10, max_rounds=10, min_sample_s=0.0)
+        return compare({"sum": buf.sum}, budget).stats("sum").inverse(float(nbytes))
+    finally:
+        torch.set_num_threads(old)
+
+
+def read_bandwidth() -> float:
+    """The probe's median, bytes/s."""
+    return read_bandwidth_stats().median
+
+
+@functools.cache
+def gemm_stats(n: int = 1024, dtype: torch.dtype = torch.float32) -> Stats:
+    """torch's ``n x n x n`` GEMM rate in FLOP/s (median and spread over rounds)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    cmp = compare({"mm": lambda: torch.mm(a, b)}, Budget(min_rounds=10, budget_s=1.0))
+    return cmp.stats("mm").inverse(2.0 * n**3)
+
+
+def gemm_rate(n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
+    return gemm_stats(n, dtype).median
+
+
+def remeasure() -> None:
+    """Forget the probes' results: the next call measures again (a new run)."""
+    read_bandwidth_stats.cache_clear()
+    gemm_stats.cache_clear()
+
+
+def _compiler() -> str:
+    try:
+        out = subprocess.run(["c++", "--version"], capture_output=True, text=True, timeout=10)
+        return out.stdout.splitlines()[0] if out.stdout else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _torch_compiler() -> str:
+    m = re.search(r"^\s*- (GCC|Clang|MSVC)[^\n]*", torch.__config__.show(), re.M)
+    return m.group(0).strip(" -") if m else "unknown"
+
+
+def machine_info(measure: bool = True) -> dict:
+    """What the record says about the machine; ``measure`` runs the probes (seconds)."""
+    info = cpuinfo()
+    llc, llc_source = llc_bytes()
+    build = Path(__file__).resolve().parent.parent / "_build_info.json"
+    topg_build = json.loads(build.read_text()) if build.exists() else {}
+    out = {
+        "cpu_model": info.get("model name", platform.processor() or platform.machine()),
+        "vendor": info.get("vendor_id", ""),
+        "cpu_family": info.get("cpu family", ""),
+        "logical_cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "caches": {f"L{k}": v for k, v in cache_sizes().items()},
+        "llc_bytes": llc,
+        "llc_source": llc_source,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "peak": theoretical_peak(info=info),
+        "torch": torch.__version__,
+        "torch_compiler": _torch_compiler(),
+        "compiler": _compiler(),
+        "topg_build": topg_build,
+        "python": platform.python_version(),
+    }
+    if measure:
+        out["read_bw"] = read_bandwidth_stats().to_dict()
+        out["read_bw_buffer_bytes"] = max(8 * llc, 256 << 20)
+        out["gemm_fp32_1024"] = gemm_stats().to_dict()
+    return out
+
+
+def describe(m: dict) -> str:
+    """One paragraph for the top of a table."""
+    peak = m["peak"]
+    text = (
+        f"{m['cpu_model']}, {m['threads']} threads of {m['logical_cpus']} CPUs, "
+        f"LLC {m['llc_bytes'] >> 20} MiB, torch {m['torch']} ({m['torch_cpu_capability']}), "
+        f"compiler {m['compiler']}. "
+        f"fp32 peak {peak['fp32_flops'] / 1e9:.0f} GFLOP/s ({peak['assumptions']})"
+    )
+    if "read_bw" in m:
+        bw = Stats.from_dict(m["read_bw"]).scaled(1e-9)
+        gemm = Stats.from_dict(m["gemm_fp32_1024"]).scaled(1e-9)
+        text += (
+            f"; measured read bandwidth {bw.fmt('.1f')} GB/s ({bw.spread}, "
+            f"{m.get('read_bw_buffer_bytes', 0) >> 20} MiB streamed by {m['threads']} threads), torch fp32 GEMM "
+            f"1024^3 {gemm.fmt('.0f')} GFLOP/s"
+        )
+    return text + "."

@@ -312,3 +312,33 @@ def test_render_readme_replaces_only_the_block(tmp_path):
     assert "targets met: 1 of 1" in readme and "| a | T=1 | fp32 |" in readme
     assert "| a | T=1 | fp32 |" in (tmp_path / "docs" / "benchmarks.md").read_text()
     assert render_readme.main([*argv, "--check", "--ops", str(rec_path)]) == 0
+
+
+def test_contexts_are_entered_outside_the_timed_region():
+    clock = Clock()
+    entered = []
+
+    class Ctx:
+        def __enter__(self):
+            entered.append(True)
+            clock.now += 100.0  # a costly toggle: not part of any sample
+
+        def __exit__(self, *exc):
+            clock.now += 100.0
+
+    fn = clock.variant("a", [1.0] * 10)
+    cmp = compare({"a": fn}, NO_CALIBRATION, rounds=3, contexts={"a": Ctx}, timer=clock)
+    assert cmp.samples["a"] == [1.0, 1.0, 1.0]
+    assert len(entered) == 1 + 1 + 3  # warm-up, calibration, one per round
+
+
+def test_compare_records_rates_are_higher_is_better():
+    def rec(rate: float, date: str) -> dict:
+        fig = Stats(rate, rate * 0.98, rate * 1.02, 5, "min-max").to_dict()
+        row = {"key": "engine | fp32", "figures": {"tok_s": fig}, "higher_is_better": ["tok_s"]}
+        return bench.new_record("engine", [row], MACHINE, date=date, argv=[])
+
+    out = bench.compare_records(rec(100.0, "2026-01-01"), rec(150.0, "2026-01-02"))
+    assert "faster beyond the spread (1)" in out and "1.50x speed" in out
+    out = bench.compare_records(rec(150.0, "2026-01-01"), rec(100.0, "2026-01-02"))
+    assert "slower beyond the spread (1)" in out

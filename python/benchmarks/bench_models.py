@@ -92,7 +92,8 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _decode_ms(fn, ids, steps: int) -> tuple[float, float]:
+def _decode_ms(fn, ids, steps: int) -> tuple[list[float], float]:
+    """ms of each of ``steps`` decode steps after a prefill of ``ids``, and the prefill's."""
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = fn(input_ids=ids, use_cache=True)
@@ -104,7 +105,7 @@ def _decode_ms(fn, ids, steps: int) -> tuple[float, float]:
             out = fn(input_ids=nxt, past_key_values=cache, use_cache=True)
             times.append((time.perf_counter() - t0) * 1e3)
             cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return (sorted(times)[len(times) // 2] if times else 0.0), prefill
+    return times, prefill
 
 
 def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
@@ -129,15 +130,20 @@ def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
     else:
         _decode_ms(fn, ids, steps=2)  # warm-up
     steps = 8 if quick else 24
-    decode, _ = _decode_ms(fn, ids, steps)
+    decodes = _decode_ms(fn, ids, steps)[0]
     prefills = [_decode_ms(fn, ids, 0)[1] for _ in range(2 if quick else 4)]
     rss = _peak_rss_mb()
+    # imported after the peak is read: eager mode does not otherwise load torch_topg
+    from torch_topg.bench import summarize
+
+    decode, prefill = summarize(decodes), summarize(prefills)
     return {
         "model": model_name,
         "dtype": dtype_name,
         "mode": mode,
-        "decode_ms": decode,
-        "prefill_ms": sorted(prefills)[0],
+        "decode_ms": decode.median,
+        "prefill_ms": prefill.median,
+        "figures": {"decode": decode.to_dict(), "prefill": prefill.to_dict()},
         "compile_s": compile_s,
         "peak_rss_mb": rss,
         "load_rss_mb": rss0,
@@ -186,12 +192,16 @@ def llamacpp_worker(dtype_name: str, quick: bool) -> dict:
             llm.eval([nxt])
             decodes.append((time.perf_counter() - t0) * 1e3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    from torch_topg.bench import summarize
+
+    decode, prefill = summarize(decodes), summarize(prefills)
     return {
         "model": "smollm2",
         "dtype": dtype_name,
         "mode": "llamacpp",
-        "decode_ms": sorted(decodes)[len(decodes) // 2],
-        "prefill_ms": min(prefills),
+        "decode_ms": decode.median,
+        "prefill_ms": prefill.median,
+        "figures": {"decode": decode.to_dict(), "prefill": prefill.to_dict()},
         "compile_s": 0.0,
         "peak_rss_mb": rss / 1024,
         "load_rss_mb": 0.0,
@@ -233,13 +243,10 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    from torch_topg.utils.benchmark import read_bandwidth
+    from torch_topg.bench import describe, machine_info
 
-    bw = read_bandwidth()
-    print(
-        f"read bandwidth: {bw / 1e9:.1f} GB/s, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
-    )
+    machine = machine_info()
+    print(describe(machine), flush=True)
     results, notes = [], []
     for model in args.models.split(","):
         for dt in args.dtypes.split(","):
@@ -253,26 +260,51 @@ def main() -> None:
                     print(notes[-1], flush=True)
                     continue
                 results.append(r)
-                _write(Path(args.out), bw, results, notes, final=False)
+                _write(Path(args.out), machine, results, notes, final=False)
                 print(
                     f"{model:<13}{dt:<5}{mode:<9} decode {r['decode_ms']:8.2f} ms  "
                     f"prefill {r['prefill_ms']:9.1f} ms  compile {r['compile_s']:6.1f} s  "
                     f"peak {r['peak_rss_mb']:7.0f} MB",
                     flush=True,
                 )
-    table = _write(Path(args.out), bw, results, notes, final=True)
+    table = _write(Path(args.out), machine, results, notes, final=True, quick=args.quick)
     print(table)
 
 
-def _write(out: Path, bw: float, results: list[dict], notes: list[str], final: bool) -> str:
+def to_record(machine: dict, results: list[dict], notes: list[str], quick: bool) -> dict:
+    """The run as a ``torch_topg.bench`` record: one row per (model, dtype, mode)."""
+    from torch_topg.bench import new_record
+
+    rows = [
+        {"key": f"{r['model']} | {r['dtype']} | {r['mode']}", "unit": "ms", **r} for r in results
+    ]
+    return new_record("models", rows, machine, quick=quick, notes=notes)
+
+
+def render_record(rec: dict) -> str:
+    """The Markdown table of a ``models`` record (render_readme.py's ``models`` block)."""
+    from torch_topg.bench import describe
+
+    results = [{k: v for k, v in r.items() if k not in ("key", "unit")} for r in rec["rows"]]
+    head = f"Run {rec['date']} at commit {rec['commit']}: {describe(rec['machine'])}\n\n"
+    return head + render(results, rec["machine"]["read_bw"]["median"], rec.get("notes", []))
+
+
+def _write(
+    out: Path, machine: dict, results: list[dict], notes: list[str], final: bool, quick=False
+) -> str:
     """Writes the table and JSON (after every configuration, so an interrupted run keeps
-    what it measured) and, at the end, the plot."""
+    what it measured) and, at the end, the plot and the record."""
     out.mkdir(parents=True, exist_ok=True)
+    bw = machine["read_bw"]["median"]
     data = {"bandwidth": bw, "results": results, "notes": notes}
     (out / "models.json").write_text(json.dumps(data, indent=1))
     table = render(results, bw, notes)
     (out / "models.md").write_text(table)
     if final:
+        from torch_topg.bench import write_record
+
+        print(f"wrote {write_record(to_record(machine, results, notes, quick), out)}")
         try:
             plot(results, out / "models.png")
         except Exception as e:  # matplotlib missing or headless trouble: the table is the record
@@ -294,7 +326,13 @@ def render(results: list[dict], bw: float, notes: list[str]) -> str:
 
     def g(key, field, fmt="{:.2f}"):
         r = by.get(key)
-        return fmt.format(r[field]) if r else "-"
+        if not r:
+            return "-"
+        fig = r.get("figures", {}).get(field.removesuffix("_ms"))
+        if fig and fig["n"] > 1:  # the median, then the spread
+            lo, hi = fmt.format(fig["lo"]), fmt.format(fig["hi"])
+            return f"{fmt.format(r[field])} [{lo}-{hi}]"
+        return fmt.format(r[field])
 
     for model, dt in sorted({(r["model"], r["dtype"]) for r in results}):
         e, i, t, c = ((model, dt, m) for m in ("eager", "inductor", "topg", "llamacpp"))
@@ -322,6 +360,9 @@ def render(results: list[dict], bw: float, notes: list[str]) -> str:
         )
     lines += [
         "",
+        "Cells: median [spread: min-max, or p10-p90 over 10 or more]; decode over the steps "
+        "of one process, prefill over its repeats. Each mode runs in its own process, so "
+        "ratios are of medians, not per round. "
         "Ratios are time / time (lower is better for topg): targets are decode <= "
         "0.7x Inductor and <= 1.0x llama.cpp, prefill <= 0.9x Inductor, compile <= 0.2x "
         "Inductor, decode within 1.3x of the limit, peak memory <= 1.1x eager.",

@@ -169,15 +169,18 @@ def measure(
     rotation: Rotation | None = None,
     flops: float | None = None,
     note: str = "",
+    budget: Budget | None = None,
+    contexts: dict | None = None,
 ) -> Row:
     """Time ``variants`` (``"topg"`` first) side by side and build the row.
 
     ``dram_bytes``: the bytes one call must move to or from DRAM; ``working_set``: the
     bytes one call touches (default ``dram_bytes``); ``rotation``: the inputs' rotation,
-    if any. ``flops``: for a compute-bound row. ``heavy``: calls of up to seconds.
+    if any. ``flops``: for a compute-bound row. ``heavy``: calls of up to seconds;
+    ``budget`` overrides the rounds; ``contexts`` as in ``torch_topg.bench.compare``.
     """
     assert next(iter(variants)) == "topg", "topg is the first variant"
-    cmp = compare(variants, _budget(quick, heavy))
+    cmp = compare(variants, budget or _budget(quick, heavy), contexts=contexts)
     figures = {name: cmp.ms(name) for name in variants}
     ratios = {name: cmp.ratio(name, "topg") for name in variants if name != "topg"}
     row = Row(family, op, case, dtype, figures, ratios, target=target, note=note)

@@ -9,13 +9,15 @@ dispatcher, so the difference is the kernels', with no Python on the path.
 
     python python/benchmarks/eager_enable.py [--quick]
 
+Runs with and without ``enable()`` alternate round by round (``torch_topg.bench.compare``);
+every figure is a median with its spread; the record goes to ``bench_results/``.
+
 Targets (issue 4): decode >= 1.3x, prefill >= 1.1x faster with enable().
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,29 +25,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Row, bw_limit_ms
+from common import Row, measure
 
 import torch_topg
-from torch_topg.utils.benchmark import bench
+from torch_topg.bench import Budget, describe, machine_info, new_record, write_record
 
 CONTEXT = 256
-
-
-def _interleaved(fn, rounds: int) -> tuple[float, float]:
-    """Median ms of ``fn`` without and with enable(), alternating run by run so that the
-    load of a shared machine drifting during the benchmark hits both sides alike."""
-    base: list[float] = []
-    topg: list[float] = []
-    with torch.inference_mode():
-        for warm in (fn, fn):
-            warm()
-        for _ in range(rounds):
-            base.append(bench(fn, warmup=0, min_runs=1, max_runs=1, min_time_s=0).median_ms)
-            with torch_topg.enabled():
-                if not topg:
-                    fn()  # warm-up of the topg path
-                topg.append(bench(fn, warmup=0, min_runs=1, max_runs=1, min_time_s=0).median_ms)
-    return statistics.median(base), statistics.median(topg)
 
 
 def _decode_and_prefill(dtype: torch.dtype, quick: bool) -> list[Row]:
@@ -73,26 +58,21 @@ def _decode_and_prefill(dtype: torch.dtype, quick: bool) -> list[Row]:
 
     rows = []
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    # Decode must read every weight once (tied embedding / lm_head counted once).
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for what, fn, target, rounds in (
         ("decode", decode, 1.3, runs * 3),
         ("prefill256", prefill, 1.1, runs),
     ):
-        base, topg = _interleaved(fn, rounds)
-        # Decode must read every weight once (tied embedding / lm_head counted once).
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        rows.append(
-            Row(
-                family="eager_enable",
-                op="smollm2",
-                case=f"{what} (ctx {CONTEXT})" if what == "decode" else what,
-                dtype=name,
-                topg_ms=topg,
-                baselines={"hf_eager": base},
-                limit_ms=bw_limit_ms(nbytes) if what == "decode" else None,
-                limit_kind="read bw" if what == "decode" else "",
-                target=("hf_eager", target),
-            )
-        )
+        budget = Budget(warmup=2, min_rounds=rounds, max_rounds=rounds, min_sample_s=0.0)
+        with torch.inference_mode():
+            rows.append(measure(
+                "eager_enable", "smollm2",
+                f"{what} (ctx {CONTEXT})" if what == "decode" else what, name,
+                {"topg": fn, "hf_eager": fn}, quick=quick, budget=budget,
+                contexts={"topg": torch_topg.enabled}, target=("hf_eager", target),
+                dram_bytes=nbytes if what == "decode" else None,
+            ))  # fmt: skip
     return rows
 
 
@@ -105,19 +85,10 @@ def _overhead() -> list[Row]:
         ("F.sdpa 1 head, 8 keys", lambda: F.scaled_dot_product_attention(q, k, k)),
     ):
         with torch.inference_mode():
-            base = bench(fn, min_time_s=0.3).median_ms
-            with torch_topg.enabled():
-                topg = bench(fn, min_time_s=0.3).median_ms
-        rows.append(
-            Row(
-                family="eager_enable",
-                op="per-call",
-                case=case,
-                dtype="fp32",
-                topg_ms=topg,
-                baselines={"aten": base},
-            )
-        )
+            rows.append(measure(
+                "eager_enable", "per-call", case, "fp32", {"topg": fn, "aten": fn},
+                quick=False, contexts={"topg": torch_topg.enabled},
+            ))  # fmt: skip
     return rows
 
 
@@ -128,23 +99,32 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
-if __name__ == "__main__":
+def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads (default: torch's own choice)"
     )
+    p.add_argument("--out", default="bench_results", help="folder for the JSON record")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch threads: {torch.get_num_threads()}")
-    print("| what | dtype | stock ms | enable() ms | speed-up | limit ms | target |")
+    machine = machine_info()
+    print(describe(machine))
+    rows = run(args.quick)
+    print("| what | dtype | stock ms | enable() ms | speed-up | of limit | target |")
     print("|---|---|---|---|---|---|---|")
-    for r in run(args.quick):
-        ((name, base),) = r.baselines.items()
-        limit = f"{r.limit_ms:.2f}" if r.limit_ms else "-"
-        target = f">= {r.target[1]}x {'ok' if r.ok else 'MISSED'}" if r.target else "-"
+    for r in rows:
+        base = r.baselines[0]
+        limit = r.ratios["limit"].fmt(".2f") if "limit" in r.ratios else "-"
+        target = f">= {r.target[1]}x, {r.verdict}" if r.target else "-"
         print(
-            f"| {r.op} {r.case} | {r.dtype} | {base:.3f} | {r.topg_ms:.3f} | "
-            f"{r.ratio(name):.2f}x | {limit} | {target} |"
+            f"| {r.op} {r.case} | {r.dtype} | {r.figures[base].fmt('.3f')} | "
+            f"{r.topg.fmt('.3f')} | {r.ratios[base].fmt('.2f')}x | {limit} | {target} |"
         )
+    rec = new_record("eager_enable", [r.to_dict() for r in rows], machine, quick=args.quick)
+    print(f"wrote {write_record(rec, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

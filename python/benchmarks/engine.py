@@ -149,23 +149,18 @@ def _setup_torch():
 
 
 def med(xs: list[float]) -> dict:
-    """Median, min, max and n of repeated measurements."""
-    return {
-        "median": statistics.median(xs),
-        "min": min(xs),
-        "max": max(xs),
-        "n": len(xs),
-        "values": xs,
-    }
+    """Repeated measurements summarised by ``torch_topg.bench.summarize`` (median and
+    spread: lo-hi), with min, max and the values (the tables print min-max)."""
+    from torch_topg.bench import summarize
+
+    return {**summarize(xs).to_dict(), "min": min(xs), "max": max(xs), "values": xs}
 
 
 def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """The ``q`` quantile of a distribution (e.g. TTFT p90), not a spread."""
+    from torch_topg.bench import quantile
+
+    return quantile(xs, q) if xs else float("nan")
 
 
 def model_shape() -> dict:
@@ -680,14 +675,14 @@ def agreement(
 def machine_check() -> dict:
     """torch's fp32 GEMM rate now (a fresh measurement) and the 1-minute load average:
     the machine is shared, and a drop says another process had the cores."""
-    from torch_topg.utils import benchmark
+    from torch_topg.bench import gemm_rate, remeasure
 
-    benchmark._cache.clear()
+    remeasure()
     try:
         load1 = os.getloadavg()[0]
     except OSError:
         load1 = float("nan")
-    return {"gemm": benchmark.gemm_rate(), "load1": load1}
+    return {"gemm": gemm_rate(), "load1": load1}
 
 
 def run_dtype(dtype: str, a: argparse.Namespace, llama: dict | str, shape: dict) -> dict:
@@ -1092,7 +1087,32 @@ def main() -> None:
     print()
     print(table)
     print(summary)
-    print(f"\nwrote {md} and {md.with_suffix('.json')}")
+    from torch_topg.bench import write_record
+
+    rec = to_record(results, meta, a.quick)
+    print(f"\nwrote {md}, {md.with_suffix('.json')} and {write_record(rec, md.parent)}")
+
+
+def to_record(results: list[dict], meta: dict, quick: bool) -> dict:
+    """The run as a ``torch_topg.bench`` record: one row per (dtype, system), its
+    repeated figures (``med`` dicts) as Stats; tokens/s are higher-is-better."""
+    from torch_topg.bench import machine_info, new_record
+
+    rows = []
+    for r in results:
+        for system, v in r.items():
+            if not isinstance(v, dict) or system == "checks":
+                continue
+            figs = {k: x for k, x in v.items() if isinstance(x, dict) and "spread" in x}
+            if figs:
+                rows.append({
+                    "key": f"{system} | {r['dtype']}", "unit": "as named",
+                    "figures": {k: {f: x[f] for f in ("median", "lo", "hi", "n", "spread")}
+                                for k, x in figs.items()},
+                    "higher_is_better": [k for k in figs if "tok_s" in k or "per_s" in k],
+                })  # fmt: skip
+    notes = [f"{k}: {v}" for k, v in meta.get("notes", {}).items()]
+    return new_record("engine", rows, machine_info(), quick=quick, notes=notes)
 
 
 def _git_commit() -> str:

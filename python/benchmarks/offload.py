@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,20 +40,23 @@ from pathlib import Path
 import torch
 
 import torch_topg
+from torch_topg.bench import Stats, bench, machine_info, new_record, write_record
 from torch_topg.models import build_model, load_smollm2, smollm2_available
 
 TARGET = 1.15
 
 
+def timed_stats(fn: Callable[[], object], runs: int) -> Stats:
+    """Seconds of ``runs`` calls after one warm-up call (``torch_topg.bench``): median and
+    spread. The offloaded forward and the resident one cannot alternate call by call
+    (the offload hooks are installed for a whole case): compute is timed again next to
+    each case instead."""
+    return bench(fn, warmup=1, min_runs=runs, max_runs=runs, min_time_s=0.0).stats
+
+
 def timed(fn: Callable[[], object], runs: int) -> float:
-    """Median seconds of ``runs`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds (``timed_stats``)."""
+    return timed_stats(fn, runs).median
 
 
 IOS = ("direct", "mmap")
@@ -120,13 +121,15 @@ def _cases(name, model, file, fwd, io, throttle, read, quick, runs) -> list[dict
     first = largest / throttle if throttle else read / n_layers
     for depth in (0, 1, 2, 3) if (throttle or not quick) else (1,):
         # compute-only again right before each case: the machine's load drifts
-        compute = timed(fwd, runs)
+        compute_s = timed_stats(fwd, runs)
+        compute = compute_s.median
         with torch_topg.offload(
             model, device="cpu", source=file, prefetch_depth=depth, read_bandwidth=throttle, io=io
         ) as h:
             fwd()  # learns the order
             h.reset_stats()
-            t = timed(fwd, runs)
+            t_s = timed_stats(fwd, runs)
+            t = t_s.median
             s = h.stats()
         assert s["io"] == io, (s["io"], s["io_reason"])
         bound = (depth + 1) * largest
@@ -145,6 +148,10 @@ def _cases(name, model, file, fwd, io, throttle, read, quick, runs) -> list[dict
                 peak_mib=s["peak_resident_bytes"] / 2**20,
                 bound_mib=bound / 2**20,
                 within=s["peak_resident_bytes"] <= bound,
+                stats={
+                    "forward": t_s.scaled(1e3).to_dict(),
+                    "compute": compute_s.scaled(1e3).to_dict(),
+                },
             )
         )
     return rows
@@ -177,6 +184,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--models", default="smollm2,mixtral-360m")
     ap.add_argument("--md", default=None, help="also write the table to this file")
+    ap.add_argument("--out", default="bench_results", help="folder for the JSON record")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # transformers' and torch's notices, not ours to show
     rows: list[dict] = []
@@ -205,6 +213,17 @@ def main() -> None:
     print(text)
     if args.md:
         Path(args.md).write_text(text + "\n")
+    rec_rows = [
+        {
+            "key": f"{r['model']} | {r['io']} | throttle {r['throttle']} | depth {r['depth']}",
+            "unit": "ms",
+            "figures": r.pop("stats"),
+            **r,
+        }
+        for r in rows
+    ]
+    rec = new_record("offload", rec_rows, machine_info(), quick=args.quick, notes=notes)
+    print(f"wrote {write_record(rec, args.out)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -55,11 +55,13 @@ def _step_fns(model: torch.nn.Module, prompt: int, compile_: bool):
     return prefill, decode
 
 
-def _time(fn, runs: int) -> float:
-    from torch_topg.utils.benchmark import bench
+def _time(fn, runs: int) -> dict:
+    """ms per call: a ``Stats`` dict. A fixed number of runs, one call each: every rank
+    must make the same collective calls."""
+    from torch_topg.bench import bench
 
-    # a fixed number of runs: every rank must make the same collective calls
-    return bench(fn, warmup=3, min_runs=runs, max_runs=runs, min_time_s=0.0).median_s * 1e3
+    t = bench(fn, warmup=3, min_runs=runs, max_runs=runs, min_time_s=0.0)
+    return t.stats.scaled(1e3).to_dict()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -100,9 +102,12 @@ def worker(args: argparse.Namespace) -> None:
     del torch_topg
 
 
-def _fusion(runs: int) -> dict[str, float]:
-    """all_reduce + add + RMSNorm at decode / prefill sizes: fused op vs two sequences."""
+def _fusion(runs: int) -> dict[str, dict]:
+    """all_reduce + add + RMSNorm at decode / prefill sizes: fused op vs two sequences,
+    interleaved round by round (one call per sample, a fixed number of rounds: every
+    rank makes the same calls); ms ``Stats`` dicts, and the per-round ratio."""
     from torch_topg import ops
+    from torch_topg.bench import Budget, compare
 
     res = {}
     for tokens, hidden in ((1, 768), (1, 512), (128, 768)):
@@ -120,9 +125,15 @@ def _fusion(runs: int) -> dict[str, float]:
             ops.rms_norm(h, w, 1e-5)
 
         case = f"allreduce_norm|T={tokens} H={hidden}"
-        res[f"{case}|fused"] = _time(fused, runs)
-        res[f"{case}|all_reduce + fused_add_rms_norm"] = _time(half, runs)
-        res[f"{case}|all_reduce + add + rms_norm"] = _time(unfused, runs)
+        variants = {
+            "fused": fused,
+            "all_reduce + fused_add_rms_norm": half,
+            "all_reduce + add + rms_norm": unfused,
+        }
+        cmp = compare(variants, Budget(warmup=3, min_sample_s=0.0), rounds=runs)
+        for name in variants:
+            res[f"{case}|{name}"] = cmp.ms(name).to_dict()
+        res[f"{case}|ratio"] = cmp.ratio("all_reduce + add + rms_norm", "fused").to_dict()
     return res
 
 
@@ -144,30 +155,58 @@ def _launch(world: int, threads: int, args: argparse.Namespace, tmp: Path) -> di
     return json.loads(out.read_text())
 
 
+def _ms(d: dict) -> str:
+    from torch_topg.bench import Stats
+
+    return Stats.from_dict(d).fmt(".2f")
+
+
 def table(tp1: dict, tp2: dict) -> str:
+    """tp=1 and tp=2 run in separate processes one after the other: their ratio is of
+    the medians (no per-round ratio); the fused all-reduce rows are interleaved."""
+    from torch_topg.bench import Stats
+
     lines = [
-        "| model | mode | phase | tp=1 (1 proc x 2 thr) ms | tp=2 (2 proc x 1 thr) ms | tp=2 speed-up |",
+        "| model | mode | phase | tp=1 (1 proc x 2 thr) ms | tp=2 (2 proc x 1 thr) ms "
+        "| tp=2 speed-up (medians) |",
         "| --- | --- | --- | ---: | ---: | ---: |",
     ]
     for key, t1 in tp1.items():
         name, mode, phase = key.split("|")
         t2 = tp2[key]
-        lines.append(f"| {name} | {mode} | {phase} | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f}x |")
+        ratio = t1["median"] / t2["median"]
+        lines.append(f"| {name} | {mode} | {phase} | {_ms(t1)} | {_ms(t2)} | {ratio:.2f}x |")
     lines += [
         "",
-        "| all-reduce + add + RMSNorm (tp=2) | fused ms | all_reduce + fused_add_rms_norm ms "
-        "| all_reduce + add + rms_norm ms | fused vs unfused |",
+        "| all-reduce + add + RMSNorm (tp=2) | fused us | all_reduce + fused_add_rms_norm us "
+        "| all_reduce + add + rms_norm us | fused vs unfused (per round) |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     cases = sorted({k.split("|")[1] for k in tp2 if k.startswith("allreduce_norm")})
     for c in cases:
-        f = tp2[f"allreduce_norm|{c}|fused"]
-        h = tp2[f"allreduce_norm|{c}|all_reduce + fused_add_rms_norm"]
-        u = tp2[f"allreduce_norm|{c}|all_reduce + add + rms_norm"]
-        lines.append(
-            f"| {c} | {f * 1e3:.1f} us | {h * 1e3:.1f} us | {u * 1e3:.1f} us | {u / f:.2f}x |"
+        f, h, u = (
+            Stats.from_dict(tp2[f"allreduce_norm|{c}|{n}"]).scaled(1e3).fmt(".1f")
+            for n in ("fused", "all_reduce + fused_add_rms_norm", "all_reduce + add + rms_norm")
         )
+        ratio = Stats.from_dict(tp2[f"allreduce_norm|{c}|ratio"]).fmt(".2f")
+        lines.append(f"| {c} | {f} | {h} | {u} | {ratio}x |")
     return "\n".join(lines)
+
+
+def record_rows(tp1: dict, tp2: dict) -> list[dict]:
+    rows = [
+        {"key": key.replace("|", " | "), "unit": "ms", "figures": {"tp=1": t1, "tp=2": tp2[key]}}
+        for key, t1 in tp1.items()
+    ]
+    cases = sorted({k.split("|")[1] for k in tp2 if k.startswith("allreduce_norm")})
+    for c in cases:
+        names = ("fused", "all_reduce + fused_add_rms_norm", "all_reduce + add + rms_norm")
+        rows.append({
+            "key": f"allreduce_norm | {c} | tp=2", "unit": "ms",
+            "figures": {n: tp2[f"allreduce_norm|{c}|{n}"] for n in names},
+            "ratios": {"unfused / fused": tp2[f"allreduce_norm|{c}|ratio"]},
+        })  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -176,6 +215,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="*")
     ap.add_argument("--prompt", type=int, default=128, help="prefill tokens")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--results", default="bench_results", help="folder for the JSON record")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for a in ("--rank", "--world", "--threads"):
         ap.add_argument(a, type=int, default=0, help=argparse.SUPPRESS)
@@ -197,6 +237,11 @@ def main() -> None:
         tp2 = _launch(2, 1, args, Path(d))
     print(f"\ncores: {os.cpu_count()}; tp=2 runs 2 processes on the same cores as tp=1\n")
     print(table(tp1, tp2))
+    from torch_topg.bench import machine_info, new_record, write_record
+
+    machine = machine_info()
+    rec = new_record("tp", record_rows(tp1, tp2), machine, quick=args.quick)
+    print(f"wrote {write_record(rec, args.results)}")
 
 
 if __name__ == "__main__":

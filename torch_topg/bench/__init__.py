@@ -40,6 +40,7 @@ from torch_topg.bench.timing import (
     Timing,
     bench,
     compare,
+    quantile,
     summarize,
     verdict,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "load_record",
     "machine_info",
     "new_record",
+    "quantile",
     "read_bandwidth",
     "read_bandwidth_stats",
     "remeasure",

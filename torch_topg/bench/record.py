@@ -14,7 +14,8 @@ Schema (``SCHEMA``)::
 
 ``Stats`` is ``{"median", "lo", "hi", "n", "spread"}``. ``compare_records(a, b)`` lists,
 per row and figure present in both, what got faster or slower beyond the spread: the
-two spreads do not overlap. Lower is better for every figure (times).
+two spreads do not overlap. Lower is better (times) except for the figures a row lists
+in ``"higher_is_better"`` (rates, e.g. tokens/s).
 """
 
 from __future__ import annotations
@@ -130,20 +131,22 @@ def compare_records(a: dict, b: dict) -> str:
             only.append(f"  new in B: {row['key']}")
             continue
         unit = row.get("unit", "")
+        higher = set(row.get("higher_is_better", ()))
         for name, fig in row["figures"].items():
             if name not in old["figures"]:
                 continue
             sa, sb = Stats.from_dict(old["figures"][name]), Stats.from_dict(fig)
+            speedup = sb.median / sa.median if name in higher else sa.median / sb.median
             line = (
                 f"  {row['key']} | {name}: {sa.fmt('.4g')} -> {sb.fmt('.4g')} {unit} "
-                f"({sa.median / sb.median:.2f}x)"
+                f"({speedup:.2f}x{' speed' if name in higher else ''})"
             )
-            if sb.hi < sa.lo:
-                faster.append((sa.median / sb.median, line))
-            elif sb.lo > sa.hi:
-                slower.append((sa.median / sb.median, line))
-            else:
+            if sa.overlaps(sb):
                 same += 1
+            elif (sb.lo > sa.hi) == (name in higher):  # a time went down or a rate up
+                faster.append((speedup, line))
+            else:
+                slower.append((speedup, line))
     only += [f"  only in A: {k}" for k in rows_a]
     head = [
         f"A: {a['benchmark']} {a['date']} commit {a['commit']}{' (dirty)' if a.get('dirty') else ''}",

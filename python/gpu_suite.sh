@@ -48,16 +48,20 @@ export TOPG_REQUIRE_NATIVE=1
 # summary. Tests whose name contains "capture" (CUDA-graph capture) run in `bench`.
 q() { printf '%q' "$1"; }
 PYTEST="$(q "$PY") -m pytest -q -rs -p no:cacheprovider"
-# Device-parametrised op tests: the test files built on one sample_inputs(device) per op;
-# their CUDA cases are the ones whose id contains "cuda".
+# Device-parametrised op tests: the test files that import tests/op_samples.py (one
+# sample_inputs(op, device) per op); their CUDA cases are those whose id contains "cuda".
 device_tests() {
   local f
   for f in tests/test_*.py; do
     case "$f" in tests/test_cuda_*) continue ;; esac
-    if grep -q "sample_inputs" "$f"; then printf ' %s' "$f"; fi
+    if grep -qE "^(from op_samples import|import op_samples)" "$f"; then printf ' %s' "$f"; fi
   done
 }
 CUDA_TESTS="tests/test_cuda_*.py$(device_tests)"
+# Four pytest workers when pytest-xdist is there (it is in the GPU machine's image): the
+# tests fit their limit, and a kernel fault that poisons a CUDA context takes down one
+# worker's remaining tests, not the whole stage.
+XDIST="\$($(q "$PY") -c 'import xdist' >/dev/null 2>&1 && printf '%s' '-n 4')"
 CONFIGURE="cmake -S $(q "$ROOT") -B $(q "$BUILD") -G Ninja -DPython3_EXECUTABLE=\$(command -v $(q "$PY")) \
 -DTOPG_OUTPUT_DIR=$(q "$LIB_DIR") -DTOPG_CUDA=ON"
 BUILD_CMD="$CONFIGURE && cmake --build $(q "$BUILD") -- -j$MAX_JOBS && $(q "$PY") python/check_cuda_build.py $(q "$LIB_DIR")"
@@ -68,7 +72,7 @@ case "$MODE" in
     BUDGET=290
     STAGES=(
       "build 145 build.log $BUILD_CMD"
-      "tests 95 tests.log $PYTEST $CUDA_TESTS -k 'cuda and not capture'"
+      "tests 95 tests.log $PYTEST $XDIST $CUDA_TESTS -k 'cuda and not capture'"
       "sanitizer 30 sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 3 $(q "$PY") python/benchmarks/gpu/sanitize_cases.py"
     )
     ;;

@@ -52,8 +52,8 @@ def tree(tmp_path: Path) -> Path:
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_cuda_ops.py").write_text("def test_cuda_x(): pass\n")
-    (tests / "test_norm.py").write_text("def sample_inputs(device): return []\n")
-    (tests / "test_engine.py").write_text("def test_engine(): pass\n")
+    (tests / "test_norm.py").write_text("from op_samples import sample_inputs\n")
+    (tests / "test_engine.py").write_text("def test_engine(): pass  # no op_samples\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tools = {"python3": FAKE_PYTHON, "cmake": FAKE_TOOL % "CMAKE"}

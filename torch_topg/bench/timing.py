@@ -124,13 +124,21 @@ def _sample(
     context: Callable[[], AbstractContextManager] | None = None,
 ) -> float:
     """Seconds per call over ``inner`` back-to-back calls (inside ``context()``, entered
-    and left outside the timed region)."""
+    and left outside the timed region). ``device="cuda"``: CUDA events around the calls
+    on the current stream (the GPU's time, not the host's)."""
     with context() if context else nullcontext():
-        _sync(device)
+        if device == "cuda" and torch.cuda.is_available():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3 / inner
         t0 = timer()
         for _ in range(inner):
             fn()
-        _sync(device)
         return (timer() - t0) / inner
 
 
@@ -170,7 +178,7 @@ def compare(
 
     ``rounds`` fixes the number of rounds (else the budget decides). ``contexts``: per
     variant, a context every sample of it runs in (e.g. ``torch_topg.enabled``), not
-    timed. ``device="cuda"`` synchronises around each sample. ``timer`` is for tests.
+    timed. ``device="cuda"`` times each sample with CUDA events. ``timer`` is for tests.
     """
     b = budget or Budget()
     ctx = contexts or {}
@@ -231,7 +239,8 @@ def bench(
     timer: Timer = time.perf_counter,
 ) -> Timing:
     """One callable, each call timed on its own: at least ``min_runs`` calls and
-    ``min_time_s``, at most ``max_runs``. For two or more variants use ``compare``."""
+    ``min_time_s``, at most ``max_runs``; ``device="cuda"``: CUDA events around each call.
+    For two or more variants use ``compare``."""
     for _ in range(warmup):
         fn()
     _sync(device)

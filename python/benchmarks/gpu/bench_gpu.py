@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -33,25 +32,17 @@ import torch.nn.functional as F
 
 import torch_topg
 from torch_topg import _native
+from torch_topg.bench import bench
 
 DEV = "cuda"
 ROWS: list[dict] = []
 
 
 def cuda_ms(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> float:
-    """Median time of fn() in ms, each call timed with its own pair of CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median time of fn() in ms, each call timed with its own pair of CUDA events
+    (``torch_topg.bench.bench`` with ``device="cuda"``)."""
+    t = bench(fn, warmup=warmup, min_runs=reps, max_runs=reps, min_time_s=0.0, device=DEV)
+    return t.median_ms
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 30) -> float:

@@ -34,7 +34,7 @@ esac
 OUT="${OUT:-$ROOT/gpu_out}"
 PY="${PYTHON:-python3}"
 BUILD="$ROOT/build/gpu"
-LIB_DIR="$BUILD/out"
+LIB_DIR="$BUILD/out" # _C.so there means a finished build (the link is its last step)
 # Lean build: one architecture (the H200 is sm_90), every core of the GPU machine.
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}"
@@ -83,7 +83,7 @@ case "$MODE" in
     # limit, which the deadline then takes from the later stages; the benchmarks run
     # --quick to fit.
     QUICK=""
-    [ -f "$LIB_DIR/_build_info.json" ] || QUICK=" --quick"
+    [ -f "$LIB_DIR/_C.so" ] || QUICK=" --quick"
     STAGES=(
       "build 30 build.log $BUILD_CMD"
       "benchmarks 100 bench.log $(q "$PY") python/benchmarks/gpu/bench_gpu.py$QUICK --md $(q "$OUT/results.md") --json $(q "$OUT/results.json")"
@@ -119,7 +119,7 @@ if [ "$DRY" = 1 ]; then
     read -r name limit log cmd <<<"$s"
     echo "stage $name limit=${limit}s log=$log cmd: $cmd"
   done
-  [ "$MODE" = bench ] && [ ! -f "$LIB_DIR/_build_info.json" ] && echo "(no build in build/gpu: the build stage gets ${REBUILD_LIMIT} s, taken from the later stages; the benchmarks run --quick)"
+  [ "$MODE" = bench ] && [ ! -f "$LIB_DIR/_C.so" ] && echo "(no build in build/gpu: the build stage gets ${REBUILD_LIMIT} s, taken from the later stages; the benchmarks run --quick)"
   echo "writes (${#files[@]}): ${files[*]}"
   exit 0
 fi
@@ -223,7 +223,7 @@ export PATH
 
 for s in "${STAGES[@]}"; do
   read -r name limit log cmd <<<"$s"
-  if [ "$name" = build ] && [ ! -f "$LIB_DIR/_build_info.json" ]; then limit=$REBUILD_LIMIT; fi
+  if [ "$name" = build ] && [ ! -f "$LIB_DIR/_C.so" ]; then limit=$REBUILD_LIMIT; fi
   if [ "$name" = sanitizer ] && ! command -v compute-sanitizer >/dev/null; then
     rows+=("| sanitizer | skipped | 0 | $limit | compute-sanitizer not on PATH |")
     continue

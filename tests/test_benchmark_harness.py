@@ -285,7 +285,15 @@ def test_ops_table_marks_noise_and_cache():
     assert "in cache (8 KiB)" in text
     summary = bench_ops.summary(rows)
     assert "targets met: 1 of 1" in summary and "1 within noise" in summary
-    assert "2 rows in cache" in summary
+    assert "2 rows in cache" in summary and "ABOVE" not in summary
+    over = _row("over", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(1.0, 0.9, 1.1, 10, "p10-p90"),
+                limit=Stats(1.3, 1.2, 1.4, 10, "p10-p90"))  # fmt: skip
+    within = _row("within", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(1.0, 0.9, 1.1, 10, "p10-p90"),
+                  limit=Stats(1.02, 0.95, 1.1, 10, "p10-p90"))  # fmt: skip
+    summary = bench_ops.summary([over, within])
+    assert "largest % of read bw: 130% [120-140] (over T=1 fp32)" in summary
+    assert "ABOVE the read-bandwidth limit in every round: over T=1 fp32" in summary
+    assert "within T=1" not in summary.split("ABOVE")[1]
 
 
 def test_render_readme_replaces_only_the_block(tmp_path):

@@ -127,6 +127,12 @@ def summary(rows: list[Row]) -> str:
                 f"; largest % of {label}: {fmt_pct(top.ratios[name])} "
                 f"({top.op} {top.case} {top.dtype})"
             )
+    # Over 100% of the DRAM limit in every round: the byte count or the probe is wrong.
+    over = [r for r in rows if "limit" in r.ratios and r.ratios["limit"].lo > 1.0]
+    if over:
+        text += "; ABOVE the read-bandwidth limit in every round: " + ", ".join(
+            f"{r.op} {r.case} {r.dtype} ({fmt_pct(r.ratios['limit'])})" for r in over
+        )
     return text + "."
 
 

@@ -48,18 +48,30 @@ def ops_runs_line(rec: dict) -> str:
     return f"- {rec['date']}, commit {rec['commit']}: {summary(rows)}"
 
 
+def _command(rec: dict) -> str:
+    argv = list(rec.get("argv") or ["python/benchmarks/bench_ops.py"])
+    script = Path(argv[0])
+    if script.is_absolute() and script.is_relative_to(ROOT):
+        argv[0] = str(script.relative_to(ROOT))
+    return "python " + " ".join(argv)
+
+
 def ops_targets(recs: list[dict]) -> str:
     from bench_ops import render
 
+    n = len(recs)
     lines = [
-        f"Command: `python python/benchmarks/bench_ops.py --runs {len(recs)}` "
-        f"({len(recs)} run{'s' if len(recs) > 1 else ''}, one record each; this block is "
-        "written by `python python/benchmarks/render_readme.py` from them).",
+        f"Command: `{_command(recs[0])}`; {n} run{'s' if n > 1 else ''}, one record each "
+        "in `bench_results/`. This block is written from the records by "
+        "`python python/benchmarks/render_readme.py`; how the figures are made (interleaved "
+        'rounds, median [spread], per-round ratios, "in cache", cold rotation, the '
+        "limits) is in [docs/benchmarks.md](docs/benchmarks.md). A target is met when the "
+        'ratio\'s median meets it; "within noise": the spread holds the target.',
         "",
         *[ops_runs_line(r) for r in recs],
         "",
-        "The latest run's rows that carry one of the issue's targets (medians, "
-        "[spread]; all rows: [docs/benchmarks.md](docs/benchmarks.md)):",
+        "The latest run's rows that carry one of the issue's targets (all rows: "
+        "[docs/benchmarks.md](docs/benchmarks.md)):",
         "",
         render(recs[0], targets_only=True),
     ]

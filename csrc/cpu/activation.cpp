@@ -7,7 +7,7 @@
 #include <string_view>
 
 #include "activation_kernels.h"
-#include "checks.h"
+#include "common/op_checks.h"
 #include "dispatch.h"
 
 namespace topg {
@@ -15,13 +15,11 @@ namespace {
 
 template <typename Act>
 at::Tensor gated_cpu(const char* op, const at::Tensor& input_) {
-  Arg(op, "input", input_).min_dim(1).floating().device(at::kCPU);
-  if (input_.size(-1) % 2 != 0) Arg(op, "input", input_).fail("an even last dimension (gate | up)");
+  const auto [rows, d] = checks::gated(op, input_, at::kCPU);
   // Rows only need a unit stride in the last dim and one row stride: avoid copies
   // for the common 2-D slice of a larger buffer.
   const at::Tensor input =
       (input_.dim() == 2 && input_.stride(-1) == 1) ? input_ : input_.contiguous();
-  const int64_t d = input.size(-1) / 2, rows = d ? input.numel() / (2 * d) : 0;
   auto out_sizes = input.sizes().vec();
   out_sizes.back() = d;
   at::Tensor out = at::empty(out_sizes, input.options());
@@ -51,10 +49,8 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& input) {
 }
 
 at::Tensor gelu_and_mul_cpu(const at::Tensor& input, c10::string_view approximate) {
-  if (approximate == "none") return gated_cpu<act::GeluErf>("gelu_and_mul", input);
-  TOPG_CHECK(approximate == "tanh", "gelu_and_mul",
-             "argument 'approximate' expected 'none' or 'tanh', got '", approximate, "'");
-  return gated_cpu<act::GeluTanh>("gelu_and_mul", input);
+  return checks::gelu_tanh(approximate) ? gated_cpu<act::GeluTanh>("gelu_and_mul", input)
+                                        : gated_cpu<act::GeluErf>("gelu_and_mul", input);
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "attention_kernels.h"
-#include "checks.h"
+#include "common/op_checks.h"
 #include "dispatch.h"
 #include "parallel.h"
 
@@ -20,21 +20,8 @@ namespace {
 
 constexpr const char* OP = "attention";
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t nd) {
-  Arg(OP, "query", q).dim(nd).floating().device(at::kCPU).last_dim_contiguous();
-  Arg(OP, "key", k).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
-  Arg(OP, "key", k).size(nd - 1, q.size(-1), "head_dim of 'query'");
-  Arg(OP, "value", v).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
-  for (int64_t d = 0; d < nd - 1; ++d) Arg(OP, "value", v).size(d, k.size(d), "the shape of 'key'");
-  Arg(OP, "value", v).size(nd - 1, q.size(-1), "head_dim of 'query'");
-  const int64_t hq = q.size(-2), hkv = k.size(-2);
-  TOPG_CHECK(hkv > 0 && hq % hkv == 0, OP, "query heads (", hq,
-             ") must be a multiple of key/value heads (", hkv, ")");
-}
-
 // Validated cumulative offsets of a ragged batch.
 std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total) {
-  Arg(OP, name, cu).dim(1).dtype(at::kInt).device(at::kCPU);
   const at::Tensor c = cu.contiguous();
   const int32_t* p = c.const_data_ptr<int32_t>();
   std::vector<int64_t> out(p, p + c.numel());
@@ -46,23 +33,13 @@ std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, int
   return out;
 }
 
-// Bool -> additive (0 / -inf) fp32, floating -> fp32; then broadcast strides.
+// Bool -> additive (0 / -inf) fp32, floating -> fp32; then broadcast to [B, Hq, Sq, Sk]
+// (the shape was checked by checks::attention).
 at::Tensor prepare_mask(const at::Tensor& mask, const at::Tensor& q, int64_t sk) {
-  Arg a(OP, "mask", mask);
-  a.same_device(q, "query");
-  if (mask.scalar_type() != at::kBool) a.floating();
-  if (mask.dim() > 4) a.fail("at most 4 dimensions (broadcastable to [B, Hq, Sq, Sk])");
-  const int64_t full[4] = {q.size(0), q.size(2), q.size(1), sk};
-  for (int64_t d = 1; d <= mask.dim(); ++d) {
-    const int64_t s = mask.size(-d), want = full[4 - d];
-    TOPG_CHECK(s == 1 || s == want, OP, "argument 'mask' (shape ", mask.sizes(),
-               ") expected a shape broadcastable to [B, Hq, Sq, Sk] = [", full[0], ", ", full[1],
-               ", ", full[2], ", ", full[3], "]");
-  }
   at::Tensor m = mask.scalar_type() == at::kBool
                      ? at::where(mask, 0.0, -std::numeric_limits<double>::infinity())
                      : mask.to(at::kFloat);
-  return m.expand({full[0], full[1], full[2], full[3]});
+  return m.expand({q.size(0), q.size(2), q.size(1), sk});
 }
 
 at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -70,31 +47,18 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
                          const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
                          std::optional<double> scale, int64_t window_left, double softcap,
                          const std::optional<at::Tensor>& mask) {
-  const bool ragged = cu_seqlens_q.has_value();
-  const int64_t nd = ragged ? 3 : 4;
-  check_qkv(query, key, value, nd);
-  TOPG_CHECK(window_left >= -1, OP, "window_left must be >= -1, got ", window_left);
-  TOPG_CHECK(softcap >= 0, OP, "softcap must be >= 0, got ", softcap);
+  const checks::AttentionSizes sz = checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k,
+                                                      window_left, softcap, mask, at::kCPU);
+  const bool ragged = sz.ragged;
 
   // Per-sequence offsets (elements) and lengths; token / head strides are shared.
   std::vector<int64_t> q_off, k_off, v_off, o_off, sq, sk;
   at::Tensor out = at::empty(query.sizes(), query.options());
   at::Tensor mask_f;
   if (ragged) {
-    if (mask.has_value()) Arg(OP, "mask", *mask).fail("None with ragged (cu_seqlens) input");
     const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query.size(0));
     std::vector<int64_t> ck = cq;
-    if (cu_seqlens_k.has_value()) {
-      Arg(OP, "cu_seqlens_k", *cu_seqlens_k)
-          .dim(1)
-          .size(0, int64_t(cq.size()), "batch + 1, the size of 'cu_seqlens_q'");
-      ck = read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", key.size(0));
-    } else {
-      TOPG_CHECK(key.size(0) == query.size(0), OP, "argument 'key' ", describe(key), " expected ",
-                 query.size(0),
-                 " tokens (the tokens of 'query', as "
-                 "'cu_seqlens_k' is None)");
-    }
+    if (cu_seqlens_k.has_value()) ck = read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", key.size(0));
     for (size_t b = 0; b + 1 < cq.size(); ++b) {
       q_off.push_back(cq[b] * query.stride(0));
       k_off.push_back(ck[b] * key.stride(0));
@@ -104,9 +68,6 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
       sk.push_back(ck[b + 1] - ck[b]);
     }
   } else {
-    if (cu_seqlens_k.has_value())
-      Arg(OP, "cu_seqlens_k", *cu_seqlens_k).fail("None without 'cu_seqlens_q'");
-    Arg(OP, "key", key).size(0, query.size(0), "the batch of 'query'");
     for (int64_t b = 0; b < query.size(0); ++b) {
       q_off.push_back(b * query.stride(0));
       k_off.push_back(b * key.stride(0));
@@ -119,7 +80,7 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
   }
   if (out.numel() == 0) return out;
 
-  const int64_t hq = query.size(-2), hkv = key.size(-2), d = query.size(-1);
+  const int64_t hq = sz.hq, hkv = sz.hkv, d = sz.head_dim;
   const int64_t group = hq / hkv, bq = attn::query_block(group);
   TOPG_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
     attn::PrefillArgs<T> a{};

@@ -2,7 +2,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "checks.h"
+#include "common/op_checks.h"
 #include "paged_kernels.h"
 
 namespace topg {
@@ -17,10 +17,7 @@ void run(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
   const int64_t T = key.size(0), num_slots = key_cache.size(0) * key_cache.size(1);
   // Validate every slot before writing anything (a bad slot must not corrupt memory).
   for (int64_t t = 0; t < T; ++t)
-    if (int64_t(slots[t]) >= num_slots)
-      Arg(OP, "slot_mapping", slot_mapping)
-          .fail("slots below " + std::to_string(num_slots) + " (num_blocks * block_size), got " +
-                std::to_string(int64_t(slots[t])) + " for token " + std::to_string(t));
+    if (int64_t(slots[t]) >= num_slots) checks::bad_slot(slot_mapping, num_slots, slots[t], t);
   const int64_t hkv = key.size(1), d = key.size(2), esize = key.element_size();
   const char* k = static_cast<const char*>(key.const_data_ptr());
   const char* v = static_cast<const char*>(value.const_data_ptr());
@@ -37,25 +34,7 @@ void run(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping_) {
-  Arg(OP, "key", key).dim(3).floating().device(at::kCPU).last_dim_contiguous();
-  Arg(OP, "value", value)
-      .dim(3)
-      .same_dtype(key, "key")
-      .same_device(key, "key")
-      .last_dim_contiguous();
-  for (int64_t d = 0; d < 3; ++d)
-    Arg(OP, "value", value).size(d, key.size(d), "the shape of 'key'");
-  for (auto [name, t] :
-       {std::pair{"key_cache", &key_cache}, std::pair{"value_cache", &value_cache}}) {
-    Arg(OP, name, *t).dim(4).same_dtype(key, "key").same_device(key, "key").contiguous();
-    Arg(OP, name, *t)
-        .size(2, key.size(1), "kv heads of 'key'")
-        .size(3, key.size(2), "head_dim of 'key'");
-  }
-  for (int64_t d = 0; d < 2; ++d)
-    Arg(OP, "value_cache", value_cache).size(d, key_cache.size(d), "the shape of 'key_cache'");
-  Arg(OP, "slot_mapping", slot_mapping_).dim(1).index().same_device(key, "key");
-  Arg(OP, "slot_mapping", slot_mapping_).size(0, key.size(0), "tokens of 'key'");
+  checks::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping_, at::kCPU);
   const at::Tensor slot_mapping = slot_mapping_.contiguous();
   if (slot_mapping.scalar_type() == at::kLong)
     run<int64_t>(key, value, key_cache, value_cache, slot_mapping);

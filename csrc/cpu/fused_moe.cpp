@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "checks.h"
+#include "common/op_checks.h"
 #include "dispatch.h"
 #include "gemm_kernels.h"
 #include "modes.h"
@@ -178,50 +178,19 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
 template <typename Id>
 void check_ids(const Id* ids, int64_t n, int64_t E) {
   for (int64_t i = 0; i < n; ++i)
-    TOPG_CHECK(ids[i] >= 0 && ids[i] < E, "fused_moe", "argument 'topk_ids' holds expert id ",
-               int64_t(ids[i]), " at flat index ", i, ", expected ids in [0, ", E,
-               ") (the experts of 'w_gate_up')");
+    if (ids[i] < 0 || ids[i] >= E) checks::bad_expert_id(ids[i], i, E);
 }
 
 at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w_gate_up,
                          const at::Tensor& w_down, const at::Tensor& topk_weights_,
                          const at::Tensor& topk_ids_, c10::string_view activation) {
   const char* op = "fused_moe";
-  Arg(op, "hidden_states", hidden).dim(2).floating().device(at::kCPU);
-  const int64_t ntok = hidden.size(0), H = hidden.size(1);
-  Arg(op, "w_gate_up", w_gate_up).dim(3).same_dtype(hidden, "hidden_states");
-  Arg(op, "w_gate_up", w_gate_up)
-      .same_device(hidden, "hidden_states")
-      .size(2, H, "the hidden size of 'hidden_states'")
-      .contiguous();
-  TOPG_CHECK(w_gate_up.size(1) % 2 == 0, op, "argument 'w_gate_up' ", describe(w_gate_up),
-             " expected an even size at dim 1 ([gate; up] rows)");
-  const int64_t E = w_gate_up.size(0), I = w_gate_up.size(1) / 2;
-  Arg(op, "w_down", w_down).dim(3).same_dtype(hidden, "hidden_states");
-  Arg(op, "w_down", w_down)
-      .same_device(hidden, "hidden_states")
-      .size(0, E, "the experts of 'w_gate_up'")
-      .size(1, H, "the hidden size of 'hidden_states'")
-      .size(2, I, "half of dim 1 of 'w_gate_up'")
-      .contiguous();
-  Arg(op, "topk_weights", topk_weights_).dim(2).size(0, ntok, "the tokens of 'hidden_states'");
-  if (topk_weights_.scalar_type() != at::kFloat)
-    Arg(op, "topk_weights", topk_weights_).same_dtype(hidden, "hidden_states");
-  Arg(op, "topk_ids", topk_ids_)
-      .dim(2)
-      .index()
-      .size(0, ntok, "the tokens of 'hidden_states'")
-      .size(1, topk_weights_.size(1), "the top-k of 'topk_weights'");
-  moe::Act act;
-  if (activation == "silu")
-    act = moe::Act::silu;
-  else if (activation == "gelu")
-    act = moe::Act::gelu;
-  else if (activation == "gelu_tanh")
-    act = moe::Act::gelu_tanh;
-  else
-    TOPG_CHECK(false, op, "activation '", std::string(activation),
-               "' is not one of 'silu', 'gelu', 'gelu_tanh'");
+  const auto sz =
+      checks::fused_moe(hidden, w_gate_up, w_down, topk_weights_, topk_ids_, activation, at::kCPU);
+  const int64_t ntok = sz.tokens, H = sz.hidden, E = sz.experts, I = sz.inter;
+  const moe::Act act = sz.act == checks::MoeAct::silu   ? moe::Act::silu
+                       : sz.act == checks::MoeAct::gelu ? moe::Act::gelu
+                                                        : moe::Act::gelu_tanh;
 
   const int64_t k = topk_ids_.size(1);
   const at::Tensor ids = topk_ids_.contiguous(), tw = topk_weights_.contiguous();

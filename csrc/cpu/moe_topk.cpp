@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "checks.h"
+#include "common/op_checks.h"
 #include "dispatch.h"
 
 namespace topg {
@@ -35,13 +35,15 @@ void route_token(const T* logits, const float* bias, int64_t num_experts, int64_
   } else {
     for (int64_t e = 0; e < num_experts; ++e) scores[e] = 1.f / (1.f + std::exp(-scores[e]));
   }
-  // Insertion into a sorted top-k list (k is small: 1..8 in every model we know).
+  // Insertion into a sorted top-k list (k is small: 1..8 in every model we know). NaN
+  // ranks above every number (as in torch.sort / torch.topk), NaNs among themselves by index.
+  auto above = [](float a, float b) { return std::isnan(a) ? !std::isnan(b) : a > b; };
   int64_t n = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const float key = bias ? scores[e] + bias[e] : scores[e];
-    if (n == k && !(key > w_out[k - 1])) continue;  // w_out holds the selection keys here
+    if (n == k && !above(key, w_out[k - 1])) continue;  // w_out holds the selection keys here
     int64_t pos = n < k ? n++ : k - 1;
-    while (pos > 0 && key > w_out[pos - 1]) {
+    while (pos > 0 && above(key, w_out[pos - 1])) {
       w_out[pos] = w_out[pos - 1];
       id_out[pos] = id_out[pos - 1];
       --pos;
@@ -51,28 +53,19 @@ void route_token(const T* logits, const float* bias, int64_t num_experts, int64_
   }
   float total = 0.f;
   for (int64_t j = 0; j < k; ++j) total += (w_out[j] = scores[id_out[j]]);
-  if (renormalize && total > 0.f)
+  if (renormalize && (total > 0.f || std::isnan(total)))  // NaN in, NaN out (the reference)
     for (int64_t j = 0; j < k; ++j) w_out[j] /= total;
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_topk_cpu(const at::Tensor& logits_, int64_t top_k,
                                                 c10::string_view scoring, bool renormalize,
                                                 const std::optional<at::Tensor>& bias_) {
-  Arg(kOp, "router_logits", logits_).dim(2).floating().device(at::kCPU);
-  const int64_t tokens = logits_.size(0), experts = logits_.size(1);
-  TOPG_CHECK(top_k >= 1 && top_k <= experts, kOp, "argument 'top_k' expected a value in [1, ",
-             experts, "] (the number of experts), got ", top_k);
-  TOPG_CHECK(scoring == "softmax" || scoring == "sigmoid", kOp,
-             "argument 'scoring' expected 'softmax' or 'sigmoid', got '", scoring, "'");
-  at::Tensor bias;
-  if (bias_.has_value()) {
-    Arg(kOp, "correction_bias", *bias_).dim(1).floating().size(0, experts, "the number of experts");
-    bias = bias_->to(at::kFloat).contiguous();
-  }
+  const auto [tokens, experts, softmax] =
+      checks::moe_topk(logits_, top_k, scoring, bias_, at::kCPU);
+  const at::Tensor bias = bias_.has_value() ? bias_->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor logits = logits_.contiguous();
   at::Tensor weights = at::empty({tokens, top_k}, logits.options().dtype(at::kFloat));
   at::Tensor ids = at::empty({tokens, top_k}, logits.options().dtype(at::kInt));
-  const bool softmax = scoring == "softmax";
   const float* b = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   TOPG_DISPATCH_FLOAT(logits.scalar_type(), kOp, T, [&] {
     const T* l = cptr<T>(logits);

@@ -3,7 +3,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include "checks.h"
+#include "common/op_checks.h"
 #include "dispatch.h"
 #include "norm_kernels.h"
 
@@ -13,16 +13,6 @@ namespace {
 // Rows per task: keep tiny (decode) calls on one thread, split large ones.
 int64_t grain_rows(int64_t hidden) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1));
-}
-
-void check_norm_args(const char* op, const at::Tensor& input, const at::Tensor& weight) {
-  Arg(op, "input", input).min_dim(1).floating().device(at::kCPU);
-  Arg(op, "weight", weight)
-      .dim(1)
-      .floating()
-      .same_device(input, "input")
-      .contiguous()
-      .size(0, input.size(-1), "the hidden size of 'input'");
 }
 
 // Calls body.template operator()<T, W>() with W = T or float (the two weight
@@ -40,11 +30,10 @@ void dispatch_norm(const char* op, const at::Tensor& input, at::Tensor& weight, 
 }
 
 at::Tensor rms_norm_cpu(const at::Tensor& input_, const at::Tensor& weight_, double epsilon) {
-  check_norm_args("rms_norm", input_, weight_);
+  const auto [rows, n] = checks::rms_norm("rms_norm", input_, weight_, at::kCPU);
   const at::Tensor input = input_.contiguous();
   at::Tensor weight = weight_;
   at::Tensor out = at::empty_like(input);
-  const int64_t n = input.size(-1), rows = n ? input.numel() / n : 0;
   dispatch_norm("rms_norm", input, weight, [&]<typename T, typename W>() {
     const T* x = cptr<T>(input);
     const W* w = cptr<W>(weight);
@@ -59,13 +48,8 @@ at::Tensor rms_norm_cpu(const at::Tensor& input_, const at::Tensor& weight_, dou
 void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight_,
                             double epsilon) {
   const char* op = "fused_add_rms_norm";
-  check_norm_args(op, input, weight_);
-  Arg(op, "input", input).contiguous();
-  Arg(op, "residual", residual).same_dtype(input, "input").same_device(input, "input").contiguous();
-  TOPG_CHECK(residual.sizes() == input.sizes(), op, "argument 'residual' ", describe(residual),
-             " expected the shape of 'input' ", input.sizes());
+  const auto [rows, n] = checks::fused_add_rms_norm(input, residual, weight_, at::kCPU);
   at::Tensor weight = weight_;
-  const int64_t n = input.size(-1), rows = n ? input.numel() / n : 0;
   dispatch_norm(op, input, weight, [&]<typename T, typename W>() {
     T* x = ptr<T>(input);
     T* r = ptr<T>(residual);

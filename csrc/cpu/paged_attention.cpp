@@ -11,9 +11,9 @@
 #include <optional>
 #include <vector>
 
-#include "checks.h"
+#include "common/op_checks.h"
+#include "common/paged_checks.h"
 #include "dispatch.h"
-#include "paged_checks.h"
 #include "paged_kernels.h"
 #include "parallel.h"
 
@@ -21,33 +21,6 @@ namespace topg {
 namespace {
 
 constexpr const char* OP = "paged_attention";
-
-void check_args(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                const at::Tensor& bt, const at::Tensor& sl, const std::optional<at::Tensor>& cu,
-                int64_t window_left, double softcap) {
-  Arg(OP, "query", q).dim(3).floating().device(at::kCPU).last_dim_contiguous();
-  for (auto [name, t] : {std::pair{"key_cache", &kc}, std::pair{"value_cache", &vc}}) {
-    Arg(OP, name, *t).dim(4).same_dtype(q, "query").same_device(q, "query");
-    Arg(OP, name, *t).size(3, q.size(2), "head_dim of 'query'").contiguous();
-  }
-  for (int64_t d = 0; d < 3; ++d)
-    Arg(OP, "value_cache", vc).size(d, kc.size(d), "the shape of 'key_cache'");
-  const int64_t hq = q.size(1), hkv = kc.size(2);
-  TOPG_CHECK(hkv > 0 && hq % hkv == 0, OP, "query heads (", hq,
-             ") must be a multiple of key/value heads (", hkv, ")");
-  Arg(OP, "block_tables", bt).dim(2).dtype(at::kInt).same_device(q, "query");
-  Arg(OP, "seq_lens", sl).dim(1).dtype(at::kInt).same_device(q, "query");
-  if (!cu.has_value()) {
-    Arg(OP, "block_tables", bt).size(0, q.size(0), "num_seqs of 'query'");
-    Arg(OP, "seq_lens", sl).size(0, q.size(0), "num_seqs of 'query'");
-  } else {
-    Arg(OP, "block_tables", bt).size(0, sl.size(0), "num_seqs of 'seq_lens'");
-    Arg(OP, "cu_seqlens_q", *cu).dim(1).dtype(at::kInt).same_device(q, "query");
-    Arg(OP, "cu_seqlens_q", *cu).size(0, sl.size(0) + 1, "num_seqs + 1, from 'seq_lens'");
-  }
-  TOPG_CHECK(window_left >= -1, OP, "window_left must be >= -1, got ", window_left);
-  TOPG_CHECK(softcap >= 0, OP, "softcap must be >= 0, got ", softcap);
-}
 
 // Partition results held at once (floats): rows are processed in waves within this,
 // so a long ragged query (a prefill chunk) does not allocate rows x partitions x Hq x D.
@@ -58,20 +31,21 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
                                const at::Tensor& seq_lens_,
                                const std::optional<at::Tensor>& cu_seqlens_q_,
                                std::optional<double> scale, int64_t window_left, double softcap) {
-  check_args(query, key_cache, value_cache, block_tables_, seq_lens_, cu_seqlens_q_, window_left,
-             softcap);
+  const checks::PagedSizes sz =
+      checks::paged_attention(query, key_cache, value_cache, block_tables_, seq_lens_,
+                              cu_seqlens_q_, window_left, softcap, at::kCPU);
   const at::Tensor block_tables = block_tables_.contiguous(), seq_lens = seq_lens_.contiguous();
-  const bool ragged = cu_seqlens_q_.has_value();
+  const bool ragged = sz.ragged;
   const at::Tensor cu_seqlens_q = ragged ? cu_seqlens_q_->contiguous() : at::Tensor();
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t ns = seq_lens.size(0), rows = query.size(0);
+  const int64_t num_blocks = sz.num_blocks, block_size = sz.block_size;
+  const int64_t ns = sz.num_seqs, rows = sz.rows;
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int32_t* cu = ragged ? cu_seqlens_q.const_data_ptr<int32_t>() : nullptr;
   paged::check_indices(OP, block_tables_, seq_lens_, ragged ? &*cu_seqlens_q_ : nullptr,
-                       block_tables.const_data_ptr<int32_t>(), lens, cu, ns, block_tables.size(1),
+                       block_tables.const_data_ptr<int32_t>(), lens, cu, ns, sz.max_blocks,
                        num_blocks, block_size, rows);
 
-  const int64_t hq = query.size(1), hkv = key_cache.size(2), d = query.size(2);
+  const int64_t hq = sz.hq, hkv = sz.hkv, d = sz.head_dim;
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (out.numel() == 0) return out;
 

@@ -1,13 +1,12 @@
 // CPU kernel: topg::rotary_embedding (in place on query and key).
 #include <ATen/Parallel.h>
-#include <ATen/TensorUtils.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <vector>
 
-#include "checks.h"
+#include "common/op_checks.h"
 #include "dispatch.h"
 #include "rotary_kernels.h"
 
@@ -16,54 +15,11 @@ namespace {
 
 constexpr const char* kOp = "rotary_embedding";
 
-// [tokens..., heads * head_size] or [tokens..., heads, head_size] viewed as
-// [num_tokens, heads, head_size] without a copy (the op writes in place).
-at::Tensor as_token_head_view(const at::Tensor& t, const char* name, int64_t token_dims,
-                              int64_t num_tokens, int64_t head_size) {
-  Arg(kOp, name, t).floating().last_dim_contiguous();
-  if (t.dim() != token_dims + 1 && t.dim() != token_dims + 2)
-    Arg(kOp, name, t)
-        .fail(std::to_string(token_dims + 1) + " or " + std::to_string(token_dims + 2) +
-              " dimensions (the token dims of 'positions', then heads)");
-  const int64_t width = t.dim() == token_dims + 1 ? t.size(-1) : t.size(-1) * t.size(-2);
-  if (t.dim() == token_dims + 2) Arg(kOp, name, t).size(-1, head_size, "head_size");
-  if (head_size <= 0 || width % head_size != 0)
-    Arg(kOp, name, t)
-        .fail("a last dimension that is a multiple of head_size " + std::to_string(head_size));
-  // The token dims must collapse into one stride (true for contiguous tensors and for
-  // column slices of a fused qkv buffer); otherwise an in-place update is impossible.
-  const std::vector<int64_t> shape = {num_tokens, width / head_size, head_size};
-  if (!at::detail::computeStride(t.sizes(), t.strides(), c10::IntArrayRef(shape)).has_value())
-    Arg(kOp, name, t).fail("token dims that can be viewed as one (it is updated in place)");
-  return t.view(shape);
-}
-
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query,
                           const std::optional<at::Tensor>& key, int64_t head_size,
                           const at::Tensor& cos_sin_cache, bool is_neox) {
-  Arg(kOp, "positions", positions).index().device(at::kCPU);
-  Arg(kOp, "query", query).same_device(positions, "positions");
-  Arg(kOp, "cos_sin_cache", cos_sin_cache)
-      .dim(2)
-      .floating()
-      .contiguous()
-      .same_device(query, "query");
-  const int64_t token_dims = positions.dim(), num_tokens = positions.numel();
-  for (int64_t d = 0; d < token_dims; ++d)
-    Arg(kOp, "query", query).size(d, positions.size(d), "the token dims of 'positions'");
-  const at::Tensor q = as_token_head_view(query, "query", token_dims, num_tokens, head_size);
-  at::Tensor k;
-  if (key.has_value()) {
-    Arg(kOp, "key", *key).same_dtype(query, "query").same_device(query, "query");
-    for (int64_t d = 0; d < token_dims; ++d)
-      Arg(kOp, "key", *key).size(d, positions.size(d), "the token dims of 'positions'");
-    k = as_token_head_view(*key, "key", token_dims, num_tokens, head_size);
-  }
-  const int64_t rot_dim = cos_sin_cache.size(1), max_pos = cos_sin_cache.size(0);
-  if (rot_dim % 2 != 0 || rot_dim > head_size || rot_dim == 0)
-    Arg(kOp, "cos_sin_cache", cos_sin_cache)
-        .fail("an even rotary dimension (size at dim 1) in [2, head_size=" +
-              std::to_string(head_size) + "]");
+  const auto [num_tokens, rot_dim, max_pos, q, k] =
+      checks::rotary_embedding(positions, query, key, head_size, cos_sin_cache, at::kCPU);
   if (num_tokens == 0) return;
   // A plain loop, not at::aminmax: at decode sizes the reduction machinery costs more
   // than the rotation itself.
@@ -74,10 +30,7 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query,
     pmin = std::min(pmin, p[i]);
     pmax = std::max(pmax, p[i]);
   }
-  if (pmin < 0 || pmax >= max_pos)
-    Arg(kOp, "positions", positions)
-        .fail("values in [0, " + std::to_string(max_pos) + ") (rows of 'cos_sin_cache'), got [" +
-              std::to_string(pmin) + ", " + std::to_string(pmax) + "]");
+  if (pmin < 0 || pmax >= max_pos) checks::bad_positions(positions, max_pos, pmin, pmax);
   const at::Tensor cache = cos_sin_cache.scalar_type() == at::kFloat ||
                                    cos_sin_cache.scalar_type() == query.scalar_type()
                                ? cos_sin_cache

@@ -36,13 +36,12 @@ __global__ void gated_kernel(const T* __restrict__ in, int64_t in_stride, T* __r
 }
 
 at::Tensor gated_cuda(const char* op, const at::Tensor& input_, Act act) {
-  Arg(op, "input", input_).min_dim(1).floating().device(at::kCUDA);
-  if (input_.size(-1) % 2 != 0) Arg(op, "input", input_).fail("an even last dimension (gate | up)");
+  const checks::RowSizes sz = checks::gated(op, input_, at::kCUDA);
+  const int64_t rows = sz.rows, d = sz.hidden;
   const c10::cuda::CUDAGuard guard(input_.device());
   // A 2-D slice with unit column stride (e.g. a view of a larger buffer) is used as is.
   const at::Tensor input =
       (input_.dim() == 2 && input_.stride(-1) == 1) ? input_ : input_.contiguous();
-  const int64_t d = input.size(-1) / 2, rows = d ? input.numel() / (2 * d) : 0;
   auto out_sizes = input.sizes().vec();
   out_sizes.back() = d;
   at::Tensor out = at::empty(out_sizes, input.options());
@@ -67,10 +66,8 @@ at::Tensor silu_and_mul_cuda(const at::Tensor& input) {
 }
 
 at::Tensor gelu_and_mul_cuda(const at::Tensor& input, c10::string_view approximate) {
-  if (approximate == "none") return gated_cuda("gelu_and_mul", input, Act::gelu);
-  TOPG_CHECK(approximate == "tanh", "gelu_and_mul",
-             "argument 'approximate' expected 'none' or 'tanh', got '", approximate, "'");
-  return gated_cuda("gelu_and_mul", input, Act::gelu_tanh);
+  return gated_cuda("gelu_and_mul", input,
+                    checks::gelu_tanh(approximate) ? Act::gelu_tanh : Act::gelu);
 }
 
 }  // namespace

@@ -60,22 +60,9 @@ __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
                                });
 }
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t nd) {
-  Arg(OP, "query", q).dim(nd).floating().device(at::kCUDA).last_dim_contiguous();
-  Arg(OP, "key", k).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
-  Arg(OP, "key", k).size(nd - 1, q.size(-1), "head_dim of 'query'");
-  Arg(OP, "value", v).dim(nd).same_dtype(q, "query").same_device(q, "query").last_dim_contiguous();
-  for (int64_t d = 0; d < nd - 1; ++d) Arg(OP, "value", v).size(d, k.size(d), "the shape of 'key'");
-  Arg(OP, "value", v).size(nd - 1, q.size(-1), "head_dim of 'query'");
-  const int64_t hq = q.size(-2), hkv = k.size(-2);
-  TOPG_CHECK(hkv > 0 && hq % hkv == 0, OP, "query heads (", hq,
-             ") must be a multiple of key/value heads (", hkv, ")");
-}
-
 // Validated cumulative offsets (host copy; the kernel reads the device tensor).
 std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q,
                                      int64_t total) {
-  Arg(OP, name, cu).dim(1).dtype(at::kInt).same_device(q, "query");
   const at::Tensor c = cu.to(at::kCPU).contiguous();
   const int32_t* p = c.const_data_ptr<int32_t>();
   std::vector<int64_t> out(p, p + c.numel());
@@ -87,23 +74,13 @@ std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, con
   return out;
 }
 
-// Bool -> additive (0 / -inf) fp32, floating -> fp32; broadcast to [B, Hq, Sq, Sk].
+// Bool -> additive (0 / -inf) fp32, floating -> fp32; broadcast to [B, Hq, Sq, Sk] (the
+// shape was checked by checks::attention).
 at::Tensor prepare_mask(const at::Tensor& mask, const at::Tensor& q, int64_t sk) {
-  Arg a(OP, "mask", mask);
-  a.same_device(q, "query");
-  if (mask.scalar_type() != at::kBool) a.floating();
-  if (mask.dim() > 4) a.fail("at most 4 dimensions (broadcastable to [B, Hq, Sq, Sk])");
-  const int64_t full[4] = {q.size(0), q.size(2), q.size(1), sk};
-  for (int64_t d = 1; d <= mask.dim(); ++d) {
-    const int64_t s = mask.size(-d), want = full[4 - d];
-    TOPG_CHECK(s == 1 || s == want, OP, "argument 'mask' (shape ", mask.sizes(),
-               ") expected a shape broadcastable to [B, Hq, Sq, Sk] = [", full[0], ", ", full[1],
-               ", ", full[2], ", ", full[3], "]");
-  }
   at::Tensor m = mask.scalar_type() == at::kBool
                      ? at::where(mask, 0.0, -std::numeric_limits<double>::infinity())
                      : mask.to(at::kFloat);
-  return m.expand({full[0], full[1], full[2], full[3]});
+  return m.expand({q.size(0), q.size(2), q.size(1), sk});
 }
 
 // Tensor-core path (attention_tc.cuh) for bf16 / fp16 with head_dim 64 or 128 when every
@@ -143,38 +120,26 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
                           std::optional<double> scale, int64_t window_left, double softcap,
                           const std::optional<at::Tensor>& mask) {
-  const bool ragged = cu_seqlens_q.has_value();
-  const int64_t nd = ragged ? 3 : 4;
-  check_qkv(query, key, value, nd);
-  TOPG_CHECK(window_left >= -1, OP, "window_left must be >= -1, got ", window_left);
-  TOPG_CHECK(softcap >= 0, OP, "softcap must be >= 0, got ", softcap);
+  const checks::AttentionSizes sz = checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k,
+                                                      window_left, softcap, mask, at::kCUDA);
+  const bool ragged = sz.ragged;
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty(query.sizes(), query.options());
   PrefillArgs a{};
   int64_t batch = 0, max_sq = 0;
   at::Tensor mask_f, cu_q, cu_k;
   if (ragged) {
-    if (mask.has_value()) Arg(OP, "mask", *mask).fail("None with ragged (cu_seqlens) input");
     const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query, query.size(0));
     cu_q = cu_seqlens_q->contiguous();
     cu_k = cu_q;
     if (cu_seqlens_k.has_value()) {
-      Arg(OP, "cu_seqlens_k", *cu_seqlens_k)
-          .dim(1)
-          .size(0, int64_t(cq.size()), "batch + 1, the size of 'cu_seqlens_q'");
       read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", query, key.size(0));
       cu_k = cu_seqlens_k->contiguous();
-    } else {
-      TOPG_CHECK(key.size(0) == query.size(0), OP, "argument 'key' ", describe(key), " expected ",
-                 query.size(0), " tokens (the tokens of 'query', as 'cu_seqlens_k' is None)");
     }
     batch = int64_t(cq.size()) - 1;
     for (int64_t b = 0; b < batch; ++b) max_sq = std::max(max_sq, cq[b + 1] - cq[b]);
     a.cu_q = cu_q.const_data_ptr<int32_t>(), a.cu_k = cu_k.const_data_ptr<int32_t>();
   } else {
-    if (cu_seqlens_k.has_value())
-      Arg(OP, "cu_seqlens_k", *cu_seqlens_k).fail("None without 'cu_seqlens_q'");
-    Arg(OP, "key", key).size(0, query.size(0), "the batch of 'query'");
     batch = query.size(0), max_sq = query.size(1);
     a.sq = query.size(1), a.sk = key.size(1);
     a.q_sb = query.stride(0), a.k_sb = key.stride(0), a.v_sb = value.stride(0);
@@ -186,7 +151,7 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
     }
   }
   if (out.numel() == 0 || batch == 0 || max_sq == 0) return out;
-  const int64_t hq = query.size(-2), hkv = key.size(-2), d = query.size(-1);
+  const int64_t hq = sz.hq, hkv = sz.hkv, d = sz.head_dim;
   TOPG_CHECK(d <= 256, OP, "head_dim at most 256 on CUDA, got ", d);
   TOPG_CHECK(hq <= 65535 && batch <= 65535, OP, "at most 65535 query heads and sequences");
   a.q_ss = query.stride(-3), a.q_sh = query.stride(-2);

@@ -30,37 +30,18 @@ __global__ void cache_kernel(const U* __restrict__ key, const U* __restrict__ va
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping_) {
-  Arg(OP, "key", key).dim(3).floating().device(at::kCUDA).last_dim_contiguous();
-  Arg(OP, "value", value)
-      .dim(3)
-      .same_dtype(key, "key")
-      .same_device(key, "key")
-      .last_dim_contiguous();
-  for (int64_t d = 0; d < 3; ++d)
-    Arg(OP, "value", value).size(d, key.size(d), "the shape of 'key'");
-  for (auto [name, t] :
-       {std::pair{"key_cache", &key_cache}, std::pair{"value_cache", &value_cache}}) {
-    Arg(OP, name, *t).dim(4).same_dtype(key, "key").same_device(key, "key").contiguous();
-    Arg(OP, name, *t)
-        .size(2, key.size(1), "kv heads of 'key'")
-        .size(3, key.size(2), "head_dim of 'key'");
-  }
-  for (int64_t d = 0; d < 2; ++d)
-    Arg(OP, "value_cache", value_cache).size(d, key_cache.size(d), "the shape of 'key_cache'");
-  Arg(OP, "slot_mapping", slot_mapping_).dim(1).index().same_device(key, "key");
-  Arg(OP, "slot_mapping", slot_mapping_).size(0, key.size(0), "tokens of 'key'");
-  const int64_t T = key.size(0), hkv = key.size(1), d = key.size(2);
+  const checks::CacheSizes sz =
+      checks::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping_, at::kCUDA);
+  const int64_t T = sz.tokens, hkv = sz.kv_heads, d = sz.head_dim;
   if (T == 0 || hkv == 0 || d == 0) return;
   const c10::cuda::CUDAGuard guard(key.device());
   const at::Tensor slot_mapping = slot_mapping_.contiguous();
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t num_slots = sz.num_slots;
   if (index_checks_enabled()) {
     const int64_t mx = at::max(slot_mapping).item<int64_t>();
     if (mx >= num_slots) {
       const int64_t t = at::nonzero(slot_mapping.ge(num_slots))[0][0].item<int64_t>();
-      Arg(OP, "slot_mapping", slot_mapping_)
-          .fail("slots below " + std::to_string(num_slots) + " (num_blocks * block_size), got " +
-                std::to_string(mx) + " (first bad token " + std::to_string(t) + ")");
+      checks::bad_slot(slot_mapping_, num_slots, slot_mapping[t].item<int64_t>(), t);
     }
   }
   TOPG_CHECK(T <= INT32_MAX && hkv * d <= INT32_MAX, OP, "too many tokens or heads");

@@ -19,7 +19,7 @@
 #include <string>
 #include <type_traits>
 
-#include "cpu/checks.h"
+#include "common/op_checks.h"
 
 namespace topg::cuda {
 

@@ -132,43 +132,12 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_up,
                           const at::Tensor& w_down, const at::Tensor& topk_weights_,
                           const at::Tensor& topk_ids_, c10::string_view activation) {
   const char* op = "fused_moe";
-  Arg(op, "hidden_states", hidden).dim(2).floating().device(at::kCUDA);
-  const int64_t ntok = hidden.size(0), H = hidden.size(1);
-  Arg(op, "w_gate_up", w_gate_up).dim(3).same_dtype(hidden, "hidden_states");
-  Arg(op, "w_gate_up", w_gate_up)
-      .same_device(hidden, "hidden_states")
-      .size(2, H, "the hidden size of 'hidden_states'")
-      .contiguous();
-  TOPG_CHECK(w_gate_up.size(1) % 2 == 0, op, "argument 'w_gate_up' ", describe(w_gate_up),
-             " expected an even size at dim 1 ([gate; up] rows)");
-  const int64_t E = w_gate_up.size(0), I = w_gate_up.size(1) / 2;
-  Arg(op, "w_down", w_down).dim(3).same_dtype(hidden, "hidden_states");
-  Arg(op, "w_down", w_down)
-      .same_device(hidden, "hidden_states")
-      .size(0, E, "the experts of 'w_gate_up'")
-      .size(1, H, "the hidden size of 'hidden_states'")
-      .size(2, I, "half of dim 1 of 'w_gate_up'")
-      .contiguous();
-  Arg(op, "topk_weights", topk_weights_).dim(2).size(0, ntok, "the tokens of 'hidden_states'");
-  if (topk_weights_.scalar_type() != at::kFloat)
-    Arg(op, "topk_weights", topk_weights_).same_dtype(hidden, "hidden_states");
-  Arg(op, "topk_weights", topk_weights_).same_device(hidden, "hidden_states");
-  Arg(op, "topk_ids", topk_ids_)
-      .dim(2)
-      .index()
-      .same_device(hidden, "hidden_states")
-      .size(0, ntok, "the tokens of 'hidden_states'")
-      .size(1, topk_weights_.size(1), "the top-k of 'topk_weights'");
-  Act act;
-  if (activation == "silu")
-    act = Act::silu;
-  else if (activation == "gelu")
-    act = Act::gelu;
-  else if (activation == "gelu_tanh")
-    act = Act::gelu_tanh;
-  else
-    TOPG_CHECK(false, op, "activation '", std::string(activation),
-               "' is not one of 'silu', 'gelu', 'gelu_tanh'");
+  const checks::MoeSizes sz =
+      checks::fused_moe(hidden, w_gate_up, w_down, topk_weights_, topk_ids_, activation, at::kCUDA);
+  const int64_t ntok = sz.tokens, H = sz.hidden, E = sz.experts, I = sz.inter;
+  const Act act = sz.act == checks::MoeAct::silu   ? Act::silu
+                  : sz.act == checks::MoeAct::gelu ? Act::gelu
+                                                   : Act::gelu_tanh;
 
   const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t k = topk_ids_.size(1), n = ntok * k;
@@ -183,9 +152,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_up,
       const at::Tensor bad =
           at::nonzero(ids.reshape({-1}).lt(0).logical_or(ids.reshape({-1}).ge(E)));
       const int64_t i = bad[0][0].item<int64_t>();
-      TOPG_CHECK(false, op, "argument 'topk_ids' holds expert id ",
-                 ids.reshape({-1})[i].item<int64_t>(), " at flat index ", i,
-                 ", expected ids in [0, ", E, ") (the experts of 'w_gate_up')");
+      checks::bad_expert_id(ids.reshape({-1})[i].item<int64_t>(), i, E);
     }
   }
   const int64_t tiles_max = ceil_div(n, BM) + std::min(E, n);

@@ -77,27 +77,12 @@ __global__ void __launch_bounds__(gemm::kThreads)
 at::Tensor linear_cuda(const at::Tensor& input_, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias_) {
   const char* op = "linear";
-  Arg(op, "input", input_).min_dim(1).floating().device(at::kCUDA);
-  Arg(op, "weight", weight).dim(2).same_dtype(input_, "input").same_device(input_, "input");
-  Arg(op, "weight", weight).size(1, input_.size(-1), "the last dim of 'input'").contiguous();
-  if (bias_.has_value())
-    Arg(op, "bias", *bias_)
-        .dim(1)
-        .same_dtype(input_, "input")
-        .same_device(input_, "input")
-        .size(0, weight.size(0), "the output features of 'weight'");
+  const checks::LinearSizes sz = checks::linear(input_, weight, bias_, at::kCUDA);
+  const int64_t M = sz.M, K = sz.K, N = sz.N;
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
   const at::Tensor bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
-  const int64_t K = input.size(-1), N = weight.size(0);
-  int64_t M = 1;
-  std::vector<int64_t> out_shape;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d) {
-    M *= input.size(d);
-    out_shape.push_back(input.size(d));
-  }
-  out_shape.push_back(N);
-  at::Tensor out = at::empty(out_shape, input.options());
+  at::Tensor out = at::empty(sz.out_shape, input.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) {  // empty sum: the bias (or zeros)
     if (bias.defined())

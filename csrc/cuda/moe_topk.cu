@@ -14,10 +14,11 @@ namespace {
 
 constexpr const char* kOp = "moe_topk";
 
-// Orders (key, expert) pairs as one integer: higher key first, then lower expert index.
+// Orders (key, expert) pairs as one integer: higher key first, then lower expert index;
+// every NaN (either sign) ranks above every number, as in torch.sort / the CPU kernel.
 // 0 marks an expert already taken (any real pair is > 0: its low word is >= 2^32 - E).
 __device__ __forceinline__ unsigned long long pack_key(float key, int e) {
-  unsigned u = __float_as_uint(key);
+  unsigned u = isnan(key) ? 0x7fc00000u : __float_as_uint(key);
   u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // monotonic float -> uint
   return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - unsigned(e));
 }
@@ -40,11 +41,11 @@ __global__ void moe_topk_kernel(const T* __restrict__ logits, const float* __res
   mx = warp_max(mx);
   if (softmax) {
     float sum = 0.f;
-    for (int e = lane; e < E; e += 32) sum += (scores[e] = __expf(scores[e] - mx));
+    for (int e = lane; e < E; e += 32) sum += (scores[e] = expf(scores[e] - mx));
     const float inv = 1.f / warp_sum(sum);
     for (int e = lane; e < E; e += 32) scores[e] *= inv;
   } else {
-    for (int e = lane; e < E; e += 32) scores[e] = 1.f / (1.f + __expf(-scores[e]));
+    for (int e = lane; e < E; e += 32) scores[e] = 1.f / (1.f + expf(-scores[e]));
   }
   __syncwarp();
   // picks[j]: the j-th selected expert (top_k <= 32, checked on the host).
@@ -74,7 +75,7 @@ __global__ void moe_topk_kernel(const T* __restrict__ logits, const float* __res
     if (lane == 0) picks[j] = e;
     __syncwarp();
   }
-  const float scale = renormalize && total > 0.f ? 1.f / total : 1.f;
+  const float scale = renormalize && (total > 0.f || isnan(total)) ? 1.f / total : 1.f;
   if (lane < k) {
     w_out[t * k + lane] = mine * scale;
     id_out[t * k + lane] = my_id;
@@ -84,24 +85,12 @@ __global__ void moe_topk_kernel(const T* __restrict__ logits, const float* __res
 std::tuple<at::Tensor, at::Tensor> moe_topk_cuda(const at::Tensor& logits_, int64_t top_k,
                                                  c10::string_view scoring, bool renormalize,
                                                  const std::optional<at::Tensor>& bias_) {
-  Arg(kOp, "router_logits", logits_).dim(2).floating().device(at::kCUDA);
-  const int64_t tokens = logits_.size(0), experts = logits_.size(1);
-  TOPG_CHECK(top_k >= 1 && top_k <= experts, kOp, "argument 'top_k' expected a value in [1, ",
-             experts, "] (the number of experts), got ", top_k);
+  const checks::TopkSizes sz = checks::moe_topk(logits_, top_k, scoring, bias_, at::kCUDA);
+  const int64_t tokens = sz.tokens, experts = sz.experts;
   TOPG_CHECK(top_k <= 32, kOp, "argument 'top_k' expected at most 32 on CUDA, got ", top_k);
   TOPG_CHECK(experts <= 8192, kOp, "at most 8192 experts on CUDA, got ", experts);
-  TOPG_CHECK(scoring == "softmax" || scoring == "sigmoid", kOp,
-             "argument 'scoring' expected 'softmax' or 'sigmoid', got '", scoring, "'");
   const c10::cuda::CUDAGuard guard(logits_.device());
-  at::Tensor bias;
-  if (bias_.has_value()) {
-    Arg(kOp, "correction_bias", *bias_)
-        .dim(1)
-        .floating()
-        .same_device(logits_, "router_logits")
-        .size(0, experts, "the number of experts");
-    bias = bias_->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias = bias_.has_value() ? bias_->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor logits = logits_.contiguous();
   at::Tensor weights = at::empty({tokens, top_k}, logits.options().dtype(at::kFloat));
   at::Tensor ids = at::empty({tokens, top_k}, logits.options().dtype(at::kInt));

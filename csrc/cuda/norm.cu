@@ -98,16 +98,6 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ res
   }
 }
 
-void check_norm_args(const char* op, const at::Tensor& input, const at::Tensor& weight) {
-  Arg(op, "input", input).min_dim(1).floating().device(at::kCUDA);
-  Arg(op, "weight", weight)
-      .dim(1)
-      .floating()
-      .same_device(input, "input")
-      .contiguous()
-      .size(0, input.size(-1), "the hidden size of 'input'");
-}
-
 // body.template operator()<T, W>() with W = T or float; other weight dtypes become float.
 template <typename F>
 void dispatch_norm(const char* op, const at::Tensor& input, at::Tensor& weight, F&& body) {
@@ -122,12 +112,12 @@ void dispatch_norm(const char* op, const at::Tensor& input, at::Tensor& weight, 
 }
 
 at::Tensor rms_norm_cuda(const at::Tensor& input_, const at::Tensor& weight_, double epsilon) {
-  check_norm_args("rms_norm", input_, weight_);
+  const checks::RowSizes sz = checks::rms_norm("rms_norm", input_, weight_, at::kCUDA);
+  const int64_t n = sz.hidden, rows = sz.rows;
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = input_.contiguous();
   at::Tensor weight = weight_;
   at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
-  const int64_t n = input.size(-1), rows = n ? input.numel() / n : 0;
   if (rows == 0) return out;
   TOPG_CHECK(rows <= INT32_MAX, "rms_norm", "more than 2^31 - 1 rows is not supported");
   dispatch_norm("rms_norm", input, weight, [&]<typename T, typename W>() {
@@ -145,14 +135,10 @@ at::Tensor rms_norm_cuda(const at::Tensor& input_, const at::Tensor& weight_, do
 void fused_add_rms_norm_cuda(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight_,
                              double epsilon) {
   const char* op = "fused_add_rms_norm";
-  check_norm_args(op, input, weight_);
-  Arg(op, "input", input).contiguous();
-  Arg(op, "residual", residual).same_dtype(input, "input").same_device(input, "input").contiguous();
-  TOPG_CHECK(residual.sizes() == input.sizes(), op, "argument 'residual' ", describe(residual),
-             " expected the shape of 'input' ", input.sizes());
+  const checks::RowSizes sz = checks::fused_add_rms_norm(input, residual, weight_, at::kCUDA);
+  const int64_t n = sz.hidden, rows = sz.rows;
   const c10::cuda::CUDAGuard guard(input.device());
   at::Tensor weight = weight_;
-  const int64_t n = input.size(-1), rows = n ? input.numel() / n : 0;
   if (rows == 0) return;
   TOPG_CHECK(rows <= INT32_MAX, op, "more than 2^31 - 1 rows is not supported");
   dispatch_norm(op, input, weight, [&]<typename T, typename W>() {

@@ -22,8 +22,8 @@
 #include <cmath>
 #include <optional>
 
-#include "../cpu/paged_checks.h"
 #include "attention_core.cuh"
+#include "common/paged_checks.h"
 
 namespace topg::cuda {
 namespace {
@@ -161,37 +161,6 @@ __global__ void paged_reduce_kernel(T* __restrict__ o, PagedArgs a, int d) {
   }
 }
 
-void check_args(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                const at::Tensor& bt, const at::Tensor& sl, const std::optional<at::Tensor>& cu,
-                int64_t window_left, double softcap) {
-  Arg(OP, "query", q).dim(3).floating().device(at::kCUDA).last_dim_contiguous();
-  for (auto [name, t] : {std::pair{"key_cache", &kc}, std::pair{"value_cache", &vc}}) {
-    Arg(OP, name, *t).dim(4).same_dtype(q, "query").same_device(q, "query");
-    Arg(OP, name, *t).size(3, q.size(2), "head_dim of 'query'").contiguous();
-  }
-  for (int64_t d = 0; d < 3; ++d)
-    Arg(OP, "value_cache", vc).size(d, kc.size(d), "the shape of 'key_cache'");
-  const int64_t hq = q.size(1), hkv = kc.size(2);
-  TOPG_CHECK(hkv > 0 && hq % hkv == 0, OP, "query heads (", hq,
-             ") must be a multiple of key/value heads (", hkv, ")");
-  Arg(OP, "block_tables", bt).dim(2).dtype(at::kInt).same_device(q, "query");
-  Arg(OP, "seq_lens", sl).dim(1).dtype(at::kInt).same_device(q, "query");
-  if (!cu.has_value()) {
-    Arg(OP, "block_tables", bt).size(0, q.size(0), "num_seqs of 'query'");
-    Arg(OP, "seq_lens", sl).size(0, q.size(0), "num_seqs of 'query'");
-  } else {
-    Arg(OP, "block_tables", bt).size(0, sl.size(0), "num_seqs of 'seq_lens'");
-    Arg(OP, "cu_seqlens_q", *cu).dim(1).dtype(at::kInt).same_device(q, "query");
-    Arg(OP, "cu_seqlens_q", *cu).size(0, sl.size(0) + 1, "num_seqs + 1, from 'seq_lens'");
-    if (sl.size(0) == 0 && q.size(0) > 0)  // no sequence to own the rows (a shape fact)
-      Arg(OP, "cu_seqlens_q", *cu)
-          .fail("non-decreasing offsets from 0 to " + std::to_string(q.size(0)) +
-                " (the query rows), got no sequence");
-  }
-  TOPG_CHECK(window_left >= -1, OP, "window_left must be >= -1, got ", window_left);
-  TOPG_CHECK(softcap >= 0, OP, "softcap must be >= 0, got ", softcap);
-}
-
 // One device pass (a few small ops) and one sync: any bad length, used block id or
 // offset? If so, the messages (same wording as the CPU kernel) come from host copies.
 void check_indices(const at::Tensor& bt_arg, const at::Tensor& sl_arg,
@@ -223,18 +192,16 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
                                 const at::Tensor& seq_lens_,
                                 const std::optional<at::Tensor>& cu_seqlens_q_,
                                 std::optional<double> scale, int64_t window_left, double softcap) {
-  check_args(query, key_cache, value_cache, block_tables_, seq_lens_, cu_seqlens_q_, window_left,
-             softcap);
+  const checks::PagedSizes sz =
+      checks::paged_attention(query, key_cache, value_cache, block_tables_, seq_lens_,
+                              cu_seqlens_q_, window_left, softcap, at::kCUDA);
   const c10::cuda::CUDAGuard guard(query.device());
   const at::Tensor block_tables = block_tables_.contiguous(), seq_lens = seq_lens_.contiguous();
   const at::Tensor cu = cu_seqlens_q_.has_value() ? cu_seqlens_q_->contiguous() : at::Tensor();
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t rows = query.size(0), hq = query.size(1), hkv = key_cache.size(2);
-  const int64_t d = query.size(2);
+  const int64_t num_blocks = sz.num_blocks, block_size = sz.block_size;
+  const int64_t rows = sz.rows, hq = sz.hq, hkv = sz.hkv, d = sz.head_dim;
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (out.numel() == 0) return out;
-  TOPG_CHECK(block_size > 0 && num_blocks > 0, OP, "argument 'key_cache' ", describe(key_cache),
-             " expected at least one block of at least one token");
   if (index_checks_enabled())
     check_indices(block_tables_, seq_lens_, cu_seqlens_q_, block_tables, seq_lens, cu, num_blocks,
                   block_size, rows);

@@ -67,62 +67,20 @@ __global__ void rotary_kernel(const I* __restrict__ pos, T* q, int64_t q_s0, int
   }
 }
 
-// [tokens..., heads * head_size] or [tokens..., heads, head_size] viewed as
-// [num_tokens, heads, head_size] without a copy (the op writes in place). Same checks
-// and wording as csrc/cpu/rotary.cpp.
-at::Tensor as_token_head_view(const at::Tensor& t, const char* name, int64_t token_dims,
-                              int64_t num_tokens, int64_t head_size) {
-  Arg(kOp, name, t).floating().last_dim_contiguous();
-  if (t.dim() != token_dims + 1 && t.dim() != token_dims + 2)
-    Arg(kOp, name, t)
-        .fail(std::to_string(token_dims + 1) + " or " + std::to_string(token_dims + 2) +
-              " dimensions (the token dims of 'positions', then heads)");
-  const int64_t width = t.dim() == token_dims + 1 ? t.size(-1) : t.size(-1) * t.size(-2);
-  if (t.dim() == token_dims + 2) Arg(kOp, name, t).size(-1, head_size, "head_size");
-  if (head_size <= 0 || width % head_size != 0)
-    Arg(kOp, name, t)
-        .fail("a last dimension that is a multiple of head_size " + std::to_string(head_size));
-  const std::vector<int64_t> shape = {num_tokens, width / head_size, head_size};
-  if (!at::detail::computeStride(t.sizes(), t.strides(), c10::IntArrayRef(shape)).has_value())
-    Arg(kOp, name, t).fail("token dims that can be viewed as one (it is updated in place)");
-  return t.view(shape);
-}
-
 void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query,
                            const std::optional<at::Tensor>& key, int64_t head_size,
                            const at::Tensor& cos_sin_cache, bool is_neox) {
-  Arg(kOp, "positions", positions).index().device(at::kCUDA);
-  Arg(kOp, "query", query).same_device(positions, "positions");
-  Arg(kOp, "cos_sin_cache", cos_sin_cache)
-      .dim(2)
-      .floating()
-      .contiguous()
-      .same_device(query, "query");
-  const int64_t token_dims = positions.dim(), num_tokens = positions.numel();
-  for (int64_t d = 0; d < token_dims; ++d)
-    Arg(kOp, "query", query).size(d, positions.size(d), "the token dims of 'positions'");
-  const at::Tensor q = as_token_head_view(query, "query", token_dims, num_tokens, head_size);
-  at::Tensor k;
-  if (key.has_value()) {
-    Arg(kOp, "key", *key).same_dtype(query, "query").same_device(query, "query");
-    for (int64_t d = 0; d < token_dims; ++d)
-      Arg(kOp, "key", *key).size(d, positions.size(d), "the token dims of 'positions'");
-    k = as_token_head_view(*key, "key", token_dims, num_tokens, head_size);
-  }
-  const int64_t rot_dim = cos_sin_cache.size(1), max_pos = cos_sin_cache.size(0);
-  if (rot_dim % 2 != 0 || rot_dim > head_size || rot_dim == 0)
-    Arg(kOp, "cos_sin_cache", cos_sin_cache)
-        .fail("an even rotary dimension (size at dim 1) in [2, head_size=" +
-              std::to_string(head_size) + "]");
+  const checks::RotarySizes sz =
+      checks::rotary_embedding(positions, query, key, head_size, cos_sin_cache, at::kCUDA);
+  const int64_t num_tokens = sz.num_tokens, rot_dim = sz.rot_dim, max_pos = sz.max_pos;
+  const at::Tensor& q = sz.q;
+  const at::Tensor& k = sz.k;
   if (num_tokens == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   if (index_checks_enabled()) {
     const auto [pmin_t, pmax_t] = at::aminmax(positions);
     const int64_t pmin = pmin_t.item<int64_t>(), pmax = pmax_t.item<int64_t>();
-    if (pmin < 0 || pmax >= max_pos)
-      Arg(kOp, "positions", positions)
-          .fail("values in [0, " + std::to_string(max_pos) + ") (rows of 'cos_sin_cache'), got [" +
-                std::to_string(pmin) + ", " + std::to_string(pmax) + "]");
+    if (pmin < 0 || pmax >= max_pos) checks::bad_positions(positions, max_pos, pmin, pmax);
   }
   TOPG_CHECK(num_tokens <= INT32_MAX, kOp, "more than 2^31 - 1 tokens is not supported");
   const int64_t hq = q.size(1), hk = k.defined() ? k.size(1) : 0;

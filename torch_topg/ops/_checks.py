@@ -1,6 +1,7 @@
 """Argument checks shared by the fake kernels and the reference fallback.
 
-Messages use the same wording as the native checks in ``csrc/cpu/checks.h``:
+Messages use the same wording as the native checks in ``csrc/common/checks.h`` and
+``csrc/common/op_checks.h`` (``tests/test_check_wording.py`` compares them):
 ``topg::<op>: argument '<name>' (shape [..], dtype .., device ..) expected <what>``.
 Size comparisons go through ``torch._check`` so they also hold for symbolic sizes.
 """
@@ -20,6 +21,13 @@ def _dtype_name(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
+def describe(t: torch.Tensor) -> str:
+    """``(shape [..], dtype .., device ..)``, as ``describe`` in ``csrc/common/checks.h``."""
+    return (
+        f"(shape [{', '.join(map(str, t.shape))}], dtype {_dtype_name(t.dtype)}, device {t.device})"
+    )
+
+
 class Arg:
     """Fluent checker for one tensor argument of one op."""
 
@@ -31,16 +39,12 @@ class Arg:
             )
         self.t = t
 
-    def _msg(self, what: str) -> Callable[[], str]:
-        """The message, built lazily (torch._check only formats it on failure)."""
-        t = self.t
-        return lambda: (
-            f"topg::{self.op}: argument '{self.name}' (shape [{', '.join(map(str, t.shape))}], "
-            f"dtype {_dtype_name(t.dtype)}, device {t.device}) expected {what}"
-        )
+    def message(self, what: str) -> Callable[[], str]:
+        """The message, built lazily (``torch._check`` only formats it on failure)."""
+        return lambda: f"topg::{self.op}: argument '{self.name}' {describe(self.t)} expected {what}"
 
     def fail(self, what: str) -> NoReturn:
-        raise RuntimeError(self._msg(what)())
+        raise RuntimeError(self.message(what)())
 
     def dim(self, *ndims: int) -> Arg:
         if self.t.dim() not in ndims:
@@ -55,7 +59,7 @@ class Arg:
     def size(self, d: int, expected: int, what: str | None = None) -> Arg:
         torch._check(
             self.t.shape[d] == expected,
-            self._msg(f"size {expected} at dim {d}" + (f" ({what})" if what else "")),
+            self.message(f"size {expected} at dim {d}" + (f" ({what})" if what else "")),
         )
         return self
 
@@ -87,7 +91,7 @@ class Arg:
 
     def last_dim_contiguous(self) -> Arg:
         if self.t.dim() > 0 and self.t.shape[-1] != 1 and self.t.stride(-1) != 1:
-            self.fail(f"stride 1 in the last dimension (got strides {tuple(self.t.stride())})")
+            self.fail("stride 1 in the last dimension")
         return self
 
 

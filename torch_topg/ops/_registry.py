@@ -67,6 +67,11 @@ class OpSpec:
         return tuple(k for k in DEVICE_KEYS if self.has_kernel(k))
 
     @property
+    def arg_names(self) -> tuple[str, ...]:
+        """The argument names of the schema, in order."""
+        return tuple(a.name for a in self.overload._schema.arguments)
+
+    @property
     def mutated_args(self) -> tuple[str, ...]:
         """Names of the arguments the op writes in place (``Tensor(a!)``)."""
         return tuple(

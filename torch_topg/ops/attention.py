@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from torch_topg import reference
-from torch_topg.ops._checks import Arg, check_op
+from torch_topg.ops._checks import Arg, check_op, describe
 from torch_topg.ops._library import eager_entry, register
 
 _attention = eager_entry("attention")
@@ -204,13 +204,21 @@ def _check_attention(
     Arg(op, "query", query).dim(3 if ragged else 4)
     _check_qkv(op, query, key, value, 3 if ragged else 4)
     check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
-    check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap}")
+    check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap:g}")
     if ragged:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query, None)
-        if cu_seqlens_k is not None:
-            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, query, cu_seqlens_q.shape[0])
         if mask is not None:
             Arg(op, "mask", mask).fail("None with ragged (cu_seqlens) input")
+        if cu_seqlens_k is not None:
+            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, query, cu_seqlens_q.shape[0])
+        else:
+            torch._check(
+                key.shape[0] == query.shape[0],
+                lambda: (
+                    f"topg::{op}: argument 'key' {describe(key)} expected {query.shape[0]} "
+                    "tokens (the tokens of 'query', as 'cu_seqlens_k' is None)"
+                ),
+            )
         return
     if cu_seqlens_k is not None:
         Arg(op, "cu_seqlens_k", cu_seqlens_k).fail("None without 'cu_seqlens_q'")
@@ -250,6 +258,12 @@ def _check_paged_attention(
     _check_qkv(op, query, key_cache, value_cache, 4, ("key_cache", "value_cache"))
     Arg(op, "key_cache", key_cache).contiguous()
     Arg(op, "value_cache", value_cache).contiguous()
+    torch._check(
+        key_cache.shape[1] > 0,
+        Arg(op, "key_cache", key_cache).message(
+            "a block size (size at dim 1) of at least one token"
+        ),
+    )
     Arg(op, "block_tables", block_tables).dim(2).dtype([torch.int32]).same_device(query, "query")
     Arg(op, "seq_lens", seq_lens).dim(1).dtype([torch.int32]).same_device(query, "query")
     if cu_seqlens_q is None:  # one query token per sequence
@@ -261,7 +275,7 @@ def _check_paged_attention(
         cu = Arg(op, "cu_seqlens_q", cu_seqlens_q).dim(1).dtype([torch.int32])
         cu.same_device(query, "query").size(0, ns + 1, "num_seqs + 1, from 'seq_lens'")
     check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
-    check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap}")
+    check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap:g}")
 
 
 def _check_reshape_and_cache(

@@ -65,10 +65,7 @@ def _check_fused_moe(
     two_inter = w_gate_up.shape[1]
     torch._check(
         two_inter % 2 == 0,
-        lambda: (
-            f"topg::{op}: argument 'w_gate_up' expected an even size at dim 1 "
-            f"([gate; up] rows), got {two_inter}"
-        ),
+        Arg(op, "w_gate_up", w_gate_up).message("an even size at dim 1 ([gate; up] rows)"),
     )
     Arg(op, "w_down", w_down).dim(3).same_dtype(hidden_states, "hidden_states")
     Arg(op, "w_down", w_down).same_device(hidden_states, "hidden_states").size(
@@ -79,8 +76,8 @@ def _check_fused_moe(
     tw = Arg(op, "topk_weights", topk_weights).dim(2)
     if topk_weights.dtype != torch.float32:
         tw.same_dtype(hidden_states, "hidden_states")
-    tw.size(0, tokens, "the tokens of 'hidden_states'")
-    Arg(op, "topk_ids", topk_ids).dim(2).index().size(
+    tw.size(0, tokens, "the tokens of 'hidden_states'").same_device(hidden_states, "hidden_states")
+    Arg(op, "topk_ids", topk_ids).dim(2).index().same_device(hidden_states, "hidden_states").size(
         0, tokens, "the tokens of 'hidden_states'"
     ).size(1, topk_weights.shape[1], "the top-k of 'topk_weights'")
     check_op(

@@ -64,9 +64,9 @@ def _check(
         f"argument 'scoring' expected 'softmax' or 'sigmoid', got '{scoring}'",
     )
     if correction_bias is not None:
-        Arg(_OP, "correction_bias", correction_bias).dim(1).floating().size(
-            0, experts, "the number of experts"
-        )
+        Arg(_OP, "correction_bias", correction_bias).dim(1).floating().same_device(
+            router_logits, "router_logits"
+        ).size(0, experts, "the number of experts")
 
 
 def _fake(router_logits: torch.Tensor, top_k: int, **kwargs: object):

@@ -14,7 +14,7 @@ _fused_add_rms_norm = eager_entry("fused_add_rms_norm")
 
 def _check_norm(op: str, input: torch.Tensor, weight: torch.Tensor) -> None:
     Arg(op, "input", input).min_dim(1).floating()
-    Arg(op, "weight", weight).dim(1).floating().same_device(input, "input").size(
+    Arg(op, "weight", weight).dim(1).floating().same_device(input, "input").contiguous().size(
         0, input.shape[-1], "the hidden size of 'input'"
     )
 
@@ -62,11 +62,15 @@ def check_add_rms_norm(
     ``fused_all_reduce_add_rms_norm``'s)."""
     _check_norm(op, input, weight)
     Arg(op, "input", input).contiguous()
-    Arg(op, "residual", residual).same_dtype(input, "input").same_device(
-        input, "input"
-    ).contiguous().dim(input.dim())
+    r = Arg(op, "residual", residual).same_dtype(input, "input").same_device(input, "input")
+    r.contiguous()
+    shape = f"[{', '.join(map(str, input.shape))}]"
+    if residual.dim() != input.dim():
+        r.fail(f"the shape of 'input' {shape}")
     for d in range(input.dim()):
-        Arg(op, "residual", residual).size(d, input.shape[d], "the shape of 'input'")
+        torch._check(
+            residual.shape[d] == input.shape[d], r.message(f"the shape of 'input' {shape}")
+        )
 
 
 def _check_fused_add_rms_norm(

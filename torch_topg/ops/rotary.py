@@ -46,20 +46,19 @@ def rotary_embedding(
 
 
 def _check_heads(name: str, t: torch.Tensor, positions: torch.Tensor, head_size: int) -> None:
-    a = (
-        Arg(_OP, name, t)
-        .floating()
-        .last_dim_contiguous()
-        .dim(positions.dim() + 1, positions.dim() + 2)
-    )
+    a = Arg(_OP, name, t).floating().last_dim_contiguous()
+    nd = positions.dim()
+    if t.dim() not in (nd + 1, nd + 2):
+        a.fail(f"{nd + 1} or {nd + 2} dimensions (the token dims of 'positions', then heads)")
     for d in range(positions.dim()):
         a.size(d, positions.shape[d], "the token dims of 'positions'")
     if t.dim() == positions.dim() + 2:
         a.size(-1, head_size, "head_size")
     elif t.shape[-1] % head_size != 0:
         a.fail(f"a last dimension that is a multiple of head_size {head_size}")
-    try:
-        t.view(positions.numel(), -1, head_size)
+    width = t.shape[-1] if t.dim() == positions.dim() + 1 else t.shape[-1] * t.shape[-2]
+    try:  # explicit sizes: with no tokens, -1 would be ambiguous
+        t.view(positions.numel(), width // head_size, head_size)
     except (RuntimeError, ValueError):  # FakeTensor raises ValueError
         a.fail("token dims that can be viewed as one (it is updated in place)")
 

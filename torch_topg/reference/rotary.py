@@ -37,6 +37,8 @@ def rotary_embedding(
     for t in (query, key):
         if t is None:
             continue
-        view = t.view(positions.numel(), -1, head_size)
+        view = t.view(
+            positions.numel(), t.numel() // max(1, positions.numel() * head_size), head_size
+        )
         rot = view[..., :rot_dim]
         rot.copy_(_rotate(rot.float(), cos, sin, is_neox))

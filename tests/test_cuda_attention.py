@@ -1,7 +1,8 @@
 """CUDA attention kernels (prefill ``attention``, decode ``paged_attention``) against their
 references on the same GPU; skips without a CUDA device or without the CUDA kernels.
 
-Awkward on purpose: head_dim 20 / 80 (scalar K loads, padded lanes), 256 (the wide
+The samples, opcheck, bad inputs and NaN / inf / empty cases shared with the CPU run
+from tests/op_samples.py in tests/test_ops_common.py. Awkward on purpose here: head_dim 20 / 80 (scalar K loads, padded lanes), 256 (the wide
 variant), contexts that are not multiples of the block size or of the 256-key split
 partitions, query groups larger than the 8 rows of one block, empty sequences.
 """
@@ -15,6 +16,7 @@ import torch
 from conftest import DTYPES, NEEDS_CUDA, assert_close, requires_cuda_kernel
 from hypothesis import example, given
 from hypothesis import strategies as st
+from op_samples import Gen, paged
 
 import torch_topg
 from torch_topg import reference
@@ -23,17 +25,9 @@ pytestmark = NEEDS_CUDA
 DEV = "cuda"
 
 
-def _paged(lens, hq, hkv, d, block_size, dtype, spare_blocks=3):
-    """Caches with shuffled block tables (on the GPU) for sequences of lengths `lens`."""
-    max_blocks = max(1, max(-(-n // block_size) for n in lens)) + 1
-    num_blocks = len(lens) * max_blocks + spare_blocks
-    kc = torch.randn(num_blocks, block_size, hkv, d, device=DEV).to(dtype)
-    vc = torch.randn(num_blocks, block_size, hkv, d, device=DEV).to(dtype)
-    perm = torch.randperm(num_blocks, device=DEV)[: len(lens) * max_blocks]
-    bt = perm.view(len(lens), max_blocks).int()
-    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    q = torch.randn(len(lens), hq, d, device=DEV).to(dtype)
-    return q, kc, vc, bt, sl
+def _paged(lens, hq, hkv, d, block_size, dtype):
+    """Caches with shuffled block tables for sequences of lengths `lens` (op_samples)."""
+    return paged(Gen(DEV), lens, hq, hkv, d, block_size, dtype)
 
 
 @requires_cuda_kernel("paged_attention")
@@ -232,19 +226,6 @@ def test_cuda_decode_matches_prefill_last_row():
     full_q[0, -1] = q[0]
     prefill = torch_topg.ops.attention(full_q, k[None], v[None], causal=True)
     assert_close(torch_topg.ops.paged_attention(q, kc, vc, bt, sl)[0], prefill[0, -1])
-
-
-def test_cuda_attention_opcheck():
-    for op in ("attention", "paged_attention", "reshape_and_cache"):
-        if not torch_topg._native.has_kernel(op, "CUDA"):
-            pytest.skip(f"no native CUDA kernel registered for topg::{op}")
-    q, k, v = _qkv(2, 9, 12, 4, 2, 32, torch.float32)
-    torch.library.opcheck(torch.ops.topg.attention.default, (q, k, v), {"causal": True})
-    pq, kc, vc, bt, sl = _paged([5, 300], 4, 2, 32, 16, torch.float32)
-    torch.library.opcheck(torch.ops.topg.paged_attention.default, (pq, kc, vc, bt, sl))
-    key = torch.randn(3, 2, 32, device=DEV)
-    slots = torch.tensor([0, -1, 40], device=DEV)
-    torch.library.opcheck(torch.ops.topg.reshape_and_cache.default, (key, key, kc, vc, slots))
 
 
 @requires_cuda_kernel("paged_attention")

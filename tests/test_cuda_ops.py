@@ -1,5 +1,10 @@
 """CUDA kernels against their references (on the same GPU): norms, rotary, activations,
-reshape_and_cache, moe_topk, fused_moe, linear; bad indices; opcheck; torch.compile.
+reshape_and_cache, moe_topk, fused_moe, linear; bad indices; a compiled block.
+
+The cases every op shares with the CPU (samples against the reference, opcheck, a
+fullgraph compile, bad inputs, NaN / inf / empty inputs) run from tests/op_samples.py in
+tests/test_ops_common.py for both devices; this file keeps what is CUDA-specific: the
+hypothesis sweeps and the sizes that pick each kernel path.
 
 Every test skips without a CUDA device, and each kernel test also skips (naming why) when
 the extension has no CUDA kernel registered. The attention kernels are in
@@ -14,6 +19,7 @@ import torch
 from conftest import DTYPES, NEEDS_CUDA, assert_close, requires_cuda_kernel
 from hypothesis import example, given
 from hypothesis import strategies as st
+from op_samples import Gen, cos_sin
 
 import torch_topg
 from torch_topg import reference
@@ -22,8 +28,8 @@ pytestmark = NEEDS_CUDA
 DEV = "cuda"
 
 
-def _rand(*shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+_G = Gen(DEV)  # seeded; drawn on the CPU and moved, as in op_samples
+_rand = _G.randn
 
 
 # --- norms ---------------------------------------------------------------------------------
@@ -68,9 +74,7 @@ def test_cuda_fused_add_rms_norm(shape, dtype):
 
 # --- rotary --------------------------------------------------------------------------------
 def _cos_sin(max_pos: int, rot_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    inv = 1.0 / 10000.0 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
-    f = torch.outer(torch.arange(max_pos, device=DEV).float(), inv)
-    return torch.cat([f.cos(), f.sin()], dim=-1).to(dtype)
+    return cos_sin(_G, max_pos, rot_dim, dtype)
 
 
 @requires_cuda_kernel("rotary_embedding")
@@ -252,7 +256,7 @@ def test_cuda_linear(m, k, n, dtype, bias):
     assert_close(torch_topg.ops.linear(x, w, b), reference.linear(x, w, b), scale=2)
 
 
-# --- index errors, empty inputs, device guard --------------------------------------------
+# --- index errors, device guard --------------------------------------------
 @requires_cuda_kernel("reshape_and_cache")
 def test_cuda_bad_indices_raise_and_write_nothing():
     kc, vc = _rand(4, 16, 2, 32), _rand(4, 16, 2, 32)
@@ -272,18 +276,6 @@ def test_cuda_bad_indices_raise_and_write_nothing():
         torch_topg.ops.fused_moe(x, wgu, wd, torch.rand(2, 2, device=DEV), bad)
 
 
-@requires_cuda_kernel("linear")
-def test_cuda_empty_inputs():
-    assert torch_topg.ops.linear(_rand(0, 8), _rand(4, 8)).shape == (0, 4)
-    b = _rand(4)
-    out = torch_topg.ops.linear(_rand(3, 0), _rand(4, 0), b)
-    assert torch.equal(out, b.expand(3, 4))  # an empty sum: every row is the bias
-    assert torch_topg.ops.rms_norm(_rand(0, 8), _rand(8), 1e-6).shape == (0, 8)
-    assert torch_topg.ops.silu_and_mul(_rand(0, 8)).shape == (0, 4)
-    w, ids = torch_topg.ops.moe_topk(_rand(0, 8), 2)
-    assert w.shape == (0, 2) and ids.shape == (0, 2)
-
-
 @requires_cuda_kernel("rms_norm")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (device guard)")
 def test_cuda_second_device():
@@ -293,31 +285,7 @@ def test_cuda_second_device():
     assert_close(out, reference.rms_norm(x, w, 1e-6))
 
 
-# --- opcheck and torch.compile -------------------------------------------------------------
-def _opcheck_cases():
-    x, w = _rand(3, 5, 40), _rand(40)
-    q, k = _rand(3, 4 * 64), _rand(3, 2 * 64)
-    ids = torch.tensor([[0, 2], [1, 1], [3, 0]], device=DEV)
-    return [
-        ("rms_norm", (x, w, 1e-6)),
-        ("fused_add_rms_norm", (x.clone(), _rand(3, 5, 40), w, 1e-6)),
-        ("silu_and_mul", (_rand(4, 64),)),
-        ("gelu_and_mul", (_rand(4, 64), "tanh")),
-        ("rotary_embedding", (torch.arange(3, device=DEV), q, k, 64, _cos_sin(8, 64, torch.float32), True)),
-        ("moe_topk", (_rand(5, 8), 2)),
-        ("fused_moe", (_rand(3, 32), _rand(4, 48, 32), _rand(4, 32, 24), torch.rand(3, 2, device=DEV), ids)),
-        ("linear", (_rand(3, 40), _rand(24, 40), _rand(24))),
-    ]  # fmt: skip
-
-
-@pytest.mark.parametrize("case", range(8))
-def test_cuda_opcheck(case):
-    name, args = _opcheck_cases()[case]
-    if not torch_topg._native.has_kernel(name, "CUDA"):
-        pytest.skip(f"no native CUDA kernel registered for topg::{name}")
-    torch.library.opcheck(getattr(torch.ops.topg, name).default, args)
-
-
+# --- torch.compile of a block of ops ---------------------------------------------------
 @requires_cuda_kernel("rms_norm")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_cuda_compile_fullgraph(backend):

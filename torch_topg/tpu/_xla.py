@@ -136,9 +136,9 @@ def _reference(op: str, ref: Callable[..., Any], args: tuple, kwargs: dict) -> A
         return ref(*args, **kwargs)
     host_args, host_kwargs = _to(args, "cpu"), _to(kwargs, "cpu")
     out = ref(*host_args, **host_kwargs)
-    schema = getattr(torch.ops.topg, op).default._schema
-    for i, arg in enumerate(schema.arguments[: len(args)]):
-        if arg.alias_info is not None and arg.alias_info.is_write:
+    written = OPS[op].mutated_args
+    for i, name in enumerate(OPS[op].arg_names[: len(args)]):
+        if name in written and args[i] is not None:
             args[i].copy_(host_args[i].to(device))
     return _to(out, device)
 

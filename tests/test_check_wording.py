@@ -6,6 +6,9 @@ the reference fallback (``CompositeExplicitAutograd``, the Python check of ``tor
 and the fake kernel (``FakeTensorMode``, the same Python check) must raise the very same
 message: ``topg::<op>: argument '<name>' (shape [..], dtype .., device ..) expected <what>``.
 
+The samples of tests/op_samples.py pass every Python check (no path is stricter than
+the native one).
+
 Value checks (positions, slots, block ids, offsets, expert ids) need the data: the fake
 cannot run them, and the reference words them without the tensor's description; they are
 matched by regex on the native and fallback paths in tests/test_ops_common.py.
@@ -28,6 +31,7 @@ from op_bad_inputs import (
     error_of,
     native_error,
 )
+from op_samples import sample_inputs
 
 from torch_topg.ops import OPS
 
@@ -69,6 +73,17 @@ def test_same_message_on_every_path(op, device, desc):
     assert not differ, f"fallback says {messages['fallback']!r}; " + "; ".join(
         f"{path} says {m!r}" for path, m in differ.items()
     )
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
+@pytest.mark.parametrize("op", list(OPS))
+def test_valid_samples_pass_every_check(op, device):
+    """No check is stricter in Python than in C++: every sample (which the native kernel
+    runs in test_ops_common) passes the Python check and the fake kernel."""
+    spec = OPS[op]
+    for s in sample_inputs(op, device):
+        spec.check(*s.args, **s.kwargs)
+        call_fake(spec, s.args, s.kwargs)
 
 
 def test_every_op_has_a_structure_check_case():

@@ -350,3 +350,39 @@ def test_compare_records_rates_are_higher_is_better():
     assert "faster beyond the spread (1)" in out and "1.50x speed" in out
     out = bench.compare_records(rec(150.0, "2026-01-01"), rec(100.0, "2026-01-02"))
     assert "slower beyond the spread (1)" in out
+
+
+def test_dram_rows_use_the_bandwidth_of_their_own_rounds(monkeypatch):
+    """The probe runs in every round of a DRAM row; a round at half the bandwidth has
+    half the limit time... and the fraction follows it, round by round."""
+    import common
+
+    from torch_topg.bench import Comparison
+
+    seen = {}
+
+    def fake_compare(variants, budget, contexts=None):
+        seen["names"] = list(variants)
+        return Comparison(
+            {
+                "topg": [1.0, 2.0, 1.0],  # the load doubles topg's time in round 2 ...
+                "stock": [2.0, 4.0, 2.0],
+                common.PROBE: [0.5, 1.0, 0.5],  # ... and the probe's
+            }
+        )
+
+    monkeypatch.setattr(common, "compare", fake_compare)
+    monkeypatch.setattr(common, "read_probe", lambda: (lambda: None, 100))
+    monkeypatch.setattr(common, "llc_bytes", lambda: (32 * MiB, "test"))
+    noop = lambda: None  # noqa: E731
+    row = common.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
+                         dram_bytes=160.0, working_set=200 * MiB, target=("limit", 0.8))  # fmt: skip
+    assert seen["names"] == ["topg", "stock", common.PROBE]
+    assert list(row.figures) == ["topg", "stock"] and row.regime == "DRAM"
+    lim = row.ratios["limit"]  # 160 bytes at 100 / 0.5 s = 0.8 s, over topg's 1 s
+    assert (lim.median, lim.lo, lim.hi) == pytest.approx((0.8, 0.8, 0.8))
+    assert row.read_bw.median == pytest.approx(200.0) and row.verdict == "met"
+    cached = common.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
+                            dram_bytes=160.0, working_set=1 * MiB, target=("limit", 0.8))  # fmt: skip
+    assert seen["names"] == ["topg", "stock"] and "limit" not in cached.ratios
+    assert cached.regime == "in cache (1 MiB)" and cached.verdict == "not measured"

@@ -64,7 +64,8 @@ def fmt_pct(v: Stats) -> str:
 
 def limit_cell(r: Row) -> str:
     if "limit" in r.ratios:
-        return f"{fmt_pct(r.ratios['limit'])} read bw ({r.regime})"
+        bw = f"{r.read_bw.median / 1e9:.1f} GB/s; " if r.read_bw else ""
+        return f"{fmt_pct(r.ratios['limit'])} of read bw ({bw}{r.regime})"
     if "of best" in r.ratios:
         cell = f"{fmt_pct(r.ratios['of best'])} of best"
         if "of peak" in r.ratios:

@@ -8,12 +8,15 @@ figure and ratio is a ``Stats`` (median and spread).
 Limits:
 
 * memory (``dram_bytes``): the bytes that must move between DRAM and the core (inputs
-  read once, outputs written once) over the read bandwidth measured in this run. Only
-  compared when they do come from DRAM: the working set is at least ``DRAM_FACTOR x``
-  the LLC, or the row rotates ``cold_sets`` input sets that together are (``Rotation``).
-  Otherwise the row says "in cache" and has no "% of limit".
-* compute (``flops``): "of best", topg's rate over the best rate any variant reached
-  on this shape in this run, and "of peak", over the machine's theoretical fp32 peak
+  read once, outputs written once) over the read bandwidth. Only compared when they do
+  come from DRAM: the working set is at least ``DRAM_FACTOR x`` the LLC, or the row
+  rotates input sets that together are (``Rotation``); otherwise the row says "in
+  cache" and has no "% of limit". The bandwidth probe (``read_probe``) runs in every
+  round of such a row, and each round's fraction uses that round's bandwidth: the
+  machine's load moves the bandwidth during a run.
+* compute (``flops``): "of best", topg's rate over the rate of the variant that was
+  fastest on this shape in this run (per round: its time over topg's), and "of peak",
+  topg's rate over the machine's theoretical fp32 peak
   (``torch_topg.bench.theoretical_peak``; its assumptions are printed with the table).
 """
 
@@ -30,7 +33,8 @@ from torch_topg.bench import (
     cold_copies,
     compare,
     llc_bytes,
-    read_bandwidth,
+    read_probe,
+    summarize,
     theoretical_peak,
     verdict,
 )
@@ -38,6 +42,7 @@ from torch_topg.bench import (
 __all__ = ["Rotation", "Row", "measure"]
 
 MiB = 1 << 20
+PROBE = "read-bandwidth probe"
 
 
 @dataclasses.dataclass
@@ -57,6 +62,7 @@ class Row:
     # than sdpa; ("limit", 0.8): topg reaches >= 80% of the DRAM limit
     target: tuple[str, float] | None = None
     note: str = ""
+    read_bw: Stats | None = None  # bytes/s, the probe in this row's own rounds
 
     @property
     def key(self) -> str:
@@ -101,6 +107,7 @@ class Row:
             "target": list(self.target) if self.target else None,
             "verdict": self.verdict,
             "note": self.note,
+            "read_bw": self.read_bw.to_dict() if self.read_bw else None,
         }
 
     @classmethod
@@ -111,6 +118,7 @@ class Row:
             {k: Stats.from_dict(v) for k, v in d["ratios"].items()},
             d.get("regime", ""), d.get("limit_ms"), d.get("limit_kind", ""),
             tuple(d["target"]) if d.get("target") else None, d.get("note", ""),
+            Stats.from_dict(d["read_bw"]) if d.get("read_bw") else None,
         )  # fmt: skip
 
 
@@ -180,23 +188,31 @@ def measure(
     ``budget`` overrides the rounds; ``contexts`` as in ``torch_topg.bench.compare``.
     """
     assert next(iter(variants)) == "topg", "topg is the first variant"
-    cmp = compare(variants, budget or _budget(quick, heavy), contexts=contexts)
-    figures = {name: cmp.ms(name) for name in variants}
-    ratios = {name: cmp.ratio(name, "topg") for name in variants if name != "topg"}
-    row = Row(family, op, case, dtype, figures, ratios, target=target, note=note)
+    regime, probe_bytes = "", 0
     if dram_bytes is not None:
         ws = int(working_set or (rotation.working_set if rotation else dram_bytes))
-        row.regime = regime_of(ws, rotation.n if rotation else 1)
-        if not row.regime.startswith("in cache"):
-            limit_s = dram_bytes / read_bandwidth()
-            row.limit_ms, row.limit_kind = limit_s * 1e3, "read bw"
-            row.ratios["limit"] = cmp.per_round("topg", lambda t: limit_s / t)
-    elif flops is not None:
-        best = min(variants, key=lambda n: cmp.stats(n).median)
-        best_s = cmp.stats(best).median
+        regime = regime_of(ws, rotation.n if rotation else 1)
+        if not regime.startswith("in cache"):  # the probe runs in every round
+            probe, probe_bytes = read_probe()
+            variants = {**variants, PROBE: probe}
+    cmp = compare(variants, budget or _budget(quick, heavy), contexts=contexts)
+    names = [n for n in variants if n != PROBE]
+    figures = {name: cmp.ms(name) for name in names}
+    ratios = {name: cmp.ratio(name, "topg") for name in names if name != "topg"}
+    row = Row(family, op, case, dtype, figures, ratios, regime, target=target, note=note)
+    if probe_bytes:
+        # each round: the time of the row's bytes at that round's bandwidth, over topg's
+        pairs = list(zip(cmp.samples[PROBE], cmp.samples["topg"], strict=True))
+        row.ratios["limit"] = summarize([dram_bytes * tp / probe_bytes / t for tp, t in pairs])
+        row.read_bw = cmp.stats(PROBE).inverse(float(probe_bytes))
+        row.limit_ms = dram_bytes / row.read_bw.median * 1e3
+        row.limit_kind = "read bw"
+    if flops is not None:
+        best = min(names, key=lambda n: cmp.stats(n).median)
         peak = theoretical_peak()["fp32_flops"]
-        row.regime, row.limit_kind, row.limit_ms = "compute", "gemm", best_s * 1e3
-        row.ratios["of best"] = cmp.per_round("topg", lambda t: best_s / t)
+        row.regime, row.limit_kind = "compute", "gemm"
+        row.limit_ms = cmp.ms(best).median
+        row.ratios["of best"] = cmp.ratio(best, "topg")  # per round: best's time / topg's
         if peak > 0:
             row.ratios["of peak"] = cmp.per_round("topg", lambda t: flops / t / peak)
         row.note = (row.note + "; " if row.note else "") + f"best: {best}"

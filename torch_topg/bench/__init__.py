@@ -4,7 +4,7 @@
   per-round samples; ``Comparison.ms(name)`` and ``Comparison.ratio(a, b)`` summarise a
   figure or a per-round ratio as ``Stats`` (median and spread). ``bench(fn)`` times one
   callable. ``verdict(ratio, target)`` says "met", "missed", or either "within noise".
-* ``read_bandwidth_stats()``, ``llc_bytes()``, ``classify()``, ``cold_copies()``,
+* ``read_probe()``, ``read_bandwidth_stats()``, ``llc_bytes()``, ``classify()``, ``cold_copies()``,
   ``theoretical_peak()``, ``gemm_stats()``, ``machine_info()``: the limits (machine.py).
 * ``new_record()``, ``write_record()``, ``load_record()``, ``compare_records()``: the JSON
   record of a run under ``bench_results/`` (record.py); ``python -m torch_topg bench
@@ -22,6 +22,7 @@ from torch_topg.bench.machine import (
     machine_info,
     read_bandwidth,
     read_bandwidth_stats,
+    read_probe,
     remeasure,
     theoretical_peak,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "quantile",
     "read_bandwidth",
     "read_bandwidth_stats",
+    "read_probe",
     "remeasure",
     "summarize",
     "theoretical_peak",

@@ -1,9 +1,10 @@
 """The machine's limits, measured in the run and derived from what the CPU says it is.
 
-* ``read_bandwidth_stats()``: a read-bandwidth probe that sums a buffer of at least
-  ``8 x`` the last-level cache with every thread the benchmark uses (torch's thread
-  count), reported with its spread. Time of a row's DRAM bytes at its median is the
-  row's memory limit.
+* ``read_probe()`` / ``read_bandwidth_stats()``: a read-bandwidth probe that sums a
+  buffer of at least ``8 x`` the last-level cache with every thread the benchmark uses
+  (torch's thread count), reported with its spread. The bandwidth of a shared machine
+  moves with its load (8-28 GB/s in one hour here), so a row compared with DRAM runs the
+  probe in each of its rounds and sets each round's time against that round's bandwidth.
 * ``llc_bytes()``: the last-level cache, from ``/sys/devices/system/cpu/cpu0/cache``.
   A working set under ``DRAM_FACTOR x`` that is "in cache" (see ``classify``).
 * ``theoretical_peak()``: fp32 FLOP/s from the ISA, the core count and the clock, with
@@ -20,6 +21,7 @@ import os
 import platform
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,17 +143,30 @@ def theoretical_peak(threads: int | None = None, info: dict[str, str] | None = N
 
 
 @functools.cache
-def read_bandwidth_stats(threads: int | None = None, factor: int = 8) -> Stats:
-    """Read bandwidth in bytes/s: ``sum()`` over an fp32 buffer of ``factor x LLC`` (at
-    least 256 MiB) with ``threads`` threads (torch's count by default), 10 rounds."""
+def _probe_buffer(nbytes: int) -> torch.Tensor:
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+def read_probe(factor: int = 8) -> tuple[Callable[[], object], int]:
+    """The read-bandwidth probe as a callable and the bytes one call reads: ``sum()``
+    over an fp32 buffer of ``factor x LLC`` (at least 256 MiB), kept for the process.
+    A benchmark interleaves it with a row's variants to measure the bandwidth in the
+    same rounds as the row."""
     nbytes = max(factor * llc_bytes()[0], 256 << 20)
+    return _probe_buffer(nbytes).sum, nbytes
+
+
+@functools.cache
+def read_bandwidth_stats(threads: int | None = None) -> Stats:
+    """Read bandwidth in bytes/s: ``read_probe()`` with ``threads`` threads (torch's
+    count by default), 10 rounds."""
+    probe, nbytes = read_probe()
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        buf = torch.ones(nbytes // 4, dtype=torch.float32)
         budget = Budget(warmup=2, min_rounds=10, max_rounds=10, min_sample_s=0.0)
-        return compare({"sum": buf.sum}, budget).stats("sum").inverse(float(nbytes))
+        return compare({"sum": probe}, budget).stats("sum").inverse(float(nbytes))
     finally:
         torch.set_num_threads(old)
 
@@ -217,7 +232,7 @@ def machine_info(measure: bool = True) -> dict:
     }
     if measure:
         out["read_bw"] = read_bandwidth_stats().to_dict()
-        out["read_bw_buffer_bytes"] = max(8 * llc, 256 << 20)
+        out["read_bw_buffer_bytes"] = read_probe()[1]
         out["gemm_fp32_1024"] = gemm_stats().to_dict()
     return out
 

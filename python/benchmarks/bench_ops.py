@@ -222,7 +222,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results", help="folder for the record and tables")
     ap.add_argument("--runs", type=int, default=1, help="run this many times, one record each")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not torch_topg.native_available():
         print("warning: native kernels not loaded; topg rows time the reference fallback")
     print(f"torch threads: {torch.get_num_threads()}")

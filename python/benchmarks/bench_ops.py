@@ -118,7 +118,7 @@ def summary(rows: list[Row]) -> str:
     )
     for name, label in (
         ("limit", "read bw"),
-        ("of best", "of best GEMM"),
+        ("of best", "the fastest variant (GEMM)"),
         ("of peak", "fp32 peak"),
     ):
         have = [r for r in rows if name in r.ratios]

@@ -1,0 +1,200 @@
+"""The engine benchmark's llama.cpp side: the GGUF in F32 / BF16, ``llama-server``
+under 16 concurrent requests, ``llama-bench`` at batch 1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from engine_common import (
+    CONCURRENCY,
+    DECODE_CONTEXT,
+    DECODE_TOKENS,
+    THREADS,
+    TTFT_PROMPT,
+    med,
+    peak_rss_mb,
+    rss_mb,
+)
+
+
+def gguf_for(dtype: str, quantize: Path) -> Path:
+    """SmolLM2's shipped GGUF (Q4_1) converted to F32 / BF16 with llama.cpp's quantizer
+    (--allow-requantize de-quantises), at the path bench_models.py uses (shared cache)."""
+    from torch_topg.models.hf import gguf_path
+
+    cache = Path(os.environ.get("TOPG_CACHE_DIR", Path.home() / ".cache" / "torch_topg"))
+    dst = cache / f"smollm2-135m-instruct-{dtype}.gguf"
+    if not dst.exists():
+        tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+        kind = {"fp32": "F32", "bf16": "BF16"}[dtype]
+        p = subprocess.run(
+            [str(quantize), "--allow-requantize", str(gguf_path()), str(tmp), kind, str(THREADS)],
+            capture_output=True,
+            text=True,
+        )
+        if p.returncode != 0 or not tmp.exists():
+            raise RuntimeError(f"llama-quantize failed ({p.returncode}): {p.stderr[-500:]}")
+        tmp.rename(dst)
+    return dst
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, path: str, body: dict, timeout: float = 1800) -> dict:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
+        return json.loads(data)
+    finally:
+        c.close()
+
+
+def _wait_health(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"llama-server not healthy after {timeout:.0f} s")
+
+
+def run_llama_server(
+    server: Path, gguf: Path, ids: list[list[int]], rounds: int, new_tokens: int, log: Path
+) -> dict:
+    """``llama-server --parallel 16`` on localhost; each round sends the 16 prompts as 16
+    concurrent /completion requests (token ids, n_predict, ignore_eos, greedy, no prompt
+    cache); wall time from the first submit to the last completion."""
+    per_slot = -(-(max(len(x) for x in ids) + new_tokens) // 256) * 256
+    port = _free_port()
+    cmd = [
+        str(server), "-m", str(gguf), "--parallel", str(CONCURRENCY),
+        "-c", str(per_slot * CONCURRENCY), "-t", str(THREADS), "-tb", str(THREADS),
+        "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--cache-ram", "0",
+    ]  # fmt: skip
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT)
+    try:
+        _wait_health(port, proc)
+        rss_load = rss_mb(proc.pid)
+
+        def one_round() -> tuple[float, list[dict]]:
+            res: list[dict | BaseException | None] = [None] * len(ids)
+
+            def go(j: int) -> None:
+                body = {
+                    "prompt": ids[j],
+                    "n_predict": new_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                }
+                try:
+                    res[j] = _post(port, "/completion", body)
+                except BaseException as e:  # reported below
+                    res[j] = e
+
+            threads = [threading.Thread(target=go, args=(j,)) for j in range(len(ids))]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            errs = [r for r in res if isinstance(r, BaseException)]
+            if errs:
+                raise RuntimeError(f"request failed: {errs[0]!r}")
+            return wall, res  # type: ignore[return-value]
+
+        one_round()  # warm-up
+        walls, rss_after, tokens, problems = [], [], None, []
+        for _ in range(rounds):
+            wall, res = one_round()
+            walls.append(wall)
+            rss_after.append(rss_mb(proc.pid))
+            toks = [r.get("tokens") or [] for r in res]
+            n_pred = [r.get("tokens_predicted") for r in res]
+            if any(n != new_tokens for n in n_pred):
+                problems.append(f"tokens_predicted {sorted(set(map(str, n_pred)))}")
+            # every prompt token evaluated (no KV reuse between the requests)
+            n_prompt = sum((r.get("timings") or {}).get("prompt_n", 0) for r in res)
+            if n_prompt != sum(len(x) for x in ids):
+                problems.append(f"prompt tokens evaluated {n_prompt}, sent {sum(map(len, ids))}")
+            tokens = tokens or toks
+        peak = peak_rss_mb(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {
+        "system": "llama-server",
+        "cmd": shlex.join(cmd),
+        "walls_s": walls,
+        "tokens_per_round": CONCURRENCY * new_tokens,
+        "tokens": tokens,
+        "rss_load_mb": rss_load,
+        "rss_after_rounds_mb": rss_after,
+        "peak_rss_mb": peak,
+        "problems": problems,
+    }
+
+
+def run_llama_bench(bench: Path, gguf: Path, repeats: int) -> dict:
+    """``llama-bench -p 512 -n 0`` (prefill of 512 tokens = TTFT less sampling) and
+    ``-p 0 -n 64 -d 256`` (64 decode steps after a 256-token context)."""
+    out = {}
+    for key, extra in (
+        ("ttft_ms", ["-p", str(TTFT_PROMPT), "-n", "0"]),
+        ("decode_ms", ["-p", "0", "-n", str(DECODE_TOKENS), "-d", str(DECODE_CONTEXT)]),
+    ):
+        cmd = [
+            str(bench),
+            "-m",
+            str(gguf),
+            "-t",
+            str(THREADS),
+            "-r",
+            str(repeats),
+            "-o",
+            "json",
+            *extra,
+        ]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cmd)} exited {p.returncode}: {p.stderr[-400:]}")
+        rows = json.loads(p.stdout)
+        ns = rows[0]["samples_ns"]
+        per = 1 if key == "ttft_ms" else DECODE_TOKENS
+        out[key] = med([x / 1e6 / per for x in ns])
+        out[key + "_cmd"] = shlex.join(cmd)
+        out["flash_attn"] = rows[0].get("flash_attn")
+        out["build"] = f"{rows[0].get('build_commit')} ({rows[0].get('build_number')})"
+    return out
+
+
+# --- orchestration ----------------------------------------------------------------------

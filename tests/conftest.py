@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import torch_topg  # noqa: F401  (registers the ops)
+import torch_topg  # registers the ops
 from torch_topg import _native
 
 settings.register_profile(
@@ -84,3 +84,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             f"TOPG_REQUIRE_NATIVE=1 but the native extension is not loaded: "
             f"{_native.missing_reason('cpu')}"
         )
+    # The CUDA kernels check index values (block ids, slots, positions, expert ids) only
+    # when asked (a host sync per call); the suite asks, so that its bad-index cases hold
+    # on every device. tests/test_cuda_sync.py turns them off to show the hot path has no
+    # synchronisation.
+    torch_topg.set_index_checks(True)

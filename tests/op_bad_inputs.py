@@ -483,21 +483,11 @@ DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
 #: Cases whose C++ wording differs from Python's (the Python side is the one to keep):
 #: (op, case) -> what the C++ check says instead. Marked xfail(strict) on the native path.
-CPP_WORDING: dict[tuple[str, str], str] = {
-    ("rotary_embedding", "head_size 0"): (
-        "csrc/common/op_checks.h rotary_view() blames 'query': \"argument 'query' (shape [4, 32], "
-        "dtype float32, device cpu) expected a last dimension that is a multiple of head_size "
-        '0"; Python: "argument \'head_size\' expected a positive value, got 0"'
-    ),
-}
+CPP_WORDING: dict[tuple[str, str], str] = {}
 
 #: NaN / inf cases where the CPU kernel disagrees with its reference (a csrc fix pending):
 #: (op, case) -> what the kernel does. Marked xfail(strict) where the CPU kernel exists.
-KERNEL_NAN_BUGS: dict[tuple[str, str], str] = {
-    ("attention", "nan key: rows that see it"): "a key with a NaN score is skipped as if masked",
-    ("attention", "nan query: its row"): "a query row with a NaN gives zeros (as if it saw no key)",
-    ("paged_attention", "nan query"): "a query row with a NaN gives zeros (as if it saw no key)",
-}
+KERNEL_NAN_BUGS: dict[tuple[str, str], str] = {}
 
 
 def call_native(spec: OpSpec, device: str, args: tuple, kwargs: dict) -> object:

@@ -18,6 +18,7 @@ tpu.register_xla()
 
 from torch_topg import eager  # noqa: E402  (after load: enable() needs the native ops)
 from torch_topg.eager import disable, enable, enabled  # noqa: E402
+from torch_topg.modes import index_checks, set_index_checks  # noqa: E402
 from torch_topg.offload import OffloadHandle, offload  # noqa: E402
 
 eager.install_transformers_hook()
@@ -31,10 +32,12 @@ __all__ = [
     "enable",
     "enabled",
     "explain",
+    "index_checks",
     "native_available",
     "offload",
     "ops",
     "reference",
+    "set_index_checks",
 ]
 
 

@@ -135,6 +135,7 @@ inline RotarySizes rotary_embedding(const at::Tensor& positions, const at::Tenso
       .floating()
       .contiguous()
       .same_device(query, "query");
+  TOPG_CHECK(head_size > 0, op, "argument 'head_size' expected a positive value, got ", head_size);
   RotarySizes s;
   const int64_t token_dims = positions.dim();
   s.num_tokens = positions.numel();

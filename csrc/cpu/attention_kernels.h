@@ -199,9 +199,11 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
   Vec8 mx(NEG_INF);
   for (int64_t c = 0; c < n8; c += 8) mx = Vec8::max(mx, Vec8::load(s + c));
   const float mt = mx.max();
-  if (mt == NEG_INF) {  // nothing visible in this tile for this row
-    for (int64_t c = 0; c < n; ++c) s[c] = 0.f;
-    return 1.f;
+  if (mt == NEG_INF) {  // nothing visible in this tile for this row, or NaN (max drops it)
+    const bool nan = any_nan(s, n);
+    for (int64_t c = 0; c < n; ++c) s[c] = nan ? NAN : 0.f;
+    if (nan) l = NAN;  // the row's output is NaN, as softmax over a NaN score is
+    return nan ? NAN : 1.f;
   }
   const float m_new = std::max(m, mt);
   const float alpha = std::exp(m - m_new);  // m = -inf on the first visible tile -> 0
@@ -379,7 +381,7 @@ void prefill_block(const PrefillArgs<T>& a, int64_t b, int64_t kvh, int64_t i0, 
     const int64_t i = i0 + r / G, h = kvh * G + r % G;
     T* dst = a.out + a.o_off[b] + i * a.o_ss + h * a.o_sh;
     const float* src = ws.o.data() + r * dp;
-    const float inv = ws.l[r] > 0.f ? 1.f / ws.l[r] : 0.f;
+    const float l = ws.l[r], inv = std::isnan(l) ? l : l > 0.f ? 1.f / l : 0.f;
     int64_t e = 0;
     for (; e + 8 <= d; e += 8) (Vec8::load(src + e) * Vec8(inv)).store(dst + e);
     for (; e < d; ++e) dst[e] = from_float<T>(src[e] * inv);

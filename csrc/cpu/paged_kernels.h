@@ -273,8 +273,13 @@ void partition(const PagedArgs<T>& a, const RowPart* rp, int64_t R, int64_t t0, 
     Vec8 mx(NEG_INF);
     for (int64_t c = 0; c < ps; c += 8) mx = Vec8::max(mx, Vec8::load(s + c));
     const float m = mx.max();
-    if (m == NEG_INF) {  // sees nothing here (not for rows an item is built with)
-      std::fill(s, s + ps, 0.f);
+    if (m == NEG_INF) {      // sees nothing here (not for rows an item is built with), or NaN
+      if (any_nan(s, ps)) {  // max drops NaN; softmax over a NaN score is NaN
+        std::fill(s, s + ps, NAN);
+        rp[r].res[h * rs + dp] = rp[r].res[h * rs + dp + 1] = NAN;
+      } else {
+        std::fill(s, s + ps, 0.f);
+      }
       continue;
     }
     Vec8 sum = Vec8::zero();
@@ -318,7 +323,10 @@ void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, 
   std::vector<float> o(dp);
   for (int64_t g = 0; g < heads; ++g) {
     float m = NEG_INF;
-    for (int64_t p = 0; p < parts; ++p) m = std::max(m, res[(p * heads + g) * rs + dp]);
+    for (int64_t p = 0; p < parts; ++p) {  // NaN wins (std::max would drop it)
+      const float mp = res[(p * heads + g) * rs + dp];
+      m = std::isnan(mp) || std::isnan(m) ? NAN : std::max(m, mp);
+    }
     std::fill(o.begin(), o.end(), 0.f);
     float l = 0.f;
     if (m != NEG_INF) {
@@ -331,7 +339,7 @@ void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, 
           Vec8::fma(Vec8(w), Vec8::load(r + e), Vec8::load(o.data() + e)).store(o.data() + e);
       }
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // seq_len 0 -> zeros
+    const float inv = std::isnan(l) ? l : l > 0.f ? 1.f / l : 0.f;  // seq_len 0 -> zeros
     T* dst = out + g * out_sh;
     int64_t e = 0;
     for (; e + 8 <= d; e += 8) (Vec8::load(o.data() + e) * Vec8(inv)).store(dst + e);

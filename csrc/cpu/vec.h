@@ -196,11 +196,12 @@ inline Vec8 exp_in_range(Vec8 x) {
 }
 
 // exp(x) for any x: below -87.3 returns 0 (so exp(-inf) = 0, which masked softmax
-// relies on); above 88.3 returns inf.
+// relies on); above 88.3 returns inf; NaN stays NaN (max/min return their second
+// operand when either is NaN, so x goes second: a NaN score must not become a weight).
 inline Vec8 exp(Vec8 x) {
   const __m256 lo = _mm256_set1_ps(-87.3365447504f);
   const __m256 underflow = _mm256_cmp_ps(x.v, lo, _CMP_LT_OQ);
-  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x.v, lo), _mm256_set1_ps(88.3762626647949f));
+  const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(lo, x.v));
   return Vec8(_mm256_andnot_ps(underflow, exp_in_range(Vec8(xc)).v));
 }
 
@@ -357,6 +358,13 @@ inline void store_partial(T* p, Vec8 v, int n) {
   alignas(32) float tmp[8];
   v.store(tmp);
   for (int i = 0; i < n; ++i) p[i] = from_float<T>(tmp[i]);
+}
+
+// True if any of x[0, n) is NaN (for the rare paths where a max reduction dropped it).
+inline bool any_nan(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (std::isnan(x[i])) return true;
+  return false;
 }
 
 }  // namespace topg

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "common/op_checks.h"
+#include "cpu/modes.h"
 
 namespace topg::cuda {
 
@@ -143,16 +144,13 @@ inline int num_sms() {
 }
 
 // Host-side index validation (block ids, slots, positions, expert ids) costs one device
-// sync. It is skipped while a CUDA graph is being captured (a sync there is illegal) and
-// when TOPG_CUDA_INDEX_CHECKS=0. The kernels bound every index themselves, so a bad index
-// then never touches memory out of range (that row is skipped, or an id is clamped into
-// range and reads valid but wrong data), but it raises no error.
+// sync, so it runs only when asked (topg::index_checks(), cpu/modes.h: TOPG_CUDA_INDEX_CHECKS=1
+// or torch_topg.index_checks()), and never while a CUDA graph is being captured (a sync
+// there is illegal). The kernels bound every index themselves, so a bad index never
+// touches memory out of range (that row is skipped, or an id is clamped into range and
+// reads valid but wrong data); without the checks it raises no error.
 inline bool index_checks_enabled() {
-  static const bool env_on = [] {
-    const char* v = std::getenv("TOPG_CUDA_INDEX_CHECKS");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  if (!env_on) return false;
+  if (!topg::index_checks()) return false;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(current_stream(), &status));
   return status == cudaStreamCaptureStatusNone;

@@ -69,10 +69,11 @@ SCHEMAS: dict[str, str] = {
 # implemented only by the native extension.
 # - The eager interception (``torch_topg.eager``, csrc/cpu/intercept.cpp): ``ops`` are aten
 #   op names; the result lists what was registered, as "<aten op>.<dispatch key>".
-# - The batch-invariant mode (csrc/cpu/modes.cpp; the engine's ``deterministic=True``):
-#   returns the previous setting.
+# - The batch-invariant mode (csrc/cpu/modes.cpp; the engine's ``deterministic=True``)
+#   and the CUDA index checks (``torch_topg.index_checks``): return the previous setting.
 INTERNAL_SCHEMAS: dict[str, str] = {
     "_enable_interception": "_enable_interception(str[] ops) -> str[]",
     "_disable_interception": "_disable_interception() -> ()",
     "_set_batch_invariant": "_set_batch_invariant(bool enabled) -> bool",
+    "_set_index_checks": "_set_index_checks(bool enabled) -> bool",
 }

@@ -1,0 +1,39 @@
+"""Process-wide kernel modes: ``torch_topg.index_checks``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from torch_topg import _native
+
+
+def set_index_checks(enabled: bool) -> bool:
+    """Turn the CUDA kernels' index checks on or off for the whole process; returns the
+    previous setting.
+
+    With the checks on, each CUDA call of ``rotary_embedding`` (positions),
+    ``reshape_and_cache`` (slots), ``paged_attention`` (block ids, lengths, offsets) and
+    ``fused_moe`` (expert ids) validates those values before launching and raises an error
+    naming the argument, at the cost of one host synchronisation per call (skipped while
+    a CUDA graph is captured). Off by default (``TOPG_CUDA_INDEX_CHECKS=1`` at start-up
+    turns them on), as in vLLM and flash-attn: the kernels bound every index themselves,
+    so a bad index never reads or writes out of range, but it gives wrong values instead
+    of an error. The CPU kernels always check (their indices are already on the host).
+    """
+    if not _native.is_loaded():
+        return False  # no CUDA kernels: the reference fallback always checks
+    return bool(torch.ops.topg._set_index_checks.default(bool(enabled)))
+
+
+@contextlib.contextmanager
+def index_checks(enabled: bool = True) -> Iterator[None]:
+    """``with torch_topg.index_checks():`` the CUDA index checks on inside the block
+    (see :func:`set_index_checks`); the previous setting is restored on exit."""
+    prev = set_index_checks(enabled)
+    try:
+        yield
+    finally:
+        set_index_checks(prev)

@@ -24,6 +24,7 @@ import importlib
 import pathlib
 import sys
 import time
+import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -145,7 +146,8 @@ def render(rec: dict, targets_only: bool = False) -> str:
         f"Run {rec['date']} at commit {rec['commit']}{' (dirty)' if rec.get('dirty') else ''}"
         f"{', --quick' if rec.get('quick') else ''}: {describe(rec['machine'])}"
     )
-    return f"{head}\n\n{table(shown)}\n\n{summary(rows)}\n"
+    notes = "".join(f"- {n}\n" for n in rec.get("notes", []) if "failed" in n or "skipped" in n)
+    return f"{head}\n\n{table(shown)}\n\n{summary(rows)}\n" + (f"\n{notes}" if notes else "")
 
 
 def plot(rows: list[Row], path: pathlib.Path) -> None:
@@ -195,7 +197,12 @@ def run_once(args: argparse.Namespace, families: list[str]) -> pathlib.Path:
             print(notes[-1])
             continue
         t0 = time.perf_counter()
-        fam_rows = module.run(args.quick)
+        try:
+            fam_rows = module.run(args.quick)
+        except Exception as exc:  # one family's failure must not lose the others' rows
+            traceback.print_exc()
+            notes.append(f"[{fam}] failed: {type(exc).__name__}: {exc}")
+            continue
         rows += fam_rows
         print(f"[{fam}] {len(fam_rows)} rows in {time.perf_counter() - t0:.0f} s", flush=True)
     notes.append(f"wall time of the run: {time.perf_counter() - t_start:.0f} s")

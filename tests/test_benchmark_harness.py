@@ -347,7 +347,7 @@ def test_compare_records_rates_are_higher_is_better():
         return bench.new_record("engine", [row], MACHINE, date=date, argv=[])
 
     out = bench.compare_records(rec(100.0, "2026-01-01"), rec(150.0, "2026-01-02"))
-    assert "faster beyond the spread (1)" in out and "1.50x speed" in out
+    assert "faster beyond the spread (1)" in out and "1.50x higher" in out
     out = bench.compare_records(rec(150.0, "2026-01-01"), rec(100.0, "2026-01-02"))
     assert "slower beyond the spread (1)" in out
 

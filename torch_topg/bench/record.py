@@ -14,8 +14,9 @@ Schema (``SCHEMA``)::
 
 ``Stats`` is ``{"median", "lo", "hi", "n", "spread"}``. ``compare_records(a, b)`` lists,
 per row and figure present in both, what got faster or slower beyond the spread: the
-two spreads do not overlap. Lower is better (times) except for the figures a row lists
-in ``"higher_is_better"`` (rates, e.g. tokens/s).
+two spreads do not overlap. Lower is better for figures (times) except those a row lists
+in ``"higher_is_better"`` (rates, e.g. tokens/s); higher is better for ratios (speed-ups,
+fractions of a limit), which are measured side by side and so move less with the load.
 """
 
 from __future__ import annotations
@@ -131,19 +132,28 @@ def compare_records(a: dict, b: dict) -> str:
             only.append(f"  new in B: {row['key']}")
             continue
         unit = row.get("unit", "")
+        # figures: times (lower is better) unless listed; ratios: speed-ups and
+        # fractions of a limit (higher is better), robust to the machine's load
         higher = set(row.get("higher_is_better", ()))
-        for name, fig in row["figures"].items():
-            if name not in old["figures"]:
+        pairs = [
+            (n, old["figures"].get(n), f, n in higher, unit) for n, f in row["figures"].items()
+        ]
+        pairs += [
+            (f"ratio {n}", old.get("ratios", {}).get(n), f, True, "")
+            for n, f in row.get("ratios", {}).items()
+        ]
+        for name, before, fig, up, unit in pairs:
+            if before is None:
                 continue
-            sa, sb = Stats.from_dict(old["figures"][name]), Stats.from_dict(fig)
-            speedup = sb.median / sa.median if name in higher else sa.median / sb.median
+            sa, sb = Stats.from_dict(before), Stats.from_dict(fig)
+            speedup = sb.median / sa.median if up else sa.median / sb.median
             line = (
                 f"  {row['key']} | {name}: {sa.fmt('.4g')} -> {sb.fmt('.4g')} {unit} "
-                f"({speedup:.2f}x{' speed' if name in higher else ''})"
+                f"({speedup:.2f}x{' higher' if up else ''})"
             )
             if sa.overlaps(sb):
                 same += 1
-            elif (sb.lo > sa.hi) == (name in higher):  # a time went down or a rate up
+            elif (sb.lo > sa.hi) == up:  # a time went down, or a rate or ratio up
                 faster.append((speedup, line))
             else:
                 slower.append((speedup, line))
@@ -158,10 +168,17 @@ def compare_records(a: dict, b: dict) -> str:
             f"note: different machines ({ma.get('cpu_model')} x{ma.get('threads')} vs "
             f"{mb.get('cpu_model')} x{mb.get('threads')})"
         )
+    machine_moved = False
     for name, key in (("read bandwidth", "read_bw"), ("fp32 GEMM 1024^3", "gemm_fp32_1024")):
         if key in ma and key in mb:
             sa, sb = Stats.from_dict(ma[key]), Stats.from_dict(mb[key])
             head.append(f"{name}: {sa.scaled(1e-9).fmt('.1f')} -> {sb.scaled(1e-9).fmt('.1f')} G/s")
+            machine_moved |= not sa.overlaps(sb)
+    if machine_moved:
+        head.append(
+            "note: the machine's own figures moved beyond their spread (load?): times may "
+            "have moved with it; the ratios (measured side by side) are the safer guide"
+        )
     out = [*head, f"faster beyond the spread ({len(faster)}):"]
     out += [line for _, line in sorted(faster, reverse=True)]
     out += [f"slower beyond the spread ({len(slower)}):"]

@@ -192,3 +192,27 @@ def test_attention_bad_cu_seqlens_values(cu):
         torch_topg.ops.attention(q, q, q, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="argument 'cu_seqlens_q'.*non-decreasing"):
         reference.attention(q, q, q, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+
+
+def test_ragged_max_seqlen() -> None:
+    """max_seqlen_q / max_seqlen_k (flash-attn's varlen arguments): the same result when
+    they are at least the longest sequence, an error naming them when below it (on the
+    native kernel where built, and on the reference), and refused for dense input."""
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 3, 10, 12], dtype=torch.int32)
+    q, k, v = (torch.randn(12, 4, 16, generator=g) for _ in range(3))
+    base = torch_topg.ops.attention(q, k, v, cu_seqlens_q=cu, causal=True)
+    for mq, mk in ((7, 7), (9, None), (None, 30)):
+        out = torch_topg.ops.attention(
+            q, k, v, cu_seqlens_q=cu, causal=True, max_seqlen_q=mq, max_seqlen_k=mk
+        )
+        torch.testing.assert_close(out, base, rtol=0, atol=0)
+    for fn in (torch_topg.ops.attention, reference.attention):
+        with pytest.raises(RuntimeError, match=r"'max_seqlen_q' expected at least .*\(7\), got 6"):
+            fn(q, k, v, cu_seqlens_q=cu, max_seqlen_q=6)
+        with pytest.raises(RuntimeError, match=r"'max_seqlen_k' expected at least .*\(7\), got 2"):
+            fn(q, k, v, cu_seqlens_q=cu, max_seqlen_k=2)
+    with pytest.raises(RuntimeError, match="'max_seqlen_q' expected None without 'cu_seqlens_q'"):
+        torch_topg.ops.attention(q[None], k[None], v[None], max_seqlen_q=12)
+    with pytest.raises(RuntimeError, match="'max_seqlen_k' expected a value >= 0, got -1"):
+        torch_topg.ops.attention(q, k, v, cu_seqlens_q=cu, max_seqlen_k=-1)

@@ -12,6 +12,7 @@
 #include <ATen/TensorUtils.h>
 #include <c10/util/string_view.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -260,7 +261,8 @@ inline AttentionSizes attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& cu_q,
                                 const std::optional<at::Tensor>& cu_k, int64_t window_left,
                                 double softcap, const std::optional<at::Tensor>& mask,
-                                c10::DeviceType dev) {
+                                std::optional<int64_t> max_seqlen_q,
+                                std::optional<int64_t> max_seqlen_k, c10::DeviceType dev) {
   const char* op = "attention";
   AttentionSizes s;
   s.ragged = cu_q.has_value();
@@ -289,8 +291,13 @@ inline AttentionSizes attention(const at::Tensor& q, const at::Tensor& k, const 
       TOPG_CHECK(k.size(0) == q.size(0), op, "argument 'key' ", describe(k), " expected ",
                  q.size(0), " tokens (the tokens of 'query', as 'cu_seqlens_k' is None)");
     }
+    for (auto [name, v] : {std::pair{"max_seqlen_q", max_seqlen_q}, {"max_seqlen_k", max_seqlen_k}})
+      TOPG_CHECK(!v.has_value() || *v >= 0, op, "argument '", name, "' expected a value >= 0, got ",
+                 v.value_or(0));
   } else {
     if (cu_k.has_value()) Arg(op, "cu_seqlens_k", *cu_k).fail("None without 'cu_seqlens_q'");
+    for (auto [name, v] : {std::pair{"max_seqlen_q", max_seqlen_q}, {"max_seqlen_k", max_seqlen_k}})
+      TOPG_CHECK(!v.has_value(), op, "argument '", name, "' expected None without 'cu_seqlens_q'");
     Arg(op, "key", k).size(0, q.size(0), "the batch of 'query'");
     if (mask.has_value()) {
       Arg a(op, "mask", *mask);
@@ -307,6 +314,15 @@ inline AttentionSizes attention(const at::Tensor& q, const at::Tensor& k, const 
     }
   }
   return s;
+}
+
+// A caller's max_seqlen_q / max_seqlen_k against the offsets read on the host.
+inline void max_seqlen(const std::vector<int64_t>& cu, std::optional<int64_t> given,
+                       const char* name) {
+  int64_t longest = 0;
+  for (size_t b = 1; b < cu.size(); ++b) longest = std::max(longest, cu[b] - cu[b - 1]);
+  TOPG_CHECK(!given.has_value() || *given >= longest, "attention", "argument '", name,
+             "' expected at least the longest sequence (", longest, "), got ", given.value_or(0));
 }
 
 // ---------------------------------------------------------------- mixture of experts

@@ -46,9 +46,11 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
                          const std::optional<at::Tensor>& cu_seqlens_q,
                          const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
                          std::optional<double> scale, int64_t window_left, double softcap,
-                         const std::optional<at::Tensor>& mask) {
-  const checks::AttentionSizes sz = checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k,
-                                                      window_left, softcap, mask, at::kCPU);
+                         const std::optional<at::Tensor>& mask, std::optional<int64_t> max_seqlen_q,
+                         std::optional<int64_t> max_seqlen_k) {
+  const checks::AttentionSizes sz =
+      checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k, window_left, softcap, mask,
+                        max_seqlen_q, max_seqlen_k, at::kCPU);
   const bool ragged = sz.ragged;
 
   // Per-sequence offsets (elements) and lengths; token / head strides are shared.
@@ -59,6 +61,8 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
     const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query.size(0));
     std::vector<int64_t> ck = cq;
     if (cu_seqlens_k.has_value()) ck = read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", key.size(0));
+    checks::max_seqlen(cq, max_seqlen_q, "max_seqlen_q");
+    checks::max_seqlen(ck, max_seqlen_k, "max_seqlen_k");
     for (size_t b = 0; b + 1 < cq.size(); ++b) {
       q_off.push_back(cq[b] * query.stride(0));
       k_off.push_back(ck[b] * key.stride(0));

@@ -65,7 +65,8 @@ bool float_dtype(at::ScalarType s) {
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                bool, std::optional<double>, int64_t, double,
-                               const std::optional<at::Tensor>&);
+                               const std::optional<at::Tensor>&, std::optional<int64_t>,
+                               std::optional<int64_t>);
 
 const c10::TypedOperatorHandle<AttentionFn>& topg_attention() {
   static const auto op =
@@ -124,9 +125,9 @@ at::Tensor sdpa_adapter(const at::Tensor& query, const at::Tensor& key, const at
   // [B, H, S, D] -> [B, S, H, D] views (topg needs only the last dim contiguous); the
   // [B, S, H, D] result is returned as a [B, H, S, D] view, the layout CPU flash
   // attention returns too.
-  const at::Tensor out =
-      topg_attention().call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                            std::nullopt, std::nullopt, is_causal, scale, -1, 0.0, attn_mask);
+  const at::Tensor out = topg_attention().call(
+      query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), std::nullopt, std::nullopt,
+      is_causal, scale, -1, 0.0, attn_mask, std::nullopt, std::nullopt);
   return out.transpose(1, 2);
 }
 

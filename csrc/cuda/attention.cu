@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
     attn::row_keys(a, sv, i, lo, hi);
     rows.q_off[r] = sv.qb + i * a.q_ss;
     rows.lo[r] = lo, rows.hi[r] = hi;
-    rows.mask[r] = a.mask ? a.mask + sv.b * a.m_sb + sv.h * a.m_sh + i * a.m_si : nullptr;
+    rows.mask[r] = attn::mask_row(a.mask, sv.b * a.m_sb + sv.h * a.m_sh + i * a.m_si, a.m_esize);
     if (r < rows.nrows && lo <= hi) klo = lo < klo ? lo : klo, khi = hi > khi ? hi : khi;
   }
   if (khi < klo) klo = 0, khi = -1;  // nothing visible: an empty key range
@@ -72,15 +72,6 @@ std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, con
     Arg(OP, name, cu)
         .fail("non-decreasing offsets from 0 to " + std::to_string(total) + " (the token count)");
   return out;
-}
-
-// Bool -> additive (0 / -inf) fp32, floating -> fp32; broadcast to [B, Hq, Sq, Sk] (the
-// shape was checked by checks::attention).
-at::Tensor prepare_mask(const at::Tensor& mask, const at::Tensor& q, int64_t sk) {
-  at::Tensor m = mask.scalar_type() == at::kBool
-                     ? at::where(mask, 0.0, -std::numeric_limits<double>::infinity())
-                     : mask.to(at::kFloat);
-  return m.expand({q.size(0), q.size(2), q.size(1), sk});
 }
 
 // Tensor-core path (attention_tc.cuh) for bf16 / fp16 with head_dim 64 or 128 when every
@@ -119,9 +110,12 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& cu_seqlens_q,
                           const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
                           std::optional<double> scale, int64_t window_left, double softcap,
-                          const std::optional<at::Tensor>& mask) {
-  const checks::AttentionSizes sz = checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k,
-                                                      window_left, softcap, mask, at::kCUDA);
+                          const std::optional<at::Tensor>& mask,
+                          std::optional<int64_t> max_seqlen_q,
+                          std::optional<int64_t> max_seqlen_k) {
+  const checks::AttentionSizes sz =
+      checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k, window_left, softcap, mask,
+                        max_seqlen_q, max_seqlen_k, at::kCUDA);
   const bool ragged = sz.ragged;
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty(query.sizes(), query.options());
@@ -129,25 +123,33 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
   int64_t batch = 0, max_sq = 0;
   at::Tensor mask_f, cu_q, cu_k;
   if (ragged) {
-    const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query, query.size(0));
     cu_q = cu_seqlens_q->contiguous();
-    cu_k = cu_q;
-    if (cu_seqlens_k.has_value()) {
-      read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", query, key.size(0));
-      cu_k = cu_seqlens_k->contiguous();
+    cu_k = cu_seqlens_k.has_value() ? cu_seqlens_k->contiguous() : cu_q;
+    batch = cu_q.size(0) - 1;
+    if (max_seqlen_q.has_value() && !index_checks_enabled()) {
+      max_sq = *max_seqlen_q;  // as flash-attn: no host copy of the offsets, no sync
+    } else {  // the offsets on the host (one sync): validated, and the longest query taken
+      const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query, query.size(0));
+      checks::max_seqlen(cq, max_seqlen_q, "max_seqlen_q");
+      if (cu_seqlens_k.has_value())
+        checks::max_seqlen(read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", query, key.size(0)),
+                           max_seqlen_k, "max_seqlen_k");
+      else
+        checks::max_seqlen(cq, max_seqlen_k, "max_seqlen_k");
+      for (int64_t b = 0; b < batch; ++b) max_sq = std::max(max_sq, cq[b + 1] - cq[b]);
     }
-    batch = int64_t(cq.size()) - 1;
-    for (int64_t b = 0; b < batch; ++b) max_sq = std::max(max_sq, cq[b + 1] - cq[b]);
     a.cu_q = cu_q.const_data_ptr<int32_t>(), a.cu_k = cu_k.const_data_ptr<int32_t>();
+    a.tq = query.size(0), a.tk = key.size(0);
   } else {
     batch = query.size(0), max_sq = query.size(1);
     a.sq = query.size(1), a.sk = key.size(1);
     a.q_sb = query.stride(0), a.k_sb = key.stride(0), a.v_sb = value.stride(0);
     a.o_sb = out.stride(0);
-    if (mask.has_value()) {
-      mask_f = prepare_mask(*mask, query, key.size(1));
-      a.mask = mask_f.const_data_ptr<float>();
+    if (mask.has_value()) {  // a broadcast view, read in its own dtype: no copy
+      mask_f = mask->expand({query.size(0), query.size(2), query.size(1), key.size(1)});
+      a.mask = mask_f.const_data_ptr();
       a.m_sb = mask_f.stride(0), a.m_sh = mask_f.stride(1), a.m_si = mask_f.stride(2);
+      a.m_esize = int(mask_f.element_size());
     }
   }
   if (out.numel() == 0 || batch == 0 || max_sq == 0) return out;
@@ -164,6 +166,11 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
   p.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
   p.softcap = float(softcap);
   p.mask_sj = mask_f.defined() ? mask_f.stride(3) : 0;
+  p.mask_kind = !mask_f.defined()                       ? attn::kMaskFloat
+                : mask_f.scalar_type() == at::kBool     ? attn::kMaskBool
+                : mask_f.scalar_type() == at::kBFloat16 ? attn::kMaskBf16
+                : mask_f.scalar_type() == at::kHalf     ? attn::kMaskHalf
+                                                        : attn::kMaskFloat;
   TOPG_CUDA_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
     if constexpr (is_half_v<T>) {
       if (d == 64 && launch_tc<T, 64>(query, key, value, out, a, p, batch, max_sq)) return;

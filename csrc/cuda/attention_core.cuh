@@ -31,14 +31,39 @@ struct Rows {
   int nrows;
   int64_t q_off[kRows];  // element offset of the query row
   int64_t lo[kRows], hi[kRows];
-  const float* mask[kRows];  // mask row (indexed by key * mask_sj) or nullptr
+  const void* mask[kRows];  // mask row (read with mask_at) or nullptr
 };
+
+// The mask is read in its own dtype (no fp32 copy per call): bool (True = may attend)
+// or an additive float32 / bfloat16 / float16.
+enum MaskKind : int { kMaskFloat = 0, kMaskBool = 1, kMaskBf16 = 2, kMaskHalf = 3 };
 
 struct Params {
   int d;  // head_dim
   float scale, softcap;
-  int64_t mask_sj;
+  int64_t mask_sj;  // key stride of the mask (elements)
+  int mask_kind;
 };
+
+// Additive mask value of key j in a mask row.
+__device__ __forceinline__ float mask_at(const void* row, int64_t j, const Params& p) {
+  const int64_t e = j * p.mask_sj;
+  switch (p.mask_kind) {
+    case kMaskBool:
+      return static_cast<const bool*>(row)[e] ? 0.f : -INFINITY;
+    case kMaskBf16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(row)[e]);
+    case kMaskHalf:
+      return __half2float(static_cast<const __half*>(row)[e]);
+    default:
+      return static_cast<const float*>(row)[e];
+  }
+}
+
+// The mask row of (sequence b, head h, query i): a byte pointer into the mask's storage.
+__device__ __forceinline__ const void* mask_row(const void* mask, int64_t elem_off, int esize) {
+  return mask ? static_cast<const char*>(mask) + elem_off * esize : nullptr;
+}
 
 // Score transform shared by every path: scale, then softcap, then mask/visibility.
 __device__ __forceinline__ float transform(float dot, const Params& p) {
@@ -114,7 +139,7 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
       float v = -INFINITY;
       if (j < k1 && j >= rows.lo[r] && j <= rows.hi[r]) {
         v = transform(s[r], p);
-        if (rows.mask[r]) v += rows.mask[r][j * p.mask_sj];
+        if (rows.mask[r]) v += mask_at(rows.mask[r], j, p);
       }
       // online softmax update for this chunk (all lanes take part in the reductions)
       const float cmax = warp_max(v);

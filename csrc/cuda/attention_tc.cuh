@@ -21,11 +21,13 @@ struct PrefillArgs {
   int64_t q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
   int64_t sq, sk;              // dense lengths
   const int32_t *cu_q, *cu_k;  // ragged offsets (device) or nullptr
+  int64_t tq, tk;              // ragged: the token counts (offsets are clamped to them)
   int hq, hkv;
   bool causal;
   int64_t window;
-  const float* mask;  // fp32 additive, expanded to [B, Hq, Sq, Sk] strides
+  const void* mask;  // expanded to [B, Hq, Sq, Sk] strides, read in its dtype (Params)
   int64_t m_sb, m_sh, m_si;
+  int m_esize;  // bytes per mask element
 };
 
 // The block's sequence (blockIdx.z), query head (blockIdx.y) and their offsets.
@@ -38,9 +40,10 @@ __device__ __forceinline__ SeqView seq_view(const PrefillArgs& a) {
   SeqView s;
   s.b = blockIdx.z, s.h = blockIdx.y, s.hk = s.h / (a.hq / a.hkv);
   s.q0 = 0, s.k0 = 0, s.sq = a.sq, s.sk = a.sk;
-  if (a.cu_q) {
-    s.q0 = a.cu_q[s.b], s.sq = a.cu_q[s.b + 1] - s.q0;
-    s.k0 = a.cu_k[s.b], s.sk = a.cu_k[s.b + 1] - s.k0;
+  if (a.cu_q) {  // clamped: offsets unchecked on the host never reach outside q / k / v
+    auto clamp = [](int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; };
+    s.q0 = clamp(a.cu_q[s.b], 0, a.tq), s.sq = clamp(a.cu_q[s.b + 1], s.q0, a.tq) - s.q0;
+    s.k0 = clamp(a.cu_k[s.b], 0, a.tk), s.sk = clamp(a.cu_k[s.b + 1], s.k0, a.tk) - s.k0;
   }
   s.qb = s.b * a.q_sb + s.q0 * a.q_ss + s.h * a.q_sh;
   s.ob = s.b * a.o_sb + s.q0 * a.o_ss + s.h * a.o_sh;
@@ -135,8 +138,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = i0 + r;
   int64_t lo_r = 0, hi_r = -1;
   if (r < nrows) row_keys(a, sv, i, lo_r, hi_r);
-  const float* mrow =
-      (a.mask && r < nrows) ? a.mask + sv.b * a.m_sb + sv.h * a.m_sh + i * a.m_si : nullptr;
+  const void* mrow =
+      r < nrows ? mask_row(a.mask, sv.b * a.m_sb + sv.h * a.m_sh + i * a.m_si, a.m_esize) : nullptr;
   __syncthreads();
 
   for (int64_t kt = klo; kt <= khi; kt += BKV) {
@@ -174,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
         float val = -INFINITY;
         if (c < nk && j >= lo_r && j <= hi_r) {
           val = transform(srow[c], p);
-          if (mrow) val += mrow[j * p.mask_sj];
+          if (mrow) val += mask_at(mrow, j, p);
         }
         srow[c] = val;
         mx = fmaxf(mx, val);

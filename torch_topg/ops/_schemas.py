@@ -35,7 +35,8 @@ SCHEMAS: dict[str, str] = {
     "attention": (
         "attention(Tensor query, Tensor key, Tensor value, *, Tensor? cu_seqlens_q=None, "
         "Tensor? cu_seqlens_k=None, bool causal=False, float? scale=None, "
-        "int window_left=-1, float softcap=0.0, Tensor? mask=None) -> Tensor"
+        "int window_left=-1, float softcap=0.0, Tensor? mask=None, int? max_seqlen_q=None, "
+        "int? max_seqlen_k=None) -> Tensor"
     ),
     "paged_attention": (
         "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "

@@ -26,6 +26,8 @@ def attention(
     window_left: int = -1,
     softcap: float = 0.0,
     mask: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention (FlashAttention semantics), dense or ragged.
 
@@ -48,6 +50,12 @@ def attention(
             before masking.
         mask: dense only; bool (True = may attend) or floating additive, broadcastable
             to ``[B, Hq, Sq, Sk]``; combined with ``causal`` / ``window_left``.
+        max_seqlen_q, max_seqlen_k: ragged only, the longest query / key sequence (as
+            in flash-attn's varlen API). On CUDA they size the launch without reading
+            ``cu_seqlens`` back to the host (no synchronisation; without them the CUDA
+            kernel copies the offsets to the host). A value below the true maximum is
+            an error where the offsets are read (CPU, reference, CUDA with
+            ``torch_topg.index_checks()``); otherwise the rows past it are not computed.
 
     Returns:
         Contiguous ``[B, Sq, Hq, D]`` (dense) or ``[Tq, Hq, D]`` (ragged) in the dtype of
@@ -66,6 +74,8 @@ def attention(
         window_left=window_left,
         softcap=softcap,
         mask=mask,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
     )
 
 
@@ -198,6 +208,8 @@ def _check_attention(
     window_left: int = -1,
     softcap: float = 0.0,
     mask: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> None:
     op = "attention"
     ragged = cu_seqlens_q is not None
@@ -219,9 +231,15 @@ def _check_attention(
                     "tokens (the tokens of 'query', as 'cu_seqlens_k' is None)"
                 ),
             )
+        for name, v in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            check_op(
+                v is None or v >= 0, op, f"argument '{name}' expected a value >= 0, got {v}"
+            )
         return
     if cu_seqlens_k is not None:
         Arg(op, "cu_seqlens_k", cu_seqlens_k).fail("None without 'cu_seqlens_q'")
+    for name, v in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        check_op(v is None, op, f"argument '{name}' expected None without 'cu_seqlens_q'")
     Arg(op, "key", key).size(0, query.shape[0], "the batch of 'query'")
     if mask is not None:
         m = Arg(op, "mask", mask).same_device(query, "query")

@@ -74,6 +74,8 @@ def attention(
     window_left: int = -1,
     softcap: float = 0.0,
     mask: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     if cu_seqlens_q is None:  # dense [B, S, H, D]
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -97,6 +99,8 @@ def attention(
     cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.tolist()
     _check_cu_seqlens(cu_q, query.shape[0], "cu_seqlens_q")
     _check_cu_seqlens(cu_k, key.shape[0], "cu_seqlens_k")
+    _check_max_seqlen(cu_q, max_seqlen_q, "max_seqlen_q")
+    _check_max_seqlen(cu_k, max_seqlen_k, "max_seqlen_k")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for b in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
@@ -112,6 +116,15 @@ def _check_cu_seqlens(cu: list[int], total: int, name: str) -> None:
         raise RuntimeError(
             f"topg::attention: argument '{name}' expected non-decreasing offsets from 0 to "
             f"{total} (the token count), got {cu}"
+        )
+
+
+def _check_max_seqlen(cu: list[int], given: int | None, name: str) -> None:
+    longest = max((b - a for a, b in itertools.pairwise(cu)), default=0)
+    if given is not None and given < longest:
+        raise RuntimeError(
+            f"topg::attention: argument '{name}' expected at least the longest sequence "
+            f"({longest}), got {given}"
         )
 
 

@@ -232,9 +232,7 @@ def _check_attention(
                 ),
             )
         for name, v in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            check_op(
-                v is None or v >= 0, op, f"argument '{name}' expected a value >= 0, got {v}"
-            )
+            check_op(v is None or v >= 0, op, f"argument '{name}' expected a value >= 0, got {v}")
         return
     if cu_seqlens_k is not None:
         Arg(op, "cu_seqlens_k", cu_seqlens_k).fail("None without 'cu_seqlens_q'")

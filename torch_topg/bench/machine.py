@@ -6,11 +6,12 @@
   moves with its load (8-28 GB/s in one hour here), so a row compared with DRAM runs the
   probe in each of its rounds and sets each round's time against that round's bandwidth.
 * ``llc_bytes()``: the last-level cache, from ``/sys/devices/system/cpu/cpu0/cache``.
-  A working set under ``DRAM_FACTOR x`` that is "in cache" (see ``classify``).
+  A working set under ``DRAM_FACTOR x`` the LLC is "in cache" (``classify``); the
+  inputs of a row meant to be cold are rotated through ``cold_copies()`` sets.
 * ``theoretical_peak()``: fp32 FLOP/s from the ISA, the core count and the clock, with
   the assumptions it rests on spelled out (see ``fp32_flops_per_cycle``).
 * ``gemm_stats()``: torch's measured fp32 GEMM rate (1024^3), a machine figure for the
-  record; a GEMM row's own limit is the best rate reached on its shape in the run.
+  record; a GEMM row is set against the fastest variant on its shape in the run.
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def describe(m: dict) -> str:
     text = (
         f"{m['cpu_model']}, {m['threads']} threads of {m['logical_cpus']} CPUs, "
         f"LLC {m['llc_bytes'] >> 20} MiB, torch {m['torch']} ({m['torch_cpu_capability']}), "
+        f"topg kernels built for {m.get('topg_build', {}).get('cpu_isa', '?')}, "
         f"compiler {m['compiler']}. "
         f"fp32 peak {peak['fp32_flops'] / 1e9:.0f} GFLOP/s ({peak['assumptions']})"
     )
@@ -251,7 +253,7 @@ def describe(m: dict) -> str:
         gemm = Stats.from_dict(m["gemm_fp32_1024"]).scaled(1e-9)
         text += (
             f"; measured read bandwidth {bw.fmt('.1f')} GB/s ({bw.spread}, "
-            f"{m.get('read_bw_buffer_bytes', 0) >> 20} MiB streamed by {m['threads']} threads), torch fp32 GEMM "
-            f"1024^3 {gemm.fmt('.0f')} GFLOP/s"
+            f"{m.get('read_bw_buffer_bytes', 0) >> 20} MiB streamed by {m['threads']} "
+            f"threads), torch fp32 GEMM 1024^3 {gemm.fmt('.0f')} GFLOP/s"
         )
     return text + "."

@@ -1,4 +1,5 @@
-// Argument checks shared by every binding file (CPU and, later, CUDA).
+// The argument checker (Arg, TOPG_CHECK) of every binding file, CPU and CUDA; the per-op
+// checks built from it are in op_checks.h.
 //
 // Wording matches torch_topg/ops/_checks.py so the native kernels and the reference
 // fallback fail the same way:

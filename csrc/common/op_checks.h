@@ -316,6 +316,21 @@ inline AttentionSizes attention(const at::Tensor& q, const at::Tensor& k, const 
   return s;
 }
 
+// The offsets of a ragged batch, validated: `host` holds the values of the argument
+// `arg` (itself on the CPU, or its copy from the device).
+inline std::vector<int64_t> cu_seqlens(const at::Tensor& host, const at::Tensor& arg,
+                                       const char* name, int64_t total) {
+  const at::Tensor c = host.contiguous();
+  const int32_t* p = c.const_data_ptr<int32_t>();
+  std::vector<int64_t> out(p, p + c.numel());
+  bool ok = !out.empty() && out.front() == 0 && out.back() == total;
+  for (size_t i = 1; ok && i < out.size(); ++i) ok = out[i - 1] <= out[i];
+  if (!ok)
+    Arg("attention", name, arg)
+        .fail("non-decreasing offsets from 0 to " + std::to_string(total) + " (the token count)");
+  return out;
+}
+
 // A caller's max_seqlen_q / max_seqlen_k against the offsets read on the host.
 inline void max_seqlen(const std::vector<int64_t>& cu, std::optional<int64_t> given,
                        const char* name) {

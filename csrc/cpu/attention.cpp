@@ -20,19 +20,6 @@ namespace {
 
 constexpr const char* OP = "attention";
 
-// Validated cumulative offsets of a ragged batch.
-std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total) {
-  const at::Tensor c = cu.contiguous();
-  const int32_t* p = c.const_data_ptr<int32_t>();
-  std::vector<int64_t> out(p, p + c.numel());
-  bool ok = !out.empty() && out.front() == 0 && out.back() == total;
-  for (size_t i = 1; ok && i < out.size(); ++i) ok = out[i - 1] <= out[i];
-  if (!ok)
-    Arg(OP, name, cu)
-        .fail("non-decreasing offsets from 0 to " + std::to_string(total) + " (the token count)");
-  return out;
-}
-
 // Bool -> additive (0 / -inf) fp32, floating -> fp32; then broadcast to [B, Hq, Sq, Sk]
 // (the shape was checked by checks::attention).
 at::Tensor prepare_mask(const at::Tensor& mask, const at::Tensor& q, int64_t sk) {
@@ -58,9 +45,10 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
   at::Tensor out = at::empty(query.sizes(), query.options());
   at::Tensor mask_f;
   if (ragged) {
-    const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query.size(0));
+    const auto cq = checks::cu_seqlens(*cu_seqlens_q, *cu_seqlens_q, "cu_seqlens_q", query.size(0));
     std::vector<int64_t> ck = cq;
-    if (cu_seqlens_k.has_value()) ck = read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", key.size(0));
+    if (cu_seqlens_k.has_value())
+      ck = checks::cu_seqlens(*cu_seqlens_k, *cu_seqlens_k, "cu_seqlens_k", key.size(0));
     checks::max_seqlen(cq, max_seqlen_q, "max_seqlen_q");
     checks::max_seqlen(ck, max_seqlen_k, "max_seqlen_k");
     for (size_t b = 0; b + 1 < cq.size(); ++b) {

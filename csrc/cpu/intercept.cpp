@@ -39,8 +39,8 @@
 namespace topg {
 namespace {
 
-// (backend key, its autograd key). CUDA: add {CUDA, AutogradCUDA} when csrc/cuda
-// registers topg::attention / topg::rms_norm (the check below skips keys without them).
+// (backend key, its autograd key). A key is used only where topg::<op> has a kernel at
+// it (the check below skips the others, e.g. CUDA in a build without csrc/cuda).
 struct BackendKeys {
   c10::DispatchKey backend, autograd;
 };

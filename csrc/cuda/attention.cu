@@ -60,18 +60,9 @@ __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
                                });
 }
 
-// Validated cumulative offsets (host copy; the kernel reads the device tensor).
-std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q,
-                                     int64_t total) {
-  const at::Tensor c = cu.to(at::kCPU).contiguous();
-  const int32_t* p = c.const_data_ptr<int32_t>();
-  std::vector<int64_t> out(p, p + c.numel());
-  bool ok = !out.empty() && out.front() == 0 && out.back() == total;
-  for (size_t i = 1; ok && i < out.size(); ++i) ok = out[i - 1] <= out[i];
-  if (!ok)
-    Arg(OP, name, cu)
-        .fail("non-decreasing offsets from 0 to " + std::to_string(total) + " (the token count)");
-  return out;
+// Validated cumulative offsets (a host copy: one sync; the kernel reads the device tensor).
+std::vector<int64_t> read_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total) {
+  return checks::cu_seqlens(cu.to(at::kCPU), cu, name, total);
 }
 
 // Tensor-core path (attention_tc.cuh) for bf16 / fp16 with head_dim 64 or 128 when every
@@ -129,10 +120,10 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
     if (max_seqlen_q.has_value() && !index_checks_enabled()) {
       max_sq = *max_seqlen_q;  // as flash-attn: no host copy of the offsets, no sync
     } else {  // the offsets on the host (one sync): validated, and the longest query taken
-      const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query, query.size(0));
+      const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query.size(0));
       checks::max_seqlen(cq, max_seqlen_q, "max_seqlen_q");
       if (cu_seqlens_k.has_value())
-        checks::max_seqlen(read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", query, key.size(0)),
+        checks::max_seqlen(read_cu_seqlens(*cu_seqlens_k, "cu_seqlens_k", key.size(0)),
                            max_seqlen_k, "max_seqlen_k");
       else
         checks::max_seqlen(cq, max_seqlen_k, "max_seqlen_k");

@@ -36,6 +36,7 @@ import torch_topg  # noqa: E402
 from torch_topg.bench import (  # noqa: E402
     Stats,
     describe,
+    load_average,
     machine_info,
     new_record,
     remeasure,
@@ -206,6 +207,7 @@ def run_once(args: argparse.Namespace, families: list[str]) -> pathlib.Path:
         rows += fam_rows
         print(f"[{fam}] {len(fam_rows)} rows in {time.perf_counter() - t0:.0f} s", flush=True)
     notes.append(f"wall time of the run: {time.perf_counter() - t_start:.0f} s")
+    notes.append(f"1-min load average at the end: {load_average()}")
     rec = new_record("ops", [r.to_dict() for r in rows], machine, quick=args.quick, notes=notes)
     path = write_record(rec, args.out)
     md = render(rec)

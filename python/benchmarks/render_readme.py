@@ -12,6 +12,8 @@ in the file is touched. Blocks:
   cache, the largest fraction of a limit), then the latest run's targeted rows.
 * ``ops-all`` (docs/benchmarks.md): every row of the latest ops run.
 * ``models`` (README.md): the latest ``bench_models.py`` record's table.
+
+It also redraws ``docs/bench_cpu.png`` (the README's plot) from the newest ops record.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="*", help="a bench_models record")
     ap.add_argument("--root", default=str(ROOT), help="where README.md and docs/ are")
     ap.add_argument("--check", action="store_true", help="exit 1 if a block would change")
+    ap.add_argument("--no-plot", action="store_true", help="leave docs/bench_cpu.png as it is")
     args = ap.parse_args(argv)
     given = {"ops": args.ops, "models": args.models}
     stale, root = [], Path(args.root)
@@ -126,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 path.write_text(new)
         print(f"{file}: {block} from {', '.join(str(p) for p in paths)}")
+    ops = given["ops"] or latest(args.results, "ops", n=1)
+    if ops and not args.check and not args.no_plot:
+        from bench_ops import Row, plot
+
+        newest = max((load_record(p) for p in ops), key=lambda r: r["date"])
+        plot([Row.from_dict(d) for d in newest["rows"]], root / "docs" / "bench_cpu.png")
+        print(f"docs/bench_cpu.png from the record of {newest['date']}")
     if args.check and stale:
         print("stale blocks:", ", ".join(stale))
         return 1

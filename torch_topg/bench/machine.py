@@ -230,12 +230,22 @@ def machine_info(measure: bool = True) -> dict:
         "compiler": _compiler(),
         "topg_build": topg_build,
         "python": platform.python_version(),
+        "load_avg_1min": load_average(),
     }
     if measure:
         out["read_bw"] = read_bandwidth_stats().to_dict()
         out["read_bw_buffer_bytes"] = read_probe()[1]
         out["gemm_fp32_1024"] = gemm_stats().to_dict()
     return out
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): above ~half the CPUs,
+    other processes take cores from a multi-threaded call and its figures."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def describe(m: dict) -> str:
@@ -256,4 +266,8 @@ def describe(m: dict) -> str:
             f"{m.get('read_bw_buffer_bytes', 0) >> 20} MiB streamed by {m['threads']} "
             f"threads), torch fp32 GEMM 1024^3 {gemm.fmt('.0f')} GFLOP/s"
         )
+    load = m.get("load_avg_1min")
+    if load is not None:
+        busy = load > 0.5 * (m.get("logical_cpus") or 1)
+        text += f"; 1-min load average at the start {load:.2f}{' (BUSY machine)' if busy else ''}"
     return text + "."

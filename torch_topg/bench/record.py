@@ -174,6 +174,8 @@ def compare_records(a: dict, b: dict) -> str:
             sa, sb = Stats.from_dict(ma[key]), Stats.from_dict(mb[key])
             head.append(f"{name}: {sa.scaled(1e-9).fmt('.1f')} -> {sb.scaled(1e-9).fmt('.1f')} G/s")
             machine_moved |= not sa.overlaps(sb)
+    if ma.get("load_avg_1min") is not None and mb.get("load_avg_1min") is not None:
+        head.append(f"1-min load average: {ma['load_avg_1min']:.2f} -> {mb['load_avg_1min']:.2f}")
     if machine_moved:
         head.append(
             "note: the machine's own figures moved beyond their spread (load?): times may "

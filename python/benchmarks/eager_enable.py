@@ -116,11 +116,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         base = r.baselines[0]
+        ratio = r.ratios[base]
         limit = r.ratios["limit"].fmt(".2f") if "limit" in r.ratios else "-"
         target = f">= {r.target[1]}x, {r.verdict}" if r.target else "-"
         print(
             f"| {r.op} {r.case} | {r.dtype} | {r.figures[base].fmt('.3f')} | "
-            f"{r.topg.fmt('.3f')} | {r.ratios[base].fmt('.2f')}x | {limit} | {target} |"
+            f"{r.topg.fmt('.3f')} | {ratio.median:.2f}x [{ratio.lo:.2f}-{ratio.hi:.2f}] | "
+            f"{limit} | {target} |"
         )
     rec = new_record("eager_enable", [r.to_dict() for r in rows], machine, quick=args.quick)
     print(f"wrote {write_record(rec, args.out)}")

@@ -15,7 +15,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from torch_topg.engine.keyed import _mix64
+from torch_topg.engine.keyed import mix64
 from torch_topg.engine.sampling import (
     MAX_LOGPROBS,
     SALT_ACCEPT,
@@ -208,7 +208,7 @@ def _splitmix64_py(x: int) -> int:
 
 def test_mix64_matches_splitmix64():
     xs = [0, 1, 2, 12345, (1 << 63) - 1, -1, -(1 << 63), 0xDEADBEEF]
-    got = _mix64(torch.tensor(xs, dtype=torch.int64)).tolist()
+    got = mix64(torch.tensor(xs, dtype=torch.int64)).tolist()
     want = [_splitmix64_py(x & ((1 << 64) - 1)) for x in xs]
     assert [g & ((1 << 64) - 1) for g in got] == want
 

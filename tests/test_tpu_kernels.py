@@ -23,7 +23,7 @@ pytest.importorskip("ml_dtypes")
 import jax.numpy as jnp  # noqa: E402
 
 from torch_topg.tpu import kernels  # noqa: E402
-from torch_topg.tpu._bridge import _to_numpy, _to_torch  # noqa: E402
+from torch_topg.tpu._bridge import to_numpy, to_torch  # noqa: E402
 from torch_topg.tpu._pallas import gmm_metadata as gmm_metadata_torch  # noqa: E402
 
 N = kernels("norm")
@@ -45,11 +45,11 @@ def _jit(fn, **static):  # type: ignore[no-untyped-def]
 
 
 def J(t: torch.Tensor | None):  # type: ignore[no-untyped-def]
-    return None if t is None else jnp.asarray(_to_numpy(t))
+    return None if t is None else jnp.asarray(to_numpy(t))
 
 
 def T(a) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    return _to_torch(a)
+    return to_torch(a)
 
 
 # --- norms ---------------------------------------------------------------------------

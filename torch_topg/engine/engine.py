@@ -87,7 +87,7 @@ class Engine:
         self._requests: dict[str, Request] = {}  # loop thread only
         self._stats = _Stats()
         if config.deterministic:
-            self._on_shutdown.append(_batch_invariant_mode())
+            self._on_shutdown.append(batch_invariant_mode())
         t0 = time.perf_counter()
         self.runner.warmup()
         self._stats.time["warmup_s"] = time.perf_counter() - t0
@@ -500,7 +500,7 @@ def _split_inputs(inputs: Any) -> list[Any]:
     raise ValueError(f"inputs: expected a prompt or a non-empty list of prompts, got {inputs!r}")
 
 
-def _batch_invariant_mode() -> Any:
+def batch_invariant_mode() -> Any:
     """Turn on the kernels' batch-invariant mode; returns the function that restores it."""
     import torch_topg
 

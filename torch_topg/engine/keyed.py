@@ -44,7 +44,7 @@ def _srl64(x: Tensor, s: int) -> Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix64(x: Tensor) -> Tensor:
+def mix64(x: Tensor) -> Tensor:
     """splitmix64: one step (add the golden gamma) and its finaliser; int64 wraps mod 2**64."""
     x = x + _GAMMA64
     x = (x ^ _srl64(x, 30)) * _MIX64_1
@@ -61,8 +61,8 @@ def seed_tensor(values: Sequence[int] | Tensor, device: torch.device | str | Non
 
 def _row_key(seeds: Tensor, positions: Tensor, salt: int) -> Tensor:
     """int64 ``[B]``: a splitmix64 hash of (seed, position, salt)."""
-    k = _mix64(seeds.to(torch.int64) ^ _s64(salt * 0xD1B54A32D192ED03))
-    return _mix64(k ^ positions.to(torch.int64))
+    k = mix64(seeds.to(torch.int64) ^ _s64(salt * 0xD1B54A32D192ED03))
+    return mix64(k ^ positions.to(torch.int64))
 
 
 def keyed_uniform(seeds: Tensor, positions: Tensor, salt: int = SALT_ACCEPT) -> Tensor:

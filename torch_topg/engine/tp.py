@@ -320,9 +320,9 @@ def _follow(spec: Spec, cmd: Any, device: torch.device) -> None:
     )  # fmt: skip
     restore = None
     if spec.deterministic:
-        from torch_topg.engine.engine import _batch_invariant_mode
+        from torch_topg.engine.engine import batch_invariant_mode
 
-        restore = _batch_invariant_mode()
+        restore = batch_invariant_mode()
     _ready(cmd).wait()
     header = torch.empty(HEADER, dtype=torch.long)
     try:

@@ -46,7 +46,7 @@ class XlaBackend:
         )
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bf16: go through the bits
         import ml_dtypes
@@ -55,7 +55,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _to_torch(a: Any) -> torch.Tensor:
+def to_torch(a: Any) -> torch.Tensor:
     arr = np.asarray(a)
     if arr.dtype.name == "bfloat16":
         return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
@@ -85,11 +85,11 @@ class InterpretBackend:
 
         static = {**static, "interpret": True}
         result = _jitted(fn, tuple(sorted(static)))(
-            *(jnp.asarray(_to_numpy(t)) for t in tensors), **static
+            *(jnp.asarray(to_numpy(t)) for t in tensors), **static
         )
         result = result if isinstance(result, (list, tuple)) else [result]
         device = tensors[0].device  # back where the inputs live (e.g. an XLA device)
-        out = [_to_torch(r).to(device) for r in result]
+        out = [to_torch(r).to(device) for r in result]
         for o, (shape, dtype) in zip(out, outs, strict=True):
             assert tuple(o.shape) == tuple(shape) and o.dtype == dtype, (
                 o.shape,

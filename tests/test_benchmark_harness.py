@@ -386,3 +386,25 @@ def test_dram_rows_use_the_bandwidth_of_their_own_rounds(monkeypatch):
                             dram_bytes=160.0, working_set=1 * MiB, target=("limit", 0.8))  # fmt: skip
     assert seen["names"] == ["topg", "stock"] and "limit" not in cached.ratios
     assert cached.regime == "in cache (1 MiB)" and cached.verdict == "not measured"
+
+
+def test_tp_and_offload_blocks_render_from_records():
+    import offload
+    import tp
+
+    def s(m: float) -> dict:
+        return Stats(m, 0.9 * m, 1.1 * m, 5, "min-max").to_dict()
+
+    tp1 = {"llama-150m|eager|decode": s(60.0), "llama-150m|eager|prefill 128": s(800.0)}
+    tp2 = {"llama-150m|eager|decode": s(100.0), "llama-150m|eager|prefill 128": s(850.0)}
+    for n in ("fused", "all_reduce + fused_add_rms_norm", "all_reduce + add + rms_norm", "ratio"):
+        tp2[f"allreduce_norm|T=1 H=512|{n}"] = s(1.2)
+    rec = bench.new_record("tp", tp.record_rows(tp1, tp2), MACHINE, argv=[])
+    text = tp.render_record(json.loads(json.dumps(rec)))
+    assert "| llama-150m | eager | 60.00 [54.00-66.00] / 100.00 [90.00-110.00] | 0.60x |" in text
+    assert "| T=1 H=512 |" in text
+    row = {"model": "m", "io": "mmap", "throttle": "none", "peak_mib": 54.0, "bound_mib": 54.0,
+           "offloaded_mb": 425.0}  # fmt: skip
+    rows = [{**row, "depth": d, "ratio": r} for d, r in enumerate((1.5, 1.1, 1.2, 1.14))]
+    text = offload.compact(rows)
+    assert "| m | 425 MB | unthrottled | 1.50 | **1.10** | 1.20 | **1.14** | 54 / 54 MiB |" in text

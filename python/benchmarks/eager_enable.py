@@ -99,6 +99,36 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
+def table(rows: list[Row]) -> str:
+    """Markdown: per row, stock and enable() ms, the speed-up per round, the fraction of
+    the decode step's DRAM limit, the target's verdict."""
+    lines = [
+        "| what | dtype | stock ms | enable() ms | speed-up | of limit | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = r.baselines[0]
+        ratio = r.ratios[base]
+        limit = "-"
+        if "limit" in r.ratios:
+            lim = r.ratios["limit"]
+            limit = f"{lim.median:.0%} [{lim.lo:.0%}-{lim.hi:.0%}]"
+        target = f">= {r.target[1]}x, {r.verdict}" if r.target else "-"
+        lines.append(
+            f"| {r.op} {r.case} | {r.dtype} | {r.figures[base].fmt('.3f')} | "
+            f"{r.topg.fmt('.3f')} | {ratio.median:.2f}x [{ratio.lo:.2f}-{ratio.hi:.2f}] | "
+            f"{limit} | {target} |"
+        )
+    return "\n".join(lines)
+
+
+def render_record(rec: dict) -> str:
+    """The README block of an ``eager_enable`` record."""
+    rows = [Row.from_dict(d) for d in rec["rows"]]
+    head = f"Run {rec['date']} at commit {rec['commit']}: {describe(rec['machine'])}"
+    return f"{head}\n\n{table(rows)}\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -112,18 +142,7 @@ def main() -> None:
     machine = machine_info()
     print(describe(machine))
     rows = run(args.quick)
-    print("| what | dtype | stock ms | enable() ms | speed-up | of limit | target |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        base = r.baselines[0]
-        ratio = r.ratios[base]
-        limit = r.ratios["limit"].fmt(".2f") if "limit" in r.ratios else "-"
-        target = f">= {r.target[1]}x, {r.verdict}" if r.target else "-"
-        print(
-            f"| {r.op} {r.case} | {r.dtype} | {r.figures[base].fmt('.3f')} | "
-            f"{r.topg.fmt('.3f')} | {ratio.median:.2f}x [{ratio.lo:.2f}-{ratio.hi:.2f}] | "
-            f"{limit} | {target} |"
-        )
+    print(table(rows))
     rec = new_record("eager_enable", [r.to_dict() for r in rows], machine, quick=args.quick)
     print(f"wrote {write_record(rec, args.out)}")
 

@@ -108,6 +108,8 @@ def bench_model(
             for throttle in (bw, None):
                 read = timed(lambda t=throttle, i=io: read_only(model, file, t, i), runs)
                 rows += _cases(name, model, file, fwd, io, throttle, read, quick, runs)
+        for r in rows:
+            r["offloaded_mb"] = total / 1e6
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return rows
@@ -174,6 +176,44 @@ def to_markdown(rows: list[dict]) -> str:
             f"{r['peak_mib']:.0f} / {r['bound_mib']:.0f} {bound} |"
         )
     return "\n".join(out)
+
+
+def compact(rows: list[dict], io: str = "mmap") -> str:
+    """README table: per model and storage, forward / bound at depths 0-3 (bold: meets
+    the target) and the peak resident offloaded bytes against the bound at depth 3."""
+    out = [
+        "| model | offloaded | storage | depth 0 | depth 1 | depth 2 | depth 3 "
+        "| peak / bound (depth 3) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str], dict[int, dict]] = {}
+    for r in rows:
+        if r["io"] == io:
+            groups.setdefault((r["model"], r["throttle"]), {})[r["depth"]] = r
+    for (model, throttle), by_depth in groups.items():
+        storage = "unthrottled" if throttle == "none" else f"throttled {throttle}"
+        cells = []
+        for d in range(4):
+            r = by_depth.get(d)
+            if r is None:
+                cells.append("-")
+                continue
+            cell = f"{r['ratio']:.2f}"
+            cells.append(f"**{cell}**" if d > 0 and r["ratio"] <= TARGET else cell)
+        last = by_depth.get(3)
+        peak = f"{last['peak_mib']:.0f} / {last['bound_mib']:.0f} MiB" if last else "-"
+        mb = next(iter(by_depth.values())).get("offloaded_mb")
+        offloaded = f"{mb:.0f} MB" if mb else "-"
+        out.append(f"| {model} | {offloaded} | {storage} | {' | '.join(cells)} | {peak} |")
+    return "\n".join(out)
+
+
+def render_record(rec: dict) -> str:
+    """The README block of an ``offload`` record."""
+    from torch_topg.bench import describe
+
+    head = f"Run {rec['date']} at commit {rec['commit']}: {describe(rec['machine'])}"
+    return f"{head}\n\n{compact(rec['rows'])}\n"
 
 
 def main() -> None:

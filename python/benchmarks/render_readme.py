@@ -12,6 +12,8 @@ in the file is touched. Blocks:
   cache, the largest fraction of a limit), then the latest run's targeted rows.
 * ``ops-all`` (docs/benchmarks.md): every row of the latest ops run.
 * ``models`` (README.md): the latest ``bench_models.py`` record's table.
+* ``eager-enable``, ``offload``, ``tp`` (README.md): the latest record of
+  ``eager_enable.py``, ``offload.py``, ``tp.py``.
 
 It also redraws ``docs/bench_cpu.png`` (the README's plot) from the newest ops record.
 """
@@ -92,11 +94,32 @@ def models(recs: list[dict]) -> str:
     return render_record(recs[0])
 
 
+def eager_enable(recs: list[dict]) -> str:
+    from eager_enable import render_record
+
+    return render_record(recs[0])
+
+
+def offload(recs: list[dict]) -> str:
+    from offload import render_record
+
+    return render_record(recs[0])
+
+
+def tp(recs: list[dict]) -> str:
+    from tp import render_record
+
+    return render_record(recs[0])
+
+
 # block -> (file, benchmark, how many records, render)
 BLOCKS = {
     "ops-targets": ("README.md", "ops", 3, ops_targets),
     "ops-all": ("docs/benchmarks.md", "ops", 1, ops_all),
     "models": ("README.md", "models", 1, models),
+    "eager-enable": ("README.md", "eager_enable", 1, eager_enable),
+    "offload": ("README.md", "offload", 1, offload),
+    "tp": ("README.md", "tp", 1, tp),
 }
 
 
@@ -105,11 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", default=str(ROOT / "bench_results"))
     ap.add_argument("--ops", nargs="*", help="ops records, newest first (default: newest 3)")
     ap.add_argument("--models", nargs="*", help="a bench_models record")
+    ap.add_argument(
+        "--record", nargs=2, action="append", metavar=("BENCHMARK", "FILE"),
+        help="use FILE for BENCHMARK (eager_enable, offload, tp), e.g. --record tp tp.json",
+    )  # fmt: skip
     ap.add_argument("--root", default=str(ROOT), help="where README.md and docs/ are")
     ap.add_argument("--check", action="store_true", help="exit 1 if a block would change")
     ap.add_argument("--no-plot", action="store_true", help="leave docs/bench_cpu.png as it is")
     args = ap.parse_args(argv)
-    given = {"ops": args.ops, "models": args.models}
+    given = {"ops": args.ops, "models": args.models, **{b: [f] for b, f in args.record or []}}
     stale, root = [], Path(args.root)
     for block, (file, bench, n, fn) in BLOCKS.items():
         paths = given.get(bench) or latest(args.results, bench, n=n)

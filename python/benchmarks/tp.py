@@ -167,15 +167,18 @@ def table(tp1: dict, tp2: dict) -> str:
     from torch_topg.bench import Stats
 
     lines = [
-        "| model | mode | phase | tp=1 (1 proc x 2 thr) ms | tp=2 (2 proc x 1 thr) ms "
-        "| tp=2 speed-up (medians) |",
-        "| --- | --- | --- | ---: | ---: | ---: |",
+        "| model | mode | decode tp=1 / tp=2 ms | tp=2 speed-up | prefill tp=1 / tp=2 ms "
+        "| tp=2 speed-up |",
+        "|---|---|---|---|---|---|",
     ]
-    for key, t1 in tp1.items():
-        name, mode, phase = key.split("|")
+    cells: dict[tuple[str, str], list[str]] = {}
+    for key, t1 in tp1.items():  # "model|mode|decode" then "model|mode|prefill N"
+        name, mode, _phase = key.split("|")
         t2 = tp2[key]
         ratio = t1["median"] / t2["median"]
-        lines.append(f"| {name} | {mode} | {phase} | {_ms(t1)} | {_ms(t2)} | {ratio:.2f}x |")
+        cells.setdefault((name, mode), []).extend([f"{_ms(t1)} / {_ms(t2)}", f"{ratio:.2f}x"])
+    for (name, mode), c in cells.items():
+        lines.append(f"| {name} | {mode} | {' | '.join(c)} |")
     lines += [
         "",
         "| all-reduce + add + RMSNorm (tp=2) | fused us | all_reduce + fused_add_rms_norm us "
@@ -191,6 +194,24 @@ def table(tp1: dict, tp2: dict) -> str:
         ratio = Stats.from_dict(tp2[f"allreduce_norm|{c}|ratio"]).fmt(".2f")
         lines.append(f"| {c} | {f} | {h} | {u} | {ratio}x |")
     return "\n".join(lines)
+
+
+def render_record(rec: dict) -> str:
+    """The README block of a ``tp`` record (its rows back into ``table``'s dicts)."""
+    from torch_topg.bench import describe
+
+    tp1, tp2 = {}, {}
+    for row in rec["rows"]:
+        parts = row["key"].split(" | ")
+        if parts[0] == "allreduce_norm":
+            for n, f in row["figures"].items():
+                tp2[f"allreduce_norm|{parts[1]}|{n}"] = f
+            tp2[f"allreduce_norm|{parts[1]}|ratio"] = row["ratios"]["unfused / fused"]
+        else:
+            tp1["|".join(parts)] = row["figures"]["tp=1"]
+            tp2["|".join(parts)] = row["figures"]["tp=2"]
+    head = f"Run {rec['date']} at commit {rec['commit']}: {describe(rec['machine'])}"
+    return f"{head}\n\n{table(tp1, tp2)}\n"
 
 
 def record_rows(tp1: dict, tp2: dict) -> list[dict]:

@@ -69,7 +69,9 @@ def limit_cell(r: Row) -> str:
         bw = f"{r.read_bw.median / 1e9:.1f} GB/s; " if r.read_bw else ""
         return f"{fmt_pct(r.ratios['limit'])} of read bw ({bw}{r.regime})"
     if "of best" in r.ratios:
-        cell = f"{fmt_pct(r.ratios['of best'])} of best"
+        best = r.note.split("best: ")[-1] if "best: " in r.note else "?"
+        rate = f", {r.flops / r.topg.median / 1e6:.0f} GFLOP/s" if r.flops else ""
+        cell = f"{fmt_pct(r.ratios['of best'])} of best ({best}){rate}"
         if "of peak" in r.ratios:
             cell += f"<br>{fmt_pct(r.ratios['of peak'])} of fp32 peak"
         return cell

@@ -63,6 +63,7 @@ class Row:
     target: tuple[str, float] | None = None
     note: str = ""
     read_bw: Stats | None = None  # bytes/s, the probe in this row's own rounds
+    flops: float | None = None  # per call, for a compute-bound row
 
     @property
     def key(self) -> str:
@@ -108,6 +109,7 @@ class Row:
             "verdict": self.verdict,
             "note": self.note,
             "read_bw": self.read_bw.to_dict() if self.read_bw else None,
+            "flops": self.flops,
         }
 
     @classmethod
@@ -118,7 +120,7 @@ class Row:
             {k: Stats.from_dict(v) for k, v in d["ratios"].items()},
             d.get("regime", ""), d.get("limit_ms"), d.get("limit_kind", ""),
             tuple(d["target"]) if d.get("target") else None, d.get("note", ""),
-            Stats.from_dict(d["read_bw"]) if d.get("read_bw") else None,
+            Stats.from_dict(d["read_bw"]) if d.get("read_bw") else None, d.get("flops"),
         )  # fmt: skip
 
 
@@ -210,7 +212,7 @@ def measure(
     if flops is not None:
         best = min(names, key=lambda n: cmp.stats(n).median)
         peak = theoretical_peak()["fp32_flops"]
-        row.regime, row.limit_kind = "compute", "gemm"
+        row.regime, row.limit_kind, row.flops = "compute", "gemm", flops
         row.limit_ms = cmp.ms(best).median
         row.ratios["of best"] = cmp.ratio(best, "topg")  # per round: best's time / topg's
         if peak > 0:

@@ -7,8 +7,10 @@ figure and ratio is a ``Stats`` (median and spread).
 
 Limits:
 
-* memory (``dram_bytes``): the bytes that must move between DRAM and the core (inputs
-  read once, outputs written once) over the read bandwidth. Only compared when they do
+* memory (``dram_bytes``): the bytes that must come from DRAM (every input read once;
+  outputs are written, not read, and are not counted: the probe measures reads, and a
+  core's write-backs overlap its reads, so counting writes at the read bandwidth
+  doubled an in-place op's bytes) over the read bandwidth. Only compared when they do
   come from DRAM: the working set is at least ``DRAM_FACTOR x`` the LLC, or the row
   rotates input sets that together are (``Rotation``); otherwise the row says "in
   cache" and has no "% of limit". The bandwidth probe (``read_probe``) runs in every

@@ -1,7 +1,8 @@
 """The machine's limits, measured in the run and derived from what the CPU says it is.
 
-* ``read_probe()`` / ``read_bandwidth_stats()``: a read-bandwidth probe that sums a
-  buffer of at least ``8 x`` the last-level cache with every thread the benchmark uses
+* ``read_probe()`` / ``read_bandwidth_stats()``: a read-bandwidth probe that streams a
+  buffer of at least ``8 x`` the last-level cache (the fastest of ``sum``, ``amax`` and
+  ``dot``) with every thread the benchmark uses
   (torch's thread count), reported with its spread. The bandwidth of a shared machine
   moves with its load (8-28 GB/s in one hour here), so a row compared with DRAM runs the
   probe in each of its rounds and sets each round's time against that round's bandwidth.
@@ -148,13 +149,34 @@ def _probe_buffer(nbytes: int) -> torch.Tensor:
     return torch.ones(nbytes // 4, dtype=torch.float32)
 
 
+@functools.cache
+def _probe_kernel(nbytes: int, threads: int) -> tuple[str, Callable[[], object]]:
+    """The fastest of a few streaming reductions over the buffer, chosen once per
+    process and thread count: torch's ``sum`` alone is partly compute-bound on one core
+    (its cascade summation), ~15% below ``amax`` or ``dot`` there."""
+    buf = _probe_buffer(nbytes)
+    kernels: dict[str, Callable[[], object]] = {
+        "sum": buf.sum,
+        "amax": buf.amax,
+        "dot": lambda: torch.dot(buf, buf),
+    }
+    cmp = compare(kernels, Budget(warmup=1, min_rounds=3, max_rounds=3, min_sample_s=0.0))
+    name = min(kernels, key=lambda k: cmp.stats(k).median)
+    return name, kernels[name]
+
+
 def read_probe(factor: int = 8) -> tuple[Callable[[], object], int]:
-    """The read-bandwidth probe as a callable and the bytes one call reads: ``sum()``
-    over an fp32 buffer of ``factor x LLC`` (at least 256 MiB), kept for the process.
-    A benchmark interleaves it with a row's variants to measure the bandwidth in the
-    same rounds as the row."""
+    """The read-bandwidth probe as a callable and the bytes one call reads: the fastest
+    of ``sum``, ``amax`` and ``dot(x, x)`` over an fp32 buffer of ``factor x LLC`` (at
+    least 256 MiB), kept for the process. A benchmark interleaves it with a row's
+    variants to measure the bandwidth in the same rounds as the row."""
     nbytes = max(factor * llc_bytes()[0], 256 << 20)
-    return _probe_buffer(nbytes).sum, nbytes
+    return _probe_kernel(nbytes, torch.get_num_threads())[1], nbytes
+
+
+def read_probe_name(factor: int = 8) -> str:
+    nbytes = max(factor * llc_bytes()[0], 256 << 20)
+    return _probe_kernel(nbytes, torch.get_num_threads())[0]
 
 
 @functools.cache
@@ -193,6 +215,7 @@ def remeasure() -> None:
     """Forget the probes' results: the next call measures again (a new run)."""
     read_bandwidth_stats.cache_clear()
     gemm_stats.cache_clear()
+    _probe_kernel.cache_clear()
 
 
 def _compiler() -> str:
@@ -235,6 +258,7 @@ def machine_info(measure: bool = True) -> dict:
     if measure:
         out["read_bw"] = read_bandwidth_stats().to_dict()
         out["read_bw_buffer_bytes"] = read_probe()[1]
+        out["read_bw_kernel"] = read_probe_name()
         out["gemm_fp32_1024"] = gemm_stats().to_dict()
     return out
 
@@ -263,7 +287,8 @@ def describe(m: dict) -> str:
         gemm = Stats.from_dict(m["gemm_fp32_1024"]).scaled(1e-9)
         text += (
             f"; measured read bandwidth {bw.fmt('.1f')} GB/s ({bw.spread}, "
-            f"{m.get('read_bw_buffer_bytes', 0) >> 20} MiB streamed by {m['threads']} "
+            f"{m.get('read_bw_kernel', 'sum')} over "
+            f"{m.get('read_bw_buffer_bytes', 0) >> 20} MiB by {m['threads']} "
             f"threads), torch fp32 GEMM 1024^3 {gemm.fmt('.0f')} GFLOP/s"
         )
     load = m.get("load_avg_1min")

@@ -129,8 +129,8 @@ def _paged(ns: int, ctx: int, dname: str, with_reference: bool, quick: bool) -> 
     }
     if with_reference:
         variants["reference"] = lambda: reference.paged_attention(q, kc, vc, rot.next()[0], sl)
-    # Read K and V of every sequence (q, the block table and the output are < 1%).
-    nbytes = kv_bytes + 2 * q.numel() * elt + ns * nblk * 4
+    # From DRAM: K and V of every sequence, q and the block table (the output is written).
+    nbytes = kv_bytes + q.numel() * elt + ns * nblk * 4
     case = f"seqs={ns} ctx={ctx} Hq={hq} Hkv={hkv} D={d} block={bs}"
     with torch.inference_mode():
         return measure("attention", "paged_attention", case, dname, variants, quick=quick,
@@ -186,15 +186,15 @@ def _cache(tokens: int, dname: str, quick: bool) -> Row:
     key = torch.randn(tokens, hkv, d, dtype=dtype)
     value = torch.randn(tokens, hkv, d, dtype=dtype)
     slots = torch.randperm(nblk * bs)[:tokens]
-    # Read K/V, write them to random slots (whole rows). Run warm: "in cache". No issue
-    # target (the issue asks only for memcpy-like rows).
-    moved = 2 * 2 * key.numel() * key.element_size()
+    # From DRAM: K and V (written to random slots, whole rows). Run warm: "in cache". No
+    # issue target (the issue asks only for memcpy-like rows).
+    moved = 2 * key.numel() * key.element_size()
     with torch.inference_mode():
         return measure(
             "attention", "reshape_and_cache", f"T={tokens} Hkv={hkv} D={d} block={bs}", dname,
             {"topg": lambda: torch_topg.ops.reshape_and_cache(key, value, kc, vc, slots),
              "index_copy_ (reference)": lambda: reference.reshape_and_cache(key, value, kc, vc, slots)},
-            quick=quick, dram_bytes=moved,
+            quick=quick, dram_bytes=moved, working_set=2 * moved,
         )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ def _case(m: int, k: int, n: int, dname: str, dtype: torch.dtype, quick: bool) -
         w32 = torch.randn(n, k, generator=torch.Generator().manual_seed(i)) / k**0.5
         return (w32, w32.to(dtype)) if heavy and dtype != torch.float32 else (w32.to(dtype),)
 
-    nbytes = (n * k + m * k + m * n) * elt  # read w and x, write out
+    nbytes = (n * k + m * k) * elt  # from DRAM: w and x (the output is written)
     rot = Rotation(weights, n * k * elt, cold=not heavy)
     variants = {
         "topg": lambda: torch_topg.ops.linear(x, rot.next()[-1]),

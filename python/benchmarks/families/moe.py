@@ -83,7 +83,7 @@ def _case(pool: list, dtype: torch.dtype, tokens: int, dname: str, check: bool, 
         if not heavy:
             return measure("moe", "fused_moe", case, dname, variants, quick=quick,
                            target=("limit", 0.8), rotation=rot,
-                           dram_bytes=hit_bytes + 2 * tokens * H * elt)  # fmt: skip
+                           dram_bytes=hit_bytes + tokens * H * elt)  # fmt: skip
         target = ("hf grouped_mm", 1.2 if dtype == torch.float32 else 4.0)
         return measure("moe", "fused_moe", case, dname, variants, quick=quick, heavy=True,
                        target=target, flops=2.0 * tokens * K * 3 * H * INTER)  # fmt: skip

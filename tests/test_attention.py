@@ -216,3 +216,13 @@ def test_ragged_max_seqlen() -> None:
         torch_topg.ops.attention(q[None], k[None], v[None], max_seqlen_q=12)
     with pytest.raises(RuntimeError, match="'max_seqlen_k' expected a value >= 0, got -1"):
         torch_topg.ops.attention(q, k, v, cu_seqlens_q=cu, max_seqlen_k=-1)
+
+
+@pytest.mark.parametrize("offsets", [[], [0]])
+def test_ragged_without_sequences_is_refused(offsets: list[int]) -> None:
+    """cu_seqlens_q with no sequence for the tokens: refused from its shape alone (the
+    CUDA binding must not launch a grid of -1 sequences or return uninitialised rows)."""
+    q = torch.randn(5, 2, 8)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"'cu_seqlens_q'.*non-decreasing offsets from 0 to 5"):
+        torch_topg.ops.attention(q, q, q, cu_seqlens_q=cu, max_seqlen_q=5)

@@ -66,3 +66,45 @@ def test_cuda_bad_block_id_checked_only_when_asked(no_checks) -> None:
     assert out.shape == (T, hq, d)
     with torch_topg.index_checks(), pytest.raises(RuntimeError, match="'block_tables'"):
         ops.paged_attention(q.view(T, hq, d), kc, vc, bad, sl)
+
+
+def test_cuda_ragged_attention_with_max_seqlen_does_not_synchronise(no_checks) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cu = torch.tensor([0, 5, 21, 30], dtype=torch.int32, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(30, 4, 64, device="cuda", dtype=dtype, generator=g) for _ in "qkv")
+        want = torch_topg.reference.attention(q, k, v, cu_seqlens_q=cu, causal=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = ops.attention(q, k, v, cu_seqlens_q=cu, causal=True, max_seqlen_q=16)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.bool])
+def test_cuda_attention_mask_in_its_own_dtype(dtype: torch.dtype) -> None:
+    """The mask is read in its dtype through a broadcast view (no fp32 copy), including a
+    mask whose key stride is neither 0 nor 1."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (
+        torch.randn(2, 9, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "qkv"
+    )
+    full = torch.randn(2, 1, 9, 18, device="cuda", generator=g)
+    mask = (full > 0) if dtype == torch.bool else full.to(dtype)
+    mask = mask[..., ::2]  # key stride 2
+    want = torch_topg.reference.attention(q, k, v, mask=mask)
+    got = ops.attention(q, k, v, mask=mask)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_paged_attention_without_blocks_gives_zeros(no_checks) -> None:
+    q = torch.randn(2, 4, 64, device="cuda")
+    kc = torch.zeros(0, 16, 2, 64, device="cuda")
+    bt = torch.zeros(2, 1, dtype=torch.int32, device="cuda")
+    sl = torch.tensor([3, 0], dtype=torch.int32, device="cuda")
+    out = ops.paged_attention(q, kc, kc, bt, sl)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.zeros_like(out))

@@ -281,6 +281,10 @@ inline AttentionSizes attention(const at::Tensor& q, const at::Tensor& k, const 
   if (s.ragged) {
     if (mask.has_value()) Arg(op, "mask", *mask).fail("None with ragged (cu_seqlens) input");
     Arg(op, "cu_seqlens_q", *cu_q).dim(1).dtype(at::kInt).same_device(q, "query");
+    if (cu_q->size(0) == 0 || (cu_q->size(0) == 1 && q.size(0) > 0))  // a shape fact
+      Arg(op, "cu_seqlens_q", *cu_q)
+          .fail("non-decreasing offsets from 0 to " + std::to_string(q.size(0)) +
+                " (the token count)");
     if (cu_k.has_value()) {
       Arg(op, "cu_seqlens_k", *cu_k)
           .dim(1)

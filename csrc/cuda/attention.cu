@@ -1,14 +1,12 @@
-// CUDA kernel: topg::attention (prefill, dense or ragged). Checks, mask preparation and
-// launch. bf16 / fp16 with head_dim 64 or 128: tensor cores (attention_tc.cuh, 64 query
-// rows per block); everything else: CUDA cores (attention_core.cuh, 8 query rows of one
-// head per block). Grid: query tiles x Hq x batch.
+// CUDA kernel: topg::attention (prefill, dense or ragged). Checks, the mask's view (read
+// in its own dtype by the kernels) and launch. bf16 / fp16 with head_dim 64 or 128: tensor cores
+// (attention_tc.cuh, 64 query rows per block); everything else: CUDA cores (attention_core.cuh, 8
+// query rows of one head per block). Grid: query tiles x Hq x batch.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/where.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -118,7 +116,9 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
     cu_k = cu_seqlens_k.has_value() ? cu_seqlens_k->contiguous() : cu_q;
     batch = cu_q.size(0) - 1;
     if (max_seqlen_q.has_value() && !index_checks_enabled()) {
-      max_sq = *max_seqlen_q;  // as flash-attn: no host copy of the offsets, no sync
+      // As flash-attn: no host copy of the offsets, no sync. No sequence is longer than
+      // the tokens (and a huge value must not wrap the grid size).
+      max_sq = std::min<int64_t>(*max_seqlen_q, query.size(0));
     } else {  // the offsets on the host (one sync): validated, and the longest query taken
       const auto cq = read_cu_seqlens(*cu_seqlens_q, "cu_seqlens_q", query.size(0));
       checks::max_seqlen(cq, max_seqlen_q, "max_seqlen_q");

@@ -141,12 +141,14 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
         v = transform(s[r], p);
         if (rows.mask[r]) v += mask_at(rows.mask[r], j, p);
       }
-      // online softmax update for this chunk (all lanes take part in the reductions)
+      // online softmax update for this chunk (all lanes take part in the reductions); a
+      // NaN score makes the row NaN, as softmax does (max reductions would drop it)
+      const bool nan = __any_sync(0xffffffffu, isnan(v));
       const float cmax = warp_max(v);
       const float m_new = fmaxf(m[r], cmax);
       const float e = m_new == -INFINITY ? 0.f : __expf(v - m_new);
       const float alpha = m_new == -INFINITY ? 1.f : __expf(m[r] - m_new);
-      l[r] = l[r] * alpha + warp_sum(e);
+      l[r] = nan ? NAN : l[r] * alpha + warp_sum(e);
       m[r] = m_new;
 #pragma unroll
       for (int i = 0; i < MAXND; ++i) acc[r][i] *= alpha;
@@ -192,7 +194,12 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w][r]);
     float sum = 0.f, o = 0.f;
-    if (mx != -INFINITY) {
+    bool nan = false;  // a warp's NaN row (its l) makes the merged row NaN
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) nan |= isnan(wl[w][r]);
+    if (nan) {
+      sum = o = NAN;
+    } else if (mx != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
         const float f = __expf(wm[w][r] - mx);  // a warp that saw nothing has l = 0
@@ -200,7 +207,7 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
         o += wacc[w][r][c] * f;
       }
     }
-    out(r, c, sum > 0.f ? o / sum : 0.f, mx, sum);
+    out(r, c, nan ? NAN : sum > 0.f ? o / sum : 0.f, mx, sum);
   }
 }
 

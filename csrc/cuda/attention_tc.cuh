@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(kThreads)
       // online softmax of row r over columns [32 half, 32 half + 32)
       float* srow = S + r * L::LDS;
       float mx = -INFINITY;
+      int nan = 0;  // a NaN score makes the row NaN, as softmax does (fmaxf drops it)
       for (int c = half * 32; c < half * 32 + 32; ++c) {
         const int64_t j = kt + c;
         float val = -INFINITY;
@@ -181,8 +182,10 @@ __global__ void __launch_bounds__(kThreads)
         }
         srow[c] = val;
         mx = fmaxf(mx, val);
+        nan |= isnan(val);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, 1);
       const float m_old = row_m[r];
       const float m_new = fmaxf(m_old, mx);
       const float alpha = m_new == -INFINITY ? 1.f : __expf(m_old - m_new);
@@ -195,7 +198,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       __syncwarp();  // both lanes of a row read row_m before it changes
-      if (half == 0) row_m[r] = m_new, row_l[r] = row_l[r] * alpha + sum, row_a[r] = alpha;
+      if (half == 0)
+        row_m[r] = m_new, row_l[r] = nan ? NAN : row_l[r] * alpha + sum, row_a[r] = alpha;
       // Rescale O through shared memory only when a running max moved.
       if (__any_sync(0xffffffffu, alpha != 1.f)) {
         float* orows = Os + warp * 16 * L::LDO;
@@ -238,7 +242,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int idx = threadIdx.x; idx < nrows * D; idx += kThreads) {
     const int rr2 = idx / D, c = idx % D;
     const float l = row_l[rr2];
-    o[sv.ob + (i0 + rr2) * a.o_ss + c] = from_float<T>(l > 0.f ? Os[rr2 * L::LDO + c] / l : 0.f);
+    const float val = isnan(l) ? NAN : l > 0.f ? Os[rr2 * L::LDO + c] / l : 0.f;
+    o[sv.ob + (i0 + rr2) * a.o_ss + c] = from_float<T>(val);
   }
 }
 

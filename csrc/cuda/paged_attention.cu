@@ -143,11 +143,14 @@ __global__ void paged_reduce_kernel(T* __restrict__ o, PagedArgs a, int d) {
   const int64_t used = n > lo ? ceil_div(n - lo, part_keys(n - lo)) : 0;
   const int64_t base = (lr * a.hq + h) * a.parts;
   float mx = -INFINITY;
-  for (int64_t i = 0; i < used; ++i) mx = fmaxf(mx, a.pm[base + i]);
+  bool nan = false;  // a partition's NaN row (its l) makes the row NaN
+  for (int64_t i = 0; i < used; ++i) mx = fmaxf(mx, a.pm[base + i]), nan |= isnan(a.pl[base + i]);
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     float val = 0.f;
     if (used == 1) {
       val = a.po[base * d + c];
+    } else if (nan) {
+      val = NAN;
     } else if (mx != -INFINITY) {
       float sum = 0.f, acc = 0.f;
       for (int64_t i = 0; i < used; ++i) {
@@ -213,7 +216,9 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
   a.bt_ss = block_tables.size(1), a.q_ss = query.stride(0), a.q_sh = query.stride(1);
   a.o_ss = out.stride(0), a.o_sh = out.stride(1);
   a.num_blocks = num_blocks, a.block_size = block_size, a.window = window_left;
-  a.cap = block_tables.size(1) * block_size;
+  // No blocks: every row sees nothing (zeros), as on the CPU, whose index check refuses
+  // any used block id; the kernels never dereference the empty cache.
+  a.cap = num_blocks > 0 ? block_tables.size(1) * block_size : 0;
   a.hq = int(hq), a.hkv = int(hkv), a.group = int(hq / hkv);
   a.gchunks = int(ceil_div(a.group, attn::kRows));
   // Partition slots: as many as the longest possible row needs (its span is at most the

@@ -55,7 +55,8 @@ def attention(
             ``cu_seqlens`` back to the host (no synchronisation; without them the CUDA
             kernel copies the offsets to the host). A value below the true maximum is
             an error where the offsets are read (CPU, reference, CUDA with
-            ``torch_topg.index_checks()``); otherwise the rows past it are not computed.
+            ``torch_topg.index_checks()``); otherwise the rows past it are left
+            uninitialised. CUDA-graph capture of ragged attention needs them.
 
     Returns:
         Contiguous ``[B, Sq, Hq, D]`` (dense) or ``[Tq, Hq, D]`` (ragged) in the dtype of
@@ -219,6 +220,11 @@ def _check_attention(
     check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap:g}")
     if ragged:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query, None)
+        n = cu_seqlens_q.shape[0]
+        if n == 0 or (n == 1 and query.shape[0] > 0):  # a shape fact
+            Arg(op, "cu_seqlens_q", cu_seqlens_q).fail(
+                f"non-decreasing offsets from 0 to {query.shape[0]} (the token count)"
+            )
         if mask is not None:
             Arg(op, "mask", mask).fail("None with ragged (cu_seqlens) input")
         if cu_seqlens_k is not None:

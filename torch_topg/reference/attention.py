@@ -111,7 +111,12 @@ def attention(
 
 
 def _check_cu_seqlens(cu: list[int], total: int, name: str) -> None:
-    ok = cu[0] == 0 and cu[-1] == total and all(a <= b for a, b in itertools.pairwise(cu))
+    ok = (
+        len(cu) > 0
+        and cu[0] == 0
+        and cu[-1] == total
+        and all(a <= b for a, b in itertools.pairwise(cu))
+    )
     if not ok:
         raise RuntimeError(
             f"topg::attention: argument '{name}' expected non-decreasing offsets from 0 to "
@@ -187,7 +192,12 @@ def _check_paged_cu_seqlens(cu: list[int], num_seqs: int, total: int) -> None:
             f"topg::paged_attention: argument 'cu_seqlens_q' expected {num_seqs + 1} offsets "
             f"(num_seqs + 1, from 'seq_lens'), got {len(cu)}"
         )
-    ok = cu[0] == 0 and cu[-1] == total and all(a <= b for a, b in itertools.pairwise(cu))
+    ok = (
+        len(cu) > 0
+        and cu[0] == 0
+        and cu[-1] == total
+        and all(a <= b for a, b in itertools.pairwise(cu))
+    )
     if not ok:
         raise RuntimeError(
             f"topg::paged_attention: argument 'cu_seqlens_q' expected non-decreasing offsets "

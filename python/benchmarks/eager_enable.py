@@ -12,7 +12,7 @@ dispatcher, so the difference is the kernels', with no Python on the path.
 Runs with and without ``enable()`` alternate round by round (``torch_topg.bench.compare``);
 every figure is a median with its spread; the record goes to ``bench_results/``.
 
-Targets (issue 4): decode >= 1.3x, prefill >= 1.1x faster with enable().
+Targets (set when enable() was built): decode >= 1.3x, prefill >= 1.1x faster with enable().
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Offload benchmark on the CPU (issue 7): weights on disk, streamed layer by layer.
+"""Offload benchmark on the CPU: weights on disk, streamed layer by layer.
 
     PYTHONPATH=. python python/benchmarks/offload.py [--quick] [--tokens 128]
 

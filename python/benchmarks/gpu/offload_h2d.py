@@ -3,7 +3,7 @@ path vs a plain pinned memcpy, and an offloaded forward vs max(compute, transfer
 
     python3 python/benchmarks/gpu/offload_h2d.py [--quick] [--md offload.md]
 
-Rows (targets from issue 7):
+Rows (with the targets set when offload was built):
   H2D, source="cpu" (pinned once) and source="disk" (mmap -> pinned bounce -> device):
       offload reader bytes/s over pinned memcpy bytes/s            >= 0.80
   mixtral-360m bf16 prefill (128 tokens), weights offloaded to host, depth 0..3:

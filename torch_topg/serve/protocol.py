@@ -1,0 +1,295 @@
+"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions``, checked and turned
+into engine inputs and sampling keywords.
+
+Every field of a body is either accepted (and used), or refused with a 400 naming it:
+OpenAI fields the server does not implement get a reason (``UNSUPPORTED``), anything
+else is an unknown field. A field whose value is ``null`` counts as absent (OpenAI's
+meaning of null: the default). Values the engine checks itself (temperature, top_p, ...)
+are passed through and its ``ValueError`` comes back as the 400's message.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_topg.serve.errors import APIError
+
+# Accepted by both endpoints: OpenAI's sampling fields plus vLLM's extensions (top_k,
+# min_p, repetition_penalty, ignore_eos, stop_token_ids), with the engine's meanings.
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+)
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "logprobs", "user", *_SAMPLING}
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
+CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs"})
+
+_TOOLS = "tool and function calling is not implemented (no tool-call parser)"
+_CONSTRAINED = "constrained decoding (JSON mode, JSON schema, grammars) is not implemented"
+UNSUPPORTED: dict[str, str] = {
+    "tools": _TOOLS,
+    "tool_choice": _TOOLS,
+    "parallel_tool_calls": _TOOLS,
+    "functions": _TOOLS,
+    "function_call": _TOOLS,
+    "response_format": _CONSTRAINED,
+    "guided_json": _CONSTRAINED,
+    "guided_regex": _CONSTRAINED,
+    "guided_choice": _CONSTRAINED,
+    "guided_grammar": _CONSTRAINED,
+    "logit_bias": "the sampler has no per-token logit bias",
+    "best_of": "best_of (ranking several samples) is not implemented; use n",
+    "echo": "echoing the prompt is not implemented",
+    "suffix": "fill-in-the-middle (suffix) is not implemented",
+    "audio": "audio output is not implemented (text models only)",
+    "modalities": "only text output is implemented",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "reasoning controls are not implemented",
+    "service_tier": "service tiers do not exist on this server",
+    "store": "stored completions are not implemented",
+    "metadata": "stored completions (metadata) are not implemented",
+    "web_search_options": "web search is not implemented",
+    "verbosity": "verbosity controls are not implemented",
+}
+
+_ROLES = ("system", "user", "assistant")
+MAX_TOP_LOGPROBS = 20  # the engine's MAX_LOGPROBS
+
+
+@dataclass
+class GenerationRequest:
+    """A checked request: one engine input per prompt, the same sampling for each."""
+
+    inputs: list[Any]
+    sampling: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    n: int = 1
+    # engine parameter -> this request's field, for the engine's error messages
+    renames: dict[str, str] = field(default_factory=dict)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _present(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def check_fields(body: Any, accepted: frozenset[str]) -> dict[str, Any]:
+    """The body's non-null fields; a 400 naming the first unsupported or unknown one."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    fields = _present(body)
+    for name in sorted(fields):
+        if name in accepted:
+            continue
+        if name in UNSUPPORTED:
+            raise APIError(
+                f"{name} is not supported by this server: {UNSUPPORTED[name]}", param=name
+            )
+        raise APIError(
+            f"unknown field {name!r}; accepted: {', '.join(sorted(accepted))}", param=name
+        )
+    return fields
+
+
+def check_model(fields: dict[str, Any], served: str) -> None:
+    model = fields.get("model")
+    if model is not None and model != served:
+        raise APIError(
+            f"model {model!r} is not served here; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _max_tokens(fields: dict[str, Any], names: tuple[str, ...]) -> tuple[int | None, str]:
+    """The tightest of the given max-token fields (each an int >= 1) and its name."""
+    best: tuple[int | None, str] = (None, names[0])
+    for name in names:
+        v = fields.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise APIError(f"{name} must be an int >= 1, got {v!r}", param=name)
+        if best[0] is None or v < best[0]:
+            best = (v, name)
+    return best
+
+
+def _stream_options(fields: dict[str, Any]) -> tuple[bool, bool]:
+    stream = fields.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(f"stream must be a bool, got {stream!r}", param="stream")
+    opts = fields.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+    if not isinstance(opts, dict):
+        raise APIError(f"stream_options must be an object, got {opts!r}", param="stream_options")
+    for key in opts:
+        if key != "include_usage":
+            raise APIError(
+                f"stream_options.{key} is not supported (only include_usage)",
+                param=f"stream_options.{key}",
+            )
+    usage = opts.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise APIError(
+            f"stream_options.include_usage must be a bool, got {usage!r}",
+            param="stream_options.include_usage",
+        )
+    return stream, usage
+
+
+def _sampling(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: fields[k] for k in _SAMPLING if k in fields}
+
+
+def parse_completion(body: Any, served: str) -> GenerationRequest:
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of
+    token ids or a list of such lists (one request each)."""
+    fields = check_fields(body, COMPLETION_FIELDS)
+    check_model(fields, served)
+    if "prompt" not in fields:
+        raise APIError("prompt is required", param="prompt")
+    inputs = _prompts(fields["prompt"])
+    stream, usage = _stream_options(fields)
+    sampling = _sampling(fields)
+    max_tokens, name = _max_tokens(fields, ("max_tokens",))
+    sampling["max_new_tokens"] = max_tokens if max_tokens is not None else 16  # OpenAI's
+    lp = fields.get("logprobs")
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+        raise APIError(
+            f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {lp!r}", param="logprobs"
+        )
+    if lp is not None:
+        sampling["logprobs"] = lp
+    return GenerationRequest(
+        inputs, sampling, stream, usage, lp, _n(fields),
+        renames={"max_new_tokens": name, "prompt": "prompt"},
+    )  # fmt: skip
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    def token_ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(_is_int(t) for t in x)
+
+    if isinstance(prompt, str):
+        return [prompt]
+    if token_ids(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(token_ids(p) for p in prompt):
+            return list(prompt)
+    raise APIError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists (non-empty)",
+        param="prompt",
+    )
+
+
+def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
+    """``POST /v1/chat/completions``: text messages, rendered by the tokenizer's chat
+    template with a generation prompt. Without max_tokens the answer may use the rest
+    of the context (OpenAI's default for chat)."""
+    fields = check_fields(body, CHAT_FIELDS)
+    check_model(fields, served)
+    if "messages" not in fields:
+        raise APIError("messages is required", param="messages")
+    messages = _messages(fields["messages"])
+    stream, usage = _stream_options(fields)
+    sampling = _sampling(fields)
+    max_tokens, name = _max_tokens(fields, ("max_completion_tokens", "max_tokens"))
+    if max_tokens is not None:
+        sampling["max_new_tokens"] = max_tokens
+    else:
+        sampling["max_length"] = max_model_len
+    lp = fields.get("logprobs", False)
+    if not isinstance(lp, bool):
+        raise APIError(f"logprobs must be a bool, got {lp!r}", param="logprobs")
+    top = fields.get("top_logprobs")
+    if top is not None:
+        if not lp:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(
+                f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                param="top_logprobs",
+            )
+    k = (top or 0) if lp else None
+    if k is not None:
+        sampling["logprobs"] = k
+    return GenerationRequest(
+        [messages], sampling, stream, usage, k, _n(fields),
+        renames={"max_new_tokens": name, "prompt": "messages", "max_length": "messages",
+                 "logprobs": "top_logprobs"},
+    )  # fmt: skip
+
+
+def _n(fields: dict[str, Any]) -> int:
+    n = fields.get("n", 1)
+    return n if _is_int(n) else 1  # the engine names a bad n
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(f"{where} must be an object", param=where)
+        for key in _present(m):
+            if key not in ("role", "content"):
+                why = _TOOLS if key in ("tool_calls", "tool_call_id", "function_call") else ""
+                raise APIError(
+                    f"{where}.{key} is not supported (only role and content){': ' + why if why else ''}",
+                    param=f"{where}.{key}",
+                )
+        role = m.get("role")
+        if role not in _ROLES:
+            why = f": {_TOOLS}" if role in ("tool", "function") else ""
+            raise APIError(
+                f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}{why}",
+                param=f"{where}.role",
+            )
+        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(
+                    f"{where}[{j}]: only text parts are supported (text models), got {kind!r}",
+                    param=f"{where}[{j}]",
+                )
+            if not isinstance(part.get("text"), str):
+                raise APIError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise APIError(
+        f"{where} must be a string or a list of text parts, got {content!r}", param=where
+    )

@@ -190,6 +190,13 @@ def test_theoretical_peak_assumptions():
     if peak["clock_hz"] == 3e9:  # no cpufreq on this machine: cpuinfo's clock is used
         assert peak["fp32_flops"] == pytest.approx(2 * 32 * 3e9)
     assert "assumed" in peak["assumptions"]
+    # a measured rate above the nominal-clock peak: the clock it implies is used instead
+    faster = theoretical_peak(threads=2, info={**avx2, "cpu MHz": "3000.0"}, measured_flops=2.4e11)
+    if "cpufreq" not in faster["assumptions"]:
+        assert faster["fp32_flops"] == pytest.approx(2.4e11)
+        assert "implied by the fastest fp32 GEMM measured" in faster["assumptions"]
+    slower = theoretical_peak(threads=2, info={**avx2, "cpu MHz": "3000.0"}, measured_flops=1e11)
+    assert slower["fp32_flops"] == peak["fp32_flops"]
 
 
 MACHINE = {

@@ -34,6 +34,7 @@ from torch_topg.bench import (
     Stats,
     cold_copies,
     compare,
+    gemm_stats,
     llc_bytes,
     read_probe,
     summarize,
@@ -213,7 +214,7 @@ def measure(
         row.limit_kind = "read bw"
     if flops is not None:
         best = min(names, key=lambda n: cmp.stats(n).median)
-        peak = theoretical_peak()["fp32_flops"]
+        peak = theoretical_peak(measured_flops=gemm_stats().hi)["fp32_flops"]
         row.regime, row.limit_kind, row.flops = "compute", "gemm", flops
         row.limit_ms = cmp.ms(best).median
         row.ratios["of best"] = cmp.ratio(best, "topg")  # per round: best's time / topg's

@@ -1,8 +1,8 @@
 """The machine's limits, measured in the run and derived from what the CPU says it is.
 
 * ``read_probe()`` / ``read_bandwidth_stats()``: a read-bandwidth probe that streams a
-  buffer of at least ``8 x`` the last-level cache (the fastest of ``sum``, ``amax`` and
-  ``dot``) with every thread the benchmark uses
+  buffer of at least ``8 x`` the last-level cache (the fastest of ``sum``, ``amax``,
+  ``dot`` and topg's GEMV) with every thread the benchmark uses
   (torch's thread count), reported with its spread. The bandwidth of a shared machine
   moves with its load (8-28 GB/s in one hour here), so a row compared with DRAM runs the
   probe in each of its rounds and sets each round's time against that round's bandwidth.
@@ -172,15 +172,21 @@ def _probe_buffer(nbytes: int) -> torch.Tensor:
 
 @functools.cache
 def _probe_kernel(nbytes: int, threads: int) -> tuple[str, Callable[[], object]]:
-    """The fastest of a few streaming reductions over the buffer, chosen once per
-    process and thread count: torch's ``sum`` alone is partly compute-bound on one core
-    (its cascade summation), ~15% below ``amax`` or ``dot`` there."""
+    """The fastest of a few streaming readers of the buffer, chosen once per process and
+    thread count: torch's ``sum`` alone is partly compute-bound on one core (its cascade
+    summation), ~15% below ``amax`` or ``dot`` there; topg's GEMV where it is built."""
     buf = _probe_buffer(nbytes)
     kernels: dict[str, Callable[[], object]] = {
         "sum": buf.sum,
         "amax": buf.amax,
         "dot": lambda: torch.dot(buf, buf),
     }
+    # topg's GEMV streams the buffer as a [N, 1024] weight: on this machine it reads
+    # faster than torch's reductions (runs with only those put fp32 M=1 linears at up to
+    # 110% of the "limit" in every round). The limit is the best any reader reaches.
+    if torch._C._dispatch_has_kernel_for_dispatch_key("topg::linear", "CPU"):
+        w, x = buf.view(-1, 1024), torch.ones(1, 1024)
+        kernels["topg gemv"] = lambda: torch.ops.topg.linear(x, w)
     cmp = compare(kernels, Budget(warmup=1, min_rounds=3, max_rounds=3, min_sample_s=0.0))
     name = min(kernels, key=lambda k: cmp.stats(k).median)
     return name, kernels[name]
@@ -188,7 +194,7 @@ def _probe_kernel(nbytes: int, threads: int) -> tuple[str, Callable[[], object]]
 
 def read_probe(factor: int = 8) -> tuple[Callable[[], object], int]:
     """The read-bandwidth probe as a callable and the bytes one call reads: the fastest
-    of ``sum``, ``amax`` and ``dot(x, x)`` over an fp32 buffer of ``factor x LLC`` (at
+    of ``sum``, ``amax``, ``dot(x, x)`` and topg's GEMV over an fp32 buffer of ``factor x LLC`` (at
     least 256 MiB), kept for the process. A benchmark interleaves it with a row's
     variants to measure the bandwidth in the same rounds as the row."""
     nbytes = max(factor * llc_bytes()[0], 256 << 20)

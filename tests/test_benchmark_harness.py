@@ -14,6 +14,8 @@ from torch_topg.bench import Budget, Stats, compare, summarize, verdict
 from torch_topg.bench.machine import (
     classify,
     cold_copies,
+    cpu_busy,
+    describe,
     fp32_flops_per_cycle,
     llc_bytes,
     theoretical_peak,
@@ -415,3 +417,17 @@ def test_tp_and_offload_blocks_render_from_records():
     rows = [{**row, "depth": d, "ratio": r} for d, r in enumerate((1.5, 1.1, 1.2, 1.14))]
     text = offload.compact(rows)
     assert "| m | 425 MB | unthrottled | 1.50 | **1.10** | 1.20 | **1.14** | 54 / 54 MiB |" in text
+
+
+def test_busy_is_measured_not_trailing():
+    """The BUSY label comes from the CPU time others used just before the run (the 1-min
+    load average trails: it called a run busy because of the run before it)."""
+    used = cpu_busy(0.05)
+    assert used is None or 0.0 <= used <= 1.0
+    base = {**MACHINE, "peak": {"fp32_flops": 1e11, "assumptions": "test"}}
+    base.setdefault("torch_cpu_capability", "AVX2")
+    base.setdefault("compiler", "cc")
+    quiet = describe({**base, "load_avg_1min": 1.9, "cpu_busy_1s": 0.02})
+    assert "BUSY" not in quiet and "2% busy" in quiet
+    assert "BUSY" in describe({**base, "load_avg_1min": 0.1, "cpu_busy_1s": 0.6})
+    assert "BUSY" in describe({**base, "load_avg_1min": 1.9})  # older records: load average

@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -281,6 +282,7 @@ def machine_info(measure: bool = True) -> dict:
         "topg_build": topg_build,
         "python": platform.python_version(),
         "load_avg_1min": load_average(),
+        "cpu_busy_1s": cpu_busy() if measure else None,
     }
     if measure:
         out["read_bw"] = read_bandwidth_stats().to_dict()
@@ -297,6 +299,28 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
+
+
+def cpu_busy(window_s: float = 1.0) -> float | None:
+    """The fraction of CPU time the other processes used over the last ``window_s``
+    seconds, from /proc/stat (None where it is not readable). Unlike the load average it
+    does not trail: a run that starts right after the previous one is not called busy
+    because of its own predecessor."""
+
+    def sample() -> tuple[int, int]:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        ticks = [int(x) for x in fields]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        return sum(ticks), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(window_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return 1.0 - (idle1 - idle0) / total if total > 0 else None
 
 
 def describe(m: dict) -> str:
@@ -318,8 +342,13 @@ def describe(m: dict) -> str:
             f"{m.get('read_bw_buffer_bytes', 0) >> 20} MiB by {m['threads']} "
             f"threads), torch fp32 GEMM 1024^3 {gemm.fmt('.0f')} GFLOP/s"
         )
-    load = m.get("load_avg_1min")
-    if load is not None:
+    load, used = m.get("load_avg_1min"), m.get("cpu_busy_1s")
+    if used is not None:  # what other processes used just before the run (no trailing)
+        busy = used > 0.25
+        text += f"; CPUs {used:.0%} busy in the second before the run"
+        text += f" (1-min load average {load:.2f})" if load is not None else ""
+        text += " (BUSY machine)" if busy else ""
+    elif load is not None:
         busy = load > 0.5 * (m.get("logical_cpus") or 1)
         text += f"; 1-min load average at the start {load:.2f}{' (BUSY machine)' if busy else ''}"
     return text + "."

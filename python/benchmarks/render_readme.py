@@ -74,7 +74,7 @@ def ops_targets(recs: list[dict]) -> str:
         "",
         *[ops_runs_line(r) for r in recs],
         "",
-        "The latest run's rows that carry one of the issue's targets (all rows: "
+        "The latest run's rows that carry one of the op library's targets (all rows: "
         "[docs/benchmarks.md](docs/benchmarks.md)):",
         "",
         render(recs[0], targets_only=True),

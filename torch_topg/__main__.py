@@ -7,6 +7,14 @@ per pattern site replaced or not (and why), graph and graph-break counts.
 ``python -m torch_topg bench compare A.json B.json`` prints what got faster or slower
 from benchmark record A to B beyond the spread of either (records: ``bench_results/``).
 
+``python -m torch_topg bench serve --url URL [--concurrency 1,4,16] [--requests N]
+[--dataset chat|random|shared-prefix]`` load-tests an OpenAI-compatible server (streamed
+chat completions): request throughput, output tokens/s, TTFT / TPOT / ITL / end-to-end
+percentiles, as a table and a record (``--json``).
+
+``python -m torch_topg monitor URL [--interval S] [--once]`` is a live terminal view of a
+running server, from its ``/metrics``.
+
 ``python -m torch_topg serve [--model M] [--host H] [--port P] [engine options]`` serves
 the model over an OpenAI-compatible HTTP API (the ``serve`` extra; ``serve --help``,
 docs/serve.md).
@@ -53,8 +61,13 @@ def explain_main(argv: list[str]) -> int:
 
 
 def bench_main(argv: list[str]) -> int:
+    if argv[:1] == ["serve"]:  # its own parser (serve --help)
+        from torch_topg.serve.loadgen import serve_bench_main
+
+        return serve_bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m torch_topg bench")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("serve", help="load-test an OpenAI-compatible server (serve --help)")
     c = sub.add_parser("compare", help="what changed from record A to B beyond the spread")
     c.add_argument("a")
     c.add_argument("b")
@@ -79,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return explain_main(argv[1:])
     if argv[0] == "bench":
         return bench_main(argv[1:])
+    if argv[0] == "monitor":
+        from torch_topg.serve.monitor import monitor_main
+
+        return monitor_main(argv[1:])
     if argv[0] == "serve":
         from torch_topg.serve.cli import serve_main
 

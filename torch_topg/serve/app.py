@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,11 +23,12 @@ from torch_topg.engine import Engine
 from torch_topg.serve import generation
 from torch_topg.serve.errors import APIError
 from torch_topg.serve.metrics import CONTENT_TYPE, ServerMetrics
+from torch_topg.serve.playground import PAGE
 from torch_topg.serve.protocol import GenerationRequest, parse_chat, parse_completion
 from torch_topg.serve.responses import Response as Body
 from torch_topg.serve.responses import TokenText
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class ServerState:
@@ -85,6 +86,10 @@ def create_app(engine: Engine | None, model_name: str, *, api_key: str | None = 
     # A plain ASGI middleware: FastAPI's @app.middleware("http") wraps `receive`, and
     # behind it request.is_disconnected() never sees the client go.
     app.add_middleware(_Gate, state=state)
+
+    @app.get("/")
+    async def playground() -> HTMLResponse:  # open like /health: the page asks for the key
+        return HTMLResponse(PAGE)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -129,6 +129,8 @@ def named_paths(doc: Path) -> list[tuple[int, str, str]]:
     for m in SPAN.finditer(inline):
         span = m.group(1).strip()
         token = span.split("=", 1)[1] if re.match(r"^[A-Z_]+=", span) else span
+        if "://" in token or token.startswith("/"):  # a URL or an HTTP route, not a path
+            continue
         if " " not in token and ("/" in token or token.endswith(PATH_EXTENSIONS)):
             found.append((line(m.start()), token.removeprefix("<repo>/"), "span"))
     for m in LINK.finditer(inline):

@@ -155,9 +155,13 @@ class TPGroup:
         from torch_topg.utils.distributed import peer_failure
 
         timed_out = "timed out" in str(err).lower() or isinstance(err, TimeoutError)
-        deadline = time.monotonic() + (0.0 if timed_out else 2.0)
+        # A peer that closed its sockets is exiting: give it a moment to be reaped, so the
+        # error names it. Also after a "timeout": the all-reduce's own message says "left
+        # or timed out", and on a loaded machine the dead worker's exit is seen late (a
+        # real timeout has waited TOPG_TP_TIMEOUT_S already; 5 s more is nothing).
+        deadline = time.monotonic() + 5.0
         while self.procs and not self.dead() and time.monotonic() < deadline:
-            time.sleep(0.02)  # a peer that closed its sockets is exiting
+            time.sleep(0.02)
         why = [x for x in (self.dead(), peer_failure()) if x]
         if why:
             detail = "; ".join(why)

@@ -481,14 +481,6 @@ def special_inputs(op: str, device: str) -> list[Special]:
 # --- calling one path ----------------------------------------------------------------------
 DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
-#: Cases whose C++ wording differs from Python's (the Python side is the one to keep):
-#: (op, case) -> what the C++ check says instead. Marked xfail(strict) on the native path.
-CPP_WORDING: dict[tuple[str, str], str] = {}
-
-#: NaN / inf cases where the CPU kernel disagrees with its reference (a csrc fix pending):
-#: (op, case) -> what the kernel does. Marked xfail(strict) where the CPU kernel exists.
-KERNEL_NAN_BUGS: dict[tuple[str, str], str] = {}
-
 
 def call_native(spec: OpSpec, device: str, args: tuple, kwargs: dict) -> object:
     """The kernel registered at ``device``'s dispatch key, and nothing else (a tensor of

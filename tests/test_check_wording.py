@@ -13,9 +13,7 @@ Value checks (positions, slots, block ids, offsets, expert ids) need the data: t
 cannot run them, and the reference words them without the tensor's description; they are
 matched by regex on the native and fallback paths in tests/test_ops_common.py.
 
-A case where the C++ wording is known to differ is listed in ``CPP_WORDING`` and marked
-``xfail(strict=True)`` on the CPU: fixing the C++ makes it pass, and then fail until the
-entry is removed. Under ``TOPG_DISABLE_NATIVE=1`` only the fallback and the fake are compared.
+Under ``TOPG_DISABLE_NATIVE=1`` only the fallback and the fake are compared.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from __future__ import annotations
 import pytest
 from conftest import NEEDS_CUDA
 from op_bad_inputs import (
-    CPP_WORDING,
     DISPATCH_KEY,
     bad_inputs,
     call_fake,
@@ -43,12 +40,6 @@ def _cases() -> list:
             if case.value_check:
                 continue
             for device, marks in (("cpu", []), ("cuda", [NEEDS_CUDA])):
-                marks = list(marks)
-                if (op, case.desc) in CPP_WORDING and device == "cpu":
-                    why = f"C++ wording: {CPP_WORDING[op, case.desc]}"
-                    marks.append(
-                        pytest.mark.xfail(OPS[op].has_kernel("CPU"), reason=why, strict=True)
-                    )
                 cases.append(
                     pytest.param(
                         op, device, case.desc, marks=marks, id=f"{op}-{device}-{case.desc}"

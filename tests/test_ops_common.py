@@ -24,9 +24,7 @@ import torch.distributed as dist
 from conftest import NEEDS_CUDA, TOL
 from op_bad_inputs import (
     BAD_INPUTS,
-    CPP_WORDING,
     DISPATCH_KEY,
-    KERNEL_NAN_BUGS,
     SPECIAL_INPUTS,
     bad_inputs,
     call_fallback,
@@ -140,18 +138,14 @@ def test_compile_fullgraph(spec, device):
     _compare(got, expected, s.dtype, s.scale)
 
 
-def _bad_cases() -> list:
+def _cases(inputs) -> list:  # type: ignore[no-untyped-def]
+    """(op, device, case) parameters for every case ``inputs(op, "cpu")`` lists."""
     cases = []
     for op in OPS:
-        for case in bad_inputs(op, "cpu"):
+        for case in inputs(op, "cpu"):
             for device in DEVICES:
                 dev = device if isinstance(device, str) else device.values[0]
                 marks = list(getattr(device, "marks", ()))
-                if (op, case.desc) in CPP_WORDING and dev == "cpu":
-                    why = f"C++ wording: {CPP_WORDING[op, case.desc]}"
-                    marks.append(
-                        pytest.mark.xfail(OPS[op].has_kernel("CPU"), reason=why, strict=True)
-                    )
                 cases.append(
                     pytest.param(op, dev, case.desc, marks=marks, id=f"{op}-{dev}-{case.desc}")
                 )
@@ -165,10 +159,10 @@ def _expect(op: str, match: str, msg: str | None, path: str) -> None:
     )
 
 
-@pytest.mark.parametrize(("op", "device", "desc"), _bad_cases())
+@pytest.mark.parametrize(("op", "device", "desc"), _cases(bad_inputs))
 def test_bad_input(spec, device, desc):
     """The fallback refuses the call in the expected words; so does the native kernel
-    (where there is one), unless its wording is known to differ (CPP_WORDING)."""
+    (where there is one)."""
     case = next(c for c in bad_inputs(spec.name, device) if c.desc == desc)
     _expect(
         spec.name,
@@ -181,25 +175,7 @@ def test_bad_input(spec, device, desc):
     _expect(spec.name, case.match, native_error(spec.name, device, desc), "native")
 
 
-def _special_cases() -> list:
-    cases = []
-    for op in OPS:
-        for case in special_inputs(op, "cpu"):
-            for device in DEVICES:
-                dev = device if isinstance(device, str) else device.values[0]
-                marks = list(getattr(device, "marks", ()))
-                if (op, case.desc) in KERNEL_NAN_BUGS and dev == "cpu":
-                    why = f"CPU kernel: {KERNEL_NAN_BUGS[op, case.desc]}"
-                    marks.append(
-                        pytest.mark.xfail(OPS[op].has_kernel("CPU"), reason=why, strict=True)
-                    )
-                cases.append(
-                    pytest.param(op, dev, case.desc, marks=marks, id=f"{op}-{dev}-{case.desc}")
-                )
-    return cases
-
-
-@pytest.mark.parametrize(("op", "device", "desc"), _special_cases())
+@pytest.mark.parametrize(("op", "device", "desc"), _cases(special_inputs))
 def test_nan_inf_empty(spec, device, desc):
     """NaN, inf and empty inputs: the native kernel gives what the reference gives (NaN
     in the same places; ``finite`` cases: no NaN at all)."""

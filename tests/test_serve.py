@@ -46,15 +46,20 @@ def byte_tokenizer():
     return fast
 
 
-@pytest.fixture(scope="module")
-def engine():
+def chat_engine() -> Engine:
+    """A tiny seeded Llama on the byte tokenizer with its chat specials (eager)."""
     tok = byte_tokenizer()
     ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIALS}
     model = tiny(
         "llama-tiny", vocab_size=len(tok), bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )  # fmt: skip
-    with Engine.from_model(model, tok, block_size=4, compile=False, seed=0) as eng:
+    return Engine.from_model(model, tok, block_size=4, compile=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with chat_engine() as eng:
         yield eng
 
 

@@ -17,11 +17,10 @@ pytest.importorskip("prometheus_client", reason="the serve extra is not installe
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
 import uvicorn
-from engine_utils import tiny, wait_idle
-from test_serve import SPECIALS, byte_tokenizer
+from engine_utils import wait_idle
+from test_serve import chat_engine
 
 from torch_topg.__main__ import main
-from torch_topg.engine import Engine
 from torch_topg.serve import create_app, datasets, loadgen, monitor
 
 MODEL = "tiny-llama"
@@ -105,13 +104,7 @@ def test_datasets_are_seeded() -> None:
 @pytest.fixture(scope="module")
 def server():
     """``(base_url, engine)``: the app on a free loopback port, uvicorn in a thread."""
-    tok = byte_tokenizer()
-    ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIALS}
-    model = tiny(
-        "llama-tiny", vocab_size=len(tok), bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-    )  # fmt: skip
-    with Engine.from_model(model, tok, block_size=4, compile=False, seed=0) as eng:
+    with chat_engine() as eng:
         config = uvicorn.Config(
             create_app(eng, MODEL), host="127.0.0.1", port=0, log_level="warning"
         )

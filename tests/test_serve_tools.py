@@ -5,10 +5,12 @@ test_serve.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -101,27 +103,30 @@ def test_datasets_are_seeded() -> None:
 
 
 # --- against a real server --------------------------------------------------------------
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a thread; yields its base URL."""
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            pytest.fail("uvicorn did not start")
+        time.sleep(0.02)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def server():
     """``(base_url, engine)``: the app on a free loopback port, uvicorn in a thread."""
-    with chat_engine() as eng:
-        config = uvicorn.Config(
-            create_app(eng, MODEL), host="127.0.0.1", port=0, log_level="warning"
-        )
-        srv = uvicorn.Server(config)
-        thread = threading.Thread(target=srv.run, name="uvicorn-test", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                pytest.fail("uvicorn did not start")
-            time.sleep(0.02)
-        port = srv.servers[0].sockets[0].getsockname()[1]
-        try:
-            yield f"http://127.0.0.1:{port}", eng
-        finally:
-            srv.should_exit = True
-            thread.join(timeout=10)
+    with chat_engine() as eng, serving(create_app(eng, MODEL)) as url:
+        yield url, eng
 
 
 def test_playground_page(server) -> None:

@@ -17,6 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from torch_topg.engine import Engine
@@ -171,7 +172,10 @@ def _authorized(scope: Scope, key: str) -> bool:
 
 
 async def _json(request: Request) -> Any:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived: nothing was submitted
+        raise APIError("the client disconnected", status=499) from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -94,6 +94,7 @@ async def complete(
     finally:
         if not task.done():
             task.cancel()
+            task.add_done_callback(_retrieve)  # else asyncio logs "never retrieved"
     metrics.observe(outputs, start)
     choices = []
     for p, out in enumerate(outputs):
@@ -105,6 +106,11 @@ async def complete(
                 resp.choice(p * req.n + sample.index, sample.text, sample.finish_reason, lp)
             )
     return resp.body(choices, usage(outputs))
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _engine_failure(e: BaseException) -> APIError:
@@ -187,11 +193,22 @@ async def stream(
         yield sse(err.body())
     finally:
         if not finished:
-            _abort(handles)
-            with contextlib.suppress(Exception):
-                if not all(h.finished for h in handles):
-                    metrics.aborted(choices)
+            _closed_early(handles, metrics, choices, start)
     yield DONE
+
+
+def _closed_early(
+    handles: list[RequestHandle], metrics: ServerMetrics, choices: int, start: float
+) -> None:
+    """A stream left before its end (client gone, engine error): abort what still runs.
+    A sample is counted once in the metrics: by its own finish reason when all had ended
+    before the client left, else as an abort."""
+    if not all(h.finished for h in handles):
+        _abort(handles)
+        metrics.aborted(choices)
+        return
+    with contextlib.suppress(Exception):  # a failed request (its error was sent) is not counted
+        metrics.observe([h.result(timeout=0) for h in handles], start)
 
 
 def now() -> float:

@@ -46,15 +46,18 @@ def byte_tokenizer():
     return fast
 
 
-def chat_engine() -> Engine:
-    """A tiny seeded Llama on the byte tokenizer with its chat specials (eager)."""
+def chat_engine(**options) -> Engine:
+    """A tiny seeded Llama on the byte tokenizer with its chat specials (eager);
+    ``options`` go to ``Engine.from_model``."""
     tok = byte_tokenizer()
     ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIALS}
     model = tiny(
         "llama-tiny", vocab_size=len(tok), bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )  # fmt: skip
-    return Engine.from_model(model, tok, block_size=4, compile=False, seed=0)
+    return Engine.from_model(
+        model, tok, **{"block_size": 4, "compile": False, "seed": 0, **options}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,207 @@
+"""The adaptive rule: how many tokens each sequence proposes in a step, from measurements.
+
+Model (Leviathan et al. 2023). A sequence whose proposals are accepted with probability
+``a`` each (estimated per sequence) emits ``E(k) = 1 + a + a^2 + ... + a^k`` tokens from
+a verify step with ``k`` proposals; the ``j``-th proposal adds ``a^j`` expected tokens.
+A step that computes ``T`` tokens takes ``t(T)`` seconds, measured (:class:`CostModel`:
+every step the engine runs updates it; a warm-up profile seeds it). For a step whose
+non-speculative form computes ``T0`` tokens and emits one token for each of ``B``
+decoding sequences, proposals add ``N`` tokens and ``sum a_i^j`` expected tokens, plus
+the draft's own steps (``t_d``, for draft models). The rule takes the proposals in
+order of expected gain ``a_i^j`` (highest first) and keeps the prefix ``N`` that maximises
+
+    (B + sum of the first N gains) / (t(T0 + N) + draft time)   relative to   B / t(T0),
+
+and speculates only when that ratio exceeds ``1 + min_gain``. So a sequence whose
+acceptance is low gets k = 0 (speculation off for it), and a batch large enough that a
+step's time grows with its tokens (compute-bound) gets k = 0 everywhere. A sequence
+left at 0 is re-probed with one proposal every ``probe_every`` steps (its estimate
+would otherwise never change); prompt lookup instead scores its unused proposals
+against the tokens that follow (:meth:`AdaptiveController.set_shadow`), at no cost:
+with coupled verification, a proposal is accepted exactly when the tokens that follow
+equal it.
+
+Acceptance estimate: discounted counts per sequence, ``a = (s + w a_g) / (n + w)``
+with ``s`` accepted tokens, ``n`` trials (accepted tokens plus one per rejection: the
+truncated-geometric estimate), ``a_g`` the engine-wide rate of the method and ``w``
+pseudo-trials of it, so a new sequence starts from what the method achieves overall.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+
+class CostModel:
+    """Seconds of a step by the number of tokens it computes, ``t(T)``, measured.
+
+    One exponential moving average per token count; between measured counts ``t`` is
+    interpolated linearly, beyond the largest extrapolated along the last segment
+    (never decreasing), below the smallest held at it. Unmeasured: ``t(T) = 1`` (a
+    memory-bound step, whose cost does not grow with ``T``).
+    """
+
+    def __init__(self, decay: float = 0.1) -> None:
+        self.decay = decay
+        self._ts: list[int] = []
+        self._t: dict[int, float] = {}
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        old = self._t.get(tokens)
+        if old is None:
+            bisect.insort(self._ts, tokens)
+            self._t[tokens] = seconds
+        else:
+            self._t[tokens] = old + self.decay * (seconds - old)
+
+    def __call__(self, tokens: int) -> float:
+        ts = self._ts
+        if not ts:
+            return 1.0
+        if tokens in self._t:
+            return self._t[tokens]
+        i = bisect.bisect_left(ts, tokens)
+        if i == 0:
+            return self._t[ts[0]]
+        if i == len(ts):
+            if len(ts) == 1:
+                return self._t[ts[-1]] * max(1.0, tokens / ts[-1]) if ts[-1] > 1 else self._t[1]
+            a, b = ts[-2], ts[-1]
+            slope = max(0.0, (self._t[b] - self._t[a]) / (b - a))
+            return self._t[b] + slope * (tokens - b)
+        a, b = ts[i - 1], ts[i]
+        w = (tokens - a) / (b - a)
+        return self._t[a] + w * (self._t[b] - self._t[a])
+
+    def points(self) -> dict[int, float]:
+        """The measured ``{tokens: seconds}``."""
+        return {t: self._t[t] for t in self._ts}
+
+
+@dataclass
+class _Seq:
+    succ: float = 0.0
+    trials: float = 0.0
+    idle: int = 0  # steps in a row planned at k = 0
+    shadow: tuple[list[int], int] | None = None  # (unused proposal, index it starts at)
+
+
+@dataclass
+class AdaptiveController:
+    """Per-sequence k from measured acceptance and step costs (module docstring)."""
+
+    k_max: int
+    cost: CostModel = field(default_factory=CostModel)
+    draft_cost: CostModel | None = None  # the draft model's step, t_d(sequences)
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None
+    min_gain: float = 0.02
+    probe_every: int = 32  # 0: never (prompt lookup scores unused proposals instead)
+    prior_weight: float = 2.0
+    discount: float = 0.95
+    _seqs: dict[Hashable, _Seq] = field(default_factory=dict)
+    _succ: float = 1.0  # engine-wide discounted counts (prior 1 of 2: a = 0.5)
+    _trials: float = 2.0
+
+    # --- acceptance ----------------------------------------------------------------
+    @property
+    def global_acceptance(self) -> float:
+        return self._succ / self._trials
+
+    def acceptance(self, key: Hashable) -> float:
+        s = self._seqs.get(key)
+        w, g = self.prior_weight, self.global_acceptance
+        if s is None:
+            return g
+        return (s.succ + w * g) / (s.trials + w)
+
+    def observe(self, key: Hashable, proposed: int, accepted: int) -> None:
+        """A verify step of ``key``: ``accepted`` of ``proposed`` tokens kept."""
+        if proposed <= 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        s = self._seqs.setdefault(key, _Seq())
+        s.succ = self.discount * s.succ + accepted
+        s.trials = self.discount * s.trials + trials
+        d = self.discount**0.25  # the pooled rate moves slower
+        self._succ = d * self._succ + accepted
+        self._trials = d * self._trials + trials
+
+    def set_shadow(self, key: Hashable, proposal: Sequence[int], start: int) -> None:
+        """An unused proposal for tokens ``start ..``: scored by :meth:`check_shadow`."""
+        if proposal:
+            self._seqs.setdefault(key, _Seq()).shadow = (list(proposal), start)
+
+    def check_shadow(self, key: Hashable, tokens: Sequence[int]) -> None:
+        """Score ``key``'s pending unused proposal against its committed ``tokens``."""
+        s = self._seqs.get(key)
+        if s is None or s.shadow is None:
+            return
+        prop, start = s.shadow
+        got = tokens[start : start + len(prop)]
+        a = 0
+        while a < len(got) and got[a] == prop[a]:
+            a += 1
+        if a < len(got) or len(got) == len(prop):  # decided: a mismatch, or all seen
+            s.shadow = None
+            self.observe(key, len(prop), a)
+
+    def forget(self, key: Hashable) -> None:
+        self._seqs.pop(key, None)
+
+    # --- the plan ------------------------------------------------------------------
+    def plan(self, cands: Sequence[tuple[Hashable, int]], base_tokens: int) -> list[int]:
+        """Proposals per candidate: ``cands`` are ``(key, cap)`` of the decoding sequences
+        that may speculate (``cap``: the most proposals each can take); ``base_tokens``:
+        what the step computes without speculation (decodes and prefill chunks)."""
+        B = len(cands)
+        ks = [0] * B
+        if B == 0 or (self.disable_by_batch_size and B >= self.disable_by_batch_size):
+            return ks
+        caps = [max(0, min(c, self.k_max)) for _, c in cands]
+        if not self.adaptive:
+            return caps
+        acc = [self.acceptance(key) for key, _ in cands]
+        gains = sorted(
+            ((acc[i] ** j, i) for i in range(B) for j in range(1, caps[i] + 1)), reverse=True
+        )
+        t0 = self.cost(base_tokens)
+        base_rate = B / t0
+        best, best_n = 1.0 + self.min_gain, 0
+        emitted, per_step = float(B), [0] * (self.k_max + 1)  # per_step[j]: seqs with k >= j
+        draft_t = 0.0
+        counts = [0] * B
+        for n, (g, i) in enumerate(gains, start=1):
+            emitted += g
+            counts[i] += 1
+            if self.draft_cost is not None:
+                j = counts[i]
+                c = per_step[j]
+                draft_t += self.draft_cost(c + 1) - (self.draft_cost(c) if c else 0.0)
+                per_step[j] = c + 1
+            rate = emitted / (self.cost(base_tokens + n) + draft_t)
+            if rate / base_rate > best:
+                best, best_n = rate / base_rate, n
+        for _, i in gains[:best_n]:
+            ks[i] += 1
+        for i, (key, _) in enumerate(cands):
+            s = self._seqs.setdefault(key, _Seq())
+            if ks[i]:
+                s.idle = 0
+                continue
+            s.idle += 1
+            if self.probe_every and s.idle >= self.probe_every and caps[i] > 0:
+                ks[i], s.idle = 1, 0
+        return ks
+
+    def expected_speedup(self, acceptance: float, k: int, base_tokens: int = 1) -> float:
+        """The model's speed-up of one sequence with ``k`` proposals (docs, benchmarks)."""
+        e = sum(acceptance**j for j in range(k + 1))
+        t = self.cost(base_tokens + k)
+        if self.draft_cost is not None and k:
+            t += k * self.draft_cost(1)
+        return e / t * self.cost(base_tokens)

@@ -4,6 +4,7 @@ KV pool sized, step compiled."""
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -58,6 +59,12 @@ def make_config(
     deterministic: bool = False,
     compile: bool = True,
     kv_heads: int | None = None,
+    prefix_caching: bool = True,
+    host_kv_memory: int | str | None = None,
+    disk_kv_path: str | os.PathLike[str] | None = None,
+    disk_kv_memory: int | str | None = None,
+    session_ttl: float = 600.0,
+    session_kv_share: float = 0.5,
 ) -> EngineConfig:
     _positive("tp_size", tp_size)
     _positive("max_batch_size", max_batch_size)
@@ -91,19 +98,115 @@ def make_config(
             f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes per block of "
             f"{block_size} tokens)"
         )
+    tiers = _tier_options(
+        per_block, device, tp_size, prefix_caching, host_kv_memory, disk_kv_path,
+        disk_kv_memory, session_ttl, session_kv_share,
+    )  # fmt: skip
     return EngineConfig(
         device=device, dtype=dtype, tp_size=tp_size, prefetch_depth=prefetch_depth,
         max_batch_size=max_batch_size, batch_timeout=float(batch_timeout),
         max_num_batched_tokens=max_num_batched_tokens, max_queue=max_queue,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
-        seed=seed, deterministic=deterministic, compile=compile,
+        seed=seed, deterministic=deterministic, compile=compile, **tiers,
     )  # fmt: skip
+
+
+def _tier_options(
+    per_block: int,
+    device: torch.device,
+    tp_size: int,
+    prefix_caching: bool,
+    host_kv_memory: int | str | None,
+    disk_kv_path: str | os.PathLike[str] | None,
+    disk_kv_memory: int | str | None,
+    session_ttl: float,
+    session_kv_share: float,
+) -> dict[str, Any]:
+    """The KV hierarchy's options, checked (budgets in blocks)."""
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"prefix_caching: expected True or False, got {prefix_caching!r}")
+    if (
+        isinstance(session_ttl, bool)
+        or not isinstance(session_ttl, (int, float))
+        or not (session_ttl > 0)
+    ):
+        raise ValueError(f"session_ttl: expected seconds > 0, got {session_ttl!r}")
+    if (
+        isinstance(session_kv_share, bool)
+        or not isinstance(session_kv_share, (int, float))
+        or not (0 <= session_kv_share <= 1)
+    ):
+        raise ValueError(
+            f"session_kv_share: expected a fraction in [0, 1], got {session_kv_share!r}"
+        )
+    out: dict[str, Any] = {
+        "prefix_caching": prefix_caching, "session_ttl": float(session_ttl),
+        "session_kv_share": float(session_kv_share),
+    }  # fmt: skip
+    tiered = host_kv_memory is not None or disk_kv_path is not None or disk_kv_memory is not None
+    if tiered and not prefix_caching:
+        raise ValueError(
+            "host_kv_memory / disk_kv_path: the lower KV tiers keep cached prefixes, so they "
+            "need prefix_caching=True"
+        )
+    if tiered and tp_size != 1:
+        raise ValueError(
+            f"host_kv_memory / disk_kv_path: not supported with tp_size={tp_size} yet (each "
+            "rank would have to copy its own shard of a block); use the device tier only"
+        )
+    if host_kv_memory is not None:
+        host = kv_budget(host_kv_memory, torch.device("cpu"), 0, name="host_kv_memory")
+        out["host_kv_blocks"] = _blocks("host_kv_memory", host, per_block)
+    if disk_kv_memory is not None and disk_kv_path is None:
+        raise ValueError("disk_kv_memory: needs disk_kv_path (the folder of the tier's file)")
+    if disk_kv_path is not None:
+        from torch_topg.engine.kv_tiers import check_disk_folder
+
+        folder = check_disk_folder(disk_kv_path)
+        free = shutil.disk_usage(folder).free
+        if disk_kv_memory is None:
+            disk = int(0.1 * free)
+        elif isinstance(disk_kv_memory, str) and disk_kv_memory.strip().endswith("%"):
+            try:
+                frac = float(disk_kv_memory.strip()[:-1]) / 100
+            except ValueError:
+                raise ValueError(f"disk_kv_memory: not a percentage: {disk_kv_memory!r}") from None
+            if not 0 < frac <= 0.9:
+                raise ValueError(
+                    f"disk_kv_memory: expected a percentage in (0, 90], got {disk_kv_memory!r}"
+                )
+            disk = int(frac * free)
+        elif (
+            isinstance(disk_kv_memory, bool)
+            or not isinstance(disk_kv_memory, int)
+            or disk_kv_memory <= 0
+        ):
+            raise ValueError(
+                f"disk_kv_memory: expected a positive byte count or a percentage, got {disk_kv_memory!r}"
+            )
+        else:
+            disk = disk_kv_memory
+            if disk > free:
+                raise ValueError(
+                    f"disk_kv_memory: {disk} bytes, but {folder!r} has {free} bytes free"
+                )
+        out["disk_kv_path"] = folder
+        out["disk_kv_blocks"] = _blocks("disk_kv_memory", disk, per_block)
+    return out
+
+
+def _blocks(name: str, budget: int, per_block: int) -> int:
+    n = budget // per_block
+    if n < 1:
+        raise ValueError(f"{name}: {budget} bytes hold no KV block ({per_block} bytes per block)")
+    return n
 
 
 _OPTIONS = {
     "device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
     "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size", "max_model_len",
-    "seed", "deterministic", "compile",
+    "seed", "deterministic", "compile", "prefix_caching", "host_kv_memory", "disk_kv_path",
+    "disk_kv_memory", "session_ttl", "session_kv_share",
 }  # fmt: skip
 
 
@@ -153,6 +256,15 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         seed: the engine's random seed (requests without one draw theirs from it).
         deterministic: a sequence's logits do not depend on its batch-mates.
         compile: compile the step with ``backend="topg"`` (once, here).
+        prefix_caching: reuse the KV of cached prefixes across requests (default True).
+        host_kv_memory: bytes or a percentage of host memory for the host KV tier
+            (evicted prefix blocks are demoted there); None: no host tier.
+        disk_kv_path, disk_kv_memory: a folder for the disk KV tier's file and its size
+            in bytes or as a percentage of the folder's free space (default 10%).
+        session_ttl: seconds a session (``generate(..., session_id=...)``) keeps its
+            eviction priority after its last request (default 600).
+        session_kv_share: the largest share of each tier that active sessions' blocks
+            keep in preference to others (default 0.5).
     """
     _check_options(options)
     device = _device(options.pop("device", None))

@@ -24,6 +24,13 @@ class EngineConfig:
     seed: int | None = None
     deterministic: bool = False
     compile: bool = True
+    # the KV cache hierarchy (kv_cache.py)
+    prefix_caching: bool = True
+    host_kv_blocks: int = 0
+    disk_kv_path: str | None = None
+    disk_kv_blocks: int = 0
+    session_ttl: float = 600.0
+    session_kv_share: float = 0.5
 
 
 def available_memory(device: torch.device) -> int:
@@ -41,24 +48,27 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def kv_budget(spec: int | str | None, device: torch.device, wanted: int) -> int:
-    """Bytes for the KV pool. ``spec``: bytes, ``"40%"`` of the available memory, or
+def kv_budget(
+    spec: int | str | None,
+    device: torch.device,
+    wanted: int,
+    name: str = "kv_cache_memory",
+) -> int:
+    """Bytes for a KV pool. ``spec``: bytes, ``"40%"`` of the available memory, or
     None: ``wanted`` (every sequence slot at full length) capped at 40% of it."""
     if spec is None:
         return min(wanted, int(0.4 * available_memory(device)))
     if isinstance(spec, str):
         s = spec.strip()
         if not s.endswith("%"):
-            raise ValueError(
-                f"kv_cache_memory: expected bytes or a percentage like '40%', got {spec!r}"
-            )
+            raise ValueError(f"{name}: expected bytes or a percentage like '40%', got {spec!r}")
         try:
             frac = float(s[:-1]) / 100
         except ValueError:
-            raise ValueError(f"kv_cache_memory: not a percentage: {spec!r}") from None
+            raise ValueError(f"{name}: not a percentage: {spec!r}") from None
         if not 0 < frac <= 0.95:
-            raise ValueError(f"kv_cache_memory: expected a percentage in (0, 95], got {spec!r}")
+            raise ValueError(f"{name}: expected a percentage in (0, 95], got {spec!r}")
         return int(frac * available_memory(device))
     if isinstance(spec, bool) or not isinstance(spec, int) or spec <= 0:
-        raise ValueError(f"kv_cache_memory: expected a positive byte count, got {spec!r}")
+        raise ValueError(f"{name}: expected a positive byte count, got {spec!r}")
     return spec

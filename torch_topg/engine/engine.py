@@ -23,6 +23,7 @@ import torch
 
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.config import EngineConfig
+from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
 from torch_topg.engine.sampling import Sampler, SamplingParams, seed_tensor
@@ -72,16 +73,30 @@ class Engine:
             compile=config.compile,
         )
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_batched_tokens)
+        self.kv = KVCacheManager(
+            self.pool,
+            enabled=config.prefix_caching,
+            salt=_cache_salt(model, self.runner.kv_caches, config.block_size),
+            host_blocks=config.host_kv_blocks,
+            disk_folder=config.disk_kv_path,
+            disk_blocks=config.disk_kv_blocks,
+            session_ttl=config.session_ttl,
+            session_share=config.session_kv_share,
+        )
+        self.kv.bind(self.runner.kv_caches)
+        self.scheduler = Scheduler(
+            self.pool, config.max_batch_size, config.max_num_batched_tokens, cache=self.kv
+        )
         self.sampler = Sampler()
         self._eos = _eos_ids(model, tokenizer)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
-        self._on_shutdown = on_shutdown or []
+        self._on_shutdown = [*(on_shutdown or []), self.kv.close]
         # inbox (guarded by _cv)
         self._cv = threading.Condition()
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
+        self._closed_sessions: list[str] = []
         self._stopping = False
         self._queued = 0  # requests submitted and not yet admitted to a step
         self._requests: dict[str, Request] = {}  # loop thread only
@@ -115,8 +130,16 @@ class Engine:
             self._cv.notify_all()
 
     # --- the way in --------------------------------------------------------------------
-    def submit(self, input: Any, **sampling: Any) -> RequestHandle:
-        """Queue one request; returns its handle at once (iterate it for deltas)."""
+    def submit(
+        self, input: Any, *, session_id: str | None = None, **sampling: Any
+    ) -> RequestHandle:
+        """Queue one request; returns its handle at once (iterate it for deltas).
+
+        ``session_id`` (any string, e.g. a conversation id) marks the request's KV blocks
+        as the session's: they are kept in preference to others while the session is
+        active (see ``session_ttl`` and :meth:`close_session`)."""
+        if session_id is not None and not isinstance(session_id, str):
+            raise ValueError(f"session_id: expected a string, got {type(session_id).__name__}")
         params = SamplingParams.from_kwargs(**sampling)
         params.validate()
         prompt, ids = self._tokenize(input)
@@ -127,7 +150,7 @@ class Engine:
         req = Request(
             request_id=rid, prompt=prompt, prompt_token_ids=ids, params=params,
             max_tokens=max_tokens, eos_ids=frozenset() if params.ignore_eos else self._eos,
-            tokenizer=self.tokenizer, handle=handle, seed=seed,
+            tokenizer=self.tokenizer, handle=handle, seed=seed, session_id=session_id,
         )  # fmt: skip
         with self._cv:
             if self._stopping:
@@ -143,21 +166,27 @@ class Engine:
             self._cv.notify_all()
         return handle
 
-    def generate(self, inputs: Any, **sampling: Any) -> list[RequestOutput]:
+    def generate(
+        self, inputs: Any, *, session_id: str | None = None, **sampling: Any
+    ) -> list[RequestOutput]:
         """One :class:`RequestOutput` per input (a string, token ids, or chat messages,
         or a list of them), in order; waits for all."""
-        handles = [self.submit(x, **sampling) for x in _split_inputs(inputs)]
+        handles = [self.submit(x, session_id=session_id, **sampling) for x in _split_inputs(inputs)]
         return [h.result() for h in handles]
 
-    def stream(self, input: Any, **sampling: Any) -> Iterator[str]:
+    def stream(
+        self, input: Any, *, session_id: str | None = None, **sampling: Any
+    ) -> Iterator[str]:
         """Text deltas of one request as they are produced (a plain iterator)."""
-        for d in self.submit(input, **sampling):
+        for d in self.submit(input, session_id=session_id, **sampling):
             if d.text:
                 yield d.text
 
-    async def stream_generate(self, input: Any, **sampling: Any) -> AsyncIterator[str]:
+    async def stream_generate(
+        self, input: Any, *, session_id: str | None = None, **sampling: Any
+    ) -> AsyncIterator[str]:
         """Text deltas of one request as they are produced (``async for``)."""
-        async for d in self.submit(input, **sampling):
+        async for d in self.submit(input, session_id=session_id, **sampling):
             if d.text:
                 yield d.text
 
@@ -165,6 +194,13 @@ class Engine:
         """End a request now (``finish_reason="abort"``); unknown or finished ids are ignored."""
         with self._cv:
             self._aborts.add(request_id)
+            self._cv.notify_all()
+
+    def close_session(self, session_id: str) -> None:
+        """Release a session at once: its blocks lose their priority and are the first
+        evicted (they stay reusable until then). Unknown ids are ignored."""
+        with self._cv:
+            self._closed_sessions.append(session_id)
             self._cv.notify_all()
 
     def shutdown(self) -> None:
@@ -247,9 +283,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._aborts or self._stopping) and not (
-                    self.scheduler.has_work()
-                ):
+                while not (
+                    self._inbox or self._aborts or self._closed_sessions or self._stopping
+                ) and not (self.scheduler.has_work()):
                     self._cv.wait()
                 if self._stopping:
                     new, aborts = list(self._inbox), set(self._aborts)
@@ -259,6 +295,9 @@ class Engine:
                     new, aborts = list(self._inbox), set(self._aborts)
                     self._inbox.clear()
                     self._aborts.clear()
+                closed, self._closed_sessions = self._closed_sessions, []
+            for sid in closed:
+                self.kv.close_session(sid)
             for req in new:
                 self._requests[req.request_id] = req
                 # n > 1: the first sample prefills the prompt, the others fork from it
@@ -315,6 +354,7 @@ class Engine:
         self.scheduler.update(out)
         if sampled:
             self._sample(sampled)
+        self.scheduler.commit([s.seq for s in out.scheduled])
         st.time["sample_s"] += time.perf_counter() - t2
         st.steps += 1
         st.batch_sizes[len(out.scheduled)] += 1
@@ -466,6 +506,7 @@ class Engine:
                 "blocks_used": self.pool.num_used,
                 "block_size": self.pool.block_size,
                 "bytes": self.runner.kv_bytes,
+                **self.kv.stats(),
             },
             "time": dict(st.time),
             "compile": {
@@ -484,6 +525,13 @@ class _Stats:
         self.tokens_per_step = 0
         self.batch_sizes: Counter[int] = Counter()
         self.time: Counter[str] = Counter(schedule_s=0.0, model_s=0.0, sample_s=0.0)
+
+
+def _cache_salt(model: torch.nn.Module, caches: list[torch.Tensor], block_size: int) -> bytes:
+    """What besides the tokens fixes a KV block's contents (the prefix hashes' root)."""
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    layout = [(tuple(t.shape[1:]), str(t.dtype)) for t in caches]
+    return repr((name, id(model), block_size, layout)).encode()
 
 
 def _split_inputs(inputs: Any) -> list[Any]:

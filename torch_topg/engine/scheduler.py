@@ -10,7 +10,9 @@ a token budget (``max_num_batched_tokens``) and a sequence limit (``max_batch_si
    sequence (its blocks are freed, it goes back to the front of the queue and is
    recomputed later: vLLM's recompute preemption), or itself if it is the newest.
 2. Then waiting sequences, in arrival order, while budget, sequence slots and blocks
-   last (none are admitted in a step that had to preempt).
+   last (none are admitted in a step that had to preempt). A sequence admitted with no
+   blocks first takes the longest cached prefix of its tokens from the KV cache
+   hierarchy (:mod:`torch_topg.engine.kv_cache`) and computes only the rest.
 
 Requests join and leave at every step; memory never grows past the pool.
 """
@@ -21,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from torch_topg.engine.block_pool import BlockPool
+from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.sequence import Sequence, Status
 
 
@@ -46,8 +49,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch_size: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_batch_size: int,
+        max_num_batched_tokens: int,
+        cache: KVCacheManager | None = None,
+    ) -> None:
         self.pool = pool
+        self.cache = cache or KVCacheManager(pool, enabled=False)
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -78,8 +88,15 @@ class Scheduler:
         seq.out.finish_reason = reason
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.blocks)
-        seq.blocks = []
+        self.cache.release(seq)
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        """Offer the sequences' newly completed blocks of committed tokens to the prefix
+        cache (call after sampling: a token is committed once the step that computed it
+        is final, i.e. after any rollback of rejected speculative tokens)."""
+        for seq in seqs:
+            if seq.blocks and not seq.finished:
+                self.cache.commit(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -152,8 +169,14 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if not seq.blocks and seq.num_computed == 0:
+                cached = self.cache.match(seq)
+                if seq.index == 0 and seq.num_preemptions == 0:
+                    seq.request.cached_prompt_tokens = cached
             n = min(seq.remaining, budget)
             if not self._grow(seq, n):
+                self._release(seq)  # its prefix hits stay cached for the next try
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -37,6 +37,9 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed = 0
         self.blocks: list[int] = []  # owned by the scheduler
+        self.session_id: str | None = request.session_id
+        self.block_hashes: list[bytes] = []  # prefix hashes of full blocks (kv_cache.py)
+        self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.detok = IncrementalDetokenizer(
@@ -93,6 +96,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     seqs: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int = 0
+    session_id: str | None = None
     error: BaseException | None = None
     forked: bool = False  # n > 1: the other samples have started from the first one
 

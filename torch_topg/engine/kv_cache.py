@@ -1,0 +1,343 @@
+"""The KV cache hierarchy: prefix reuse across requests, lower tiers, session-aware eviction.
+
+**Prefix reuse.** A full block of committed tokens is named by a chained hash:
+``h_i = blake2b(h_{i-1} || tokens of block i)``, ``h_{-1}`` a salt of what else fixes
+the block's contents (model, dtype, KV dtype, block size). Blocks are hashed only when
+every token in them is committed (:meth:`KVCacheManager.commit`: positions below
+``seq.num_computed``, which a speculative step lowers before it commits), so a cache
+entry never holds a token that may still be rolled back. A new (or preempted) sequence
+takes the longest chain of hashes of its tokens that the hierarchy holds
+(:meth:`~KVCacheManager.match`), always leaving at least one token to compute (the step
+needs a query row to sample from). Device hits are shared copy-free (reference counts);
+a hit in a lower tier is promoted: a device block is allocated and the record copied in.
+
+**Tiers.** Device (tier 1, :class:`~torch_topg.engine.block_pool.BlockPool`), host memory
+(tier 2) and a file (tier 3), see :mod:`torch_topg.engine.kv_tiers`. Tiers are exclusive:
+a hash lives in one tier at a time. A cached block evicted from the device is demoted to
+the host tier when there is one, else to the disk tier; a block evicted from the host
+tier goes to disk; a block evicted from the last tier is dropped.
+
+**Eviction policy** (:class:`SessionPolicy`). Without sessions: least recently released
+first, and among blocks released together the deepest first (a prefix's tail is worth
+less than its head, which more requests share). With ``session_id``: each block is tagged
+with the session that last committed or hit it, and a session is *active* while it was
+seen within ``session_ttl`` seconds. When a tier must evict, the blocks of active
+sessions are kept if possible, most recent session first, up to ``session_share`` of the
+tier; everything else (blocks of no session, of idle sessions, of sessions past the
+cap) goes first in LRU order. It is a soft priority, never a pin: when nothing else is
+left, session blocks are evicted too, so a new request never waits for a session and
+nothing can deadlock. ``close_session`` drops a session's priority and puts its blocks
+first in line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_topg.engine.block_pool import BlockPool
+from torch_topg.engine.kv_tiers import DiskStore, HostStore, TierIndex
+
+if TYPE_CHECKING:
+    from torch_topg.engine.sequence import Sequence
+
+
+def chain_hash(parent: bytes, tokens: Iterable[int]) -> bytes:
+    """The hash of a block: its parent's hash and its tokens (int64, little endian)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class SessionPolicy:
+    """Which cached blocks a tier evicts first (see the module docstring)."""
+
+    def __init__(
+        self, ttl: float, share: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl = ttl
+        self.share = share
+        self.clock = clock
+        self.last_seen: dict[str, float] = {}
+
+    def touch(self, session: str | None) -> None:
+        if session is not None:
+            self.last_seen[session] = self.clock()
+
+    def close(self, session: str) -> None:
+        self.last_seen.pop(session, None)
+
+    def active(self) -> dict[str, float]:
+        now = self.clock()
+        for s in [s for s, t in self.last_seen.items() if now - t >= self.ttl]:
+            del self.last_seen[s]  # idle past the TTL: its blocks are ordinary LRU now
+        return self.last_seen
+
+    def pick(
+        self, order: OrderedDict[int, None], count: int, session_of: list[str | None], size: int
+    ) -> list[int]:
+        """``count`` ids of ``order`` (oldest first) to evict in a tier of ``size`` blocks."""
+        active = self.active() if self.last_seen else {}
+        if not active:
+            it = iter(order)
+            return [next(it) for _ in range(count)]
+        held = Counter(session_of[b] for b in order if session_of[b] in active)
+        room = int(self.share * size)
+        keep: set[str] = set()
+        for s in sorted(held, key=active.__getitem__, reverse=True):
+            if held[s] <= room:
+                keep.add(s)
+                room -= held[s]
+        out = [b for b in order if session_of[b] not in keep][:count]
+        if len(out) < count:
+            out += [b for b in order if session_of[b] in keep][: count - len(out)]
+        return out
+
+
+class KVCacheManager:
+    """Prefix index, tiers and eviction for one engine's paged pool."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        enabled: bool = True,
+        salt: bytes = b"",
+        host_blocks: int = 0,
+        disk_folder: str | None = None,
+        disk_blocks: int = 0,
+        session_ttl: float = 600.0,
+        session_share: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.enabled = enabled
+        self.root = hashlib.blake2b(salt, digest_size=16).digest()
+        self.policy = SessionPolicy(session_ttl, session_share, clock)
+        self.dev_session: list[str | None] = [None] * pool.num_blocks
+        self.host: TierIndex | None = TierIndex("host", host_blocks) if host_blocks else None
+        self.disk: TierIndex | None = TierIndex("disk", disk_blocks) if disk_blocks else None
+        self._disk_folder = disk_folder
+        self.stores: dict[str, HostStore | DiskStore] = {}
+        self.caches: list[torch.Tensor] = []
+        self.counts: dict[str, Counter[str]] = {t: Counter() for t in ("device", "host", "disk")}
+        self.prefix: Counter[str] = Counter(queries=0, query_tokens=0, hit_tokens=0)
+        self.sessions: dict[str, Counter[str]] = {}
+        pool.pick = lambda cached, n: self.policy.pick(cached, n, self.dev_session, pool.num_blocks)
+        pool.on_evict = self._on_device_evict
+
+    # --- set-up ------------------------------------------------------------------------
+    def bind(self, caches: list[torch.Tensor]) -> None:
+        """The runner's cache tensors (every per-block tensor, block dimension 0); the
+        lower tiers are allocated here, in their layout."""
+        self.caches = caches
+        if self.host is not None:
+            self.stores["host"] = HostStore(caches, self.host.num_slots)
+        if self.disk is not None:
+            assert self._disk_folder is not None
+            self.stores["disk"] = DiskStore(caches, self.disk.num_slots, self._disk_folder)
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
+    def tiers(self) -> list[TierIndex]:
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    # --- hashing -----------------------------------------------------------------------
+    def block_hashes(self, seq: Sequence, count: int) -> list[bytes]:
+        """Hashes of ``seq``'s first ``count`` full blocks (memoised on the sequence)."""
+        hs = seq.block_hashes
+        bs = self.pool.block_size
+        toks = seq.token_ids
+        while len(hs) < count:
+            i = len(hs)
+            hs.append(chain_hash(hs[-1] if hs else self.root, toks[i * bs : (i + 1) * bs]))
+        return hs[:count]
+
+    # --- the scheduler's calls ---------------------------------------------------------
+    def match(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the longest cached prefix of its tokens (device
+        hits shared, lower-tier hits promoted); sets ``seq.blocks`` and
+        ``seq.num_computed`` and returns the tokens reused."""
+        assert not seq.blocks and seq.num_computed == 0
+        if not self.enabled:
+            return 0
+        bs = self.pool.block_size
+        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // bs)
+        blocks: list[int] = []
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        self.pool.share(blocks)
+        self.counts["device"]["hits"] += len(blocks)
+        blocks += self._promote(hashes[len(blocks) :], seq.session_id)
+        sid = seq.session_id
+        for b in blocks:
+            self.dev_session[b] = sid
+        self.policy.touch(sid)
+        seq.blocks = blocks
+        seq.num_computed = len(blocks) * bs
+        self.prefix["queries"] += 1
+        self.prefix["query_tokens"] += seq.num_tokens
+        self.prefix["hit_tokens"] += seq.num_computed
+        self.prefix["miss_blocks"] += len(hashes) - len(blocks)
+        if sid is not None:
+            c = self.sessions.setdefault(sid, Counter())
+            c["requests"] += 1
+            c["query_tokens"] += seq.num_tokens
+            c["hit_tokens"] += seq.num_computed
+        return seq.num_computed
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash ``seq``'s full blocks of committed tokens (those below ``num_computed``)."""
+        if not self.enabled or not seq.blocks:
+            return
+        bs = self.pool.block_size
+        full = min(seq.num_computed, seq.num_tokens) // bs
+        hashes = self.block_hashes(seq, full)
+        sid = seq.session_id
+        for i in range(seq.num_committed_blocks, full):
+            b = seq.blocks[i]
+            if self.pool.hash_of(b) is None and self.pool.register(b, hashes[i]):
+                self._drop_lower(hashes[i])  # tiers stay exclusive
+            self.dev_session[b] = sid
+        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+        self.policy.touch(sid)
+
+    def release(self, seq: Sequence) -> None:
+        """Commit, then drop ``seq``'s hold on its blocks, deepest first."""
+        self.commit(seq)
+        self.pool.free(seq.blocks[::-1])
+        seq.blocks = []
+        seq.num_committed_blocks = 0
+
+    def close_session(self, session: str) -> None:
+        """No more priority for ``session``; its cached blocks go first in line."""
+        self.policy.close(session)
+        self.sessions.pop(session, None)
+        cached = self.pool._cached
+        for b in [b for b in cached if self.dev_session[b] == session]:
+            cached.move_to_end(b, last=False)
+        for t in self.tiers():
+            for s in [s for s in t.lru if t.session[s] == session]:
+                t.lru.move_to_end(s, last=False)
+
+    # --- moving blocks between tiers ---------------------------------------------------
+    def _promote(self, hashes: list[bytes], session: str | None) -> list[int]:
+        """Device blocks for the leading ``hashes`` found in lower tiers (copied up)."""
+        found: list[tuple[TierIndex, int, bytes]] = []
+        for h in hashes:
+            hit = next(((t, s) for t in self.tiers() if (s := t.lookup(h)) is not None), None)
+            if hit is None:
+                break
+            hit[0].pin(hit[1])  # not evicted by the demotions the allocation below causes
+            found.append((hit[0], hit[1], h))
+        if not found:
+            return []
+        n = min(len(found), self.pool.num_free)
+        new = self.pool.allocate(n)
+        out: list[int] = []
+        for i, (tier, slot, h) in enumerate(found):
+            if i >= n or len(out) < i:  # no device room, or the chain broke: left in place
+                tier.unpin(slot)
+                continue
+            store = self.stores[tier.name]
+            ok = store.read(slot, self.caches, new[i])
+            tier.release(slot)  # promoted (the tiers are exclusive), or unreadable: dropped
+            c = self.counts[tier.name]
+            if not ok:
+                c["errors"] += 1
+                continue
+            self.pool.register(new[i], h)
+            out.append(new[i])
+            c["hits"] += 1
+            c["promoted"] += 1
+            c["bytes_read"] += store.block_bytes
+        self.pool.free(new[len(out) :][::-1])  # unhashed: back to the free list
+        return out
+
+    def _on_device_evict(self, block: int, h: bytes) -> None:
+        self.counts["device"]["evicted"] += 1
+        sid = self.dev_session[block]
+        self.dev_session[block] = None
+        tiers = self.tiers()
+        if tiers:
+            self._store(tiers[0], self.caches, block, h, sid)
+
+    def _store(
+        self, tier: TierIndex, src: list[torch.Tensor], index: int, h: bytes, sid: str | None
+    ) -> None:
+        """Demote a block (rows ``index`` of ``src``) into ``tier``, evicting its oldest."""
+        if not tier.has_free():
+            if not tier.lru:  # every slot pinned by a promotion in flight
+                self.counts[tier.name]["dropped"] += 1
+                return
+            (victim,) = self.policy.pick(tier.lru, 1, tier.session, tier.num_slots)
+            self._evict_slot(tier, victim)
+        slot = tier.take_free()
+        store = self.stores[tier.name]
+        store.write(src, index, slot)
+        tier.fill(slot, h, sid)
+        c = self.counts[tier.name]
+        c["stored"] += 1
+        c["bytes_written"] += store.block_bytes
+
+    def _evict_slot(self, tier: TierIndex, slot: int) -> None:
+        """Free ``slot`` of ``tier``, demoting its block to the next tier down if any."""
+        self.counts[tier.name]["evicted"] += 1
+        h, sid = tier.hash_of[slot], tier.session[slot]
+        if tier is self.host and self.disk is not None and h is not None:
+            src = self.stores["host"]
+            assert isinstance(src, HostStore)
+            self._store(self.disk, src.tensors, slot, h, sid)
+        tier.release(slot)
+
+    def _drop_lower(self, h: bytes) -> None:
+        for t in self.tiers():
+            s = t.lookup(h)
+            if s is not None and s not in t.pinned:
+                t.release(s)
+
+    # --- introspection -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        p = self.prefix
+        tiers: dict[str, Any] = {
+            "device": {
+                "blocks_total": self.pool.num_blocks,
+                "blocks_used": self.pool.num_used,
+                "blocks_cached": self.pool.num_cached,
+                **self.counts["device"],
+            }
+        }
+        for t in self.tiers():
+            tiers[t.name] = {
+                "blocks_total": t.num_slots,
+                "blocks_used": t.num_used,
+                "bytes": self.stores[t.name].nbytes if t.name in self.stores else 0,
+                **self.counts[t.name],
+            }
+        return {
+            "prefix_caching": self.enabled,
+            "queries": p["queries"],
+            "query_tokens": p["query_tokens"],
+            "hit_tokens": p["hit_tokens"],
+            "hit_rate": p["hit_tokens"] / p["query_tokens"] if p["query_tokens"] else 0.0,
+            "tiers": tiers,
+            "sessions": {s: dict(c) for s, c in self.sessions.items()},
+            "active_sessions": len(self.policy.active()),
+        }
+
+    def check(self) -> None:
+        """Every tier's bookkeeping is consistent (tests)."""
+        self.pool.check_consistent()
+        for t in self.tiers():
+            t.check()
+            if t.pinned:
+                raise AssertionError(f"{t.name} tier: slots left pinned: {sorted(t.pinned)}")

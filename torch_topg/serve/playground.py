@@ -22,7 +22,7 @@ PAGE = """<!doctype html>
   h1 { font-size: 1.2rem; margin: 0; }
   #log { border: 1px solid #ccc; border-radius: 6px; padding: .5rem; min-height: 16rem;
          max-height: 60vh; overflow-y: auto; margin: .75rem 0; }
-  .msg { white-space: pre-wrap; margin: .4rem 0; padding: .4rem .6rem; border-radius: 6px; }
+  .msg { white-space: pre-wrap; overflow-wrap: anywhere; margin: .4rem 0; padding: .4rem .6rem; border-radius: 6px; }
   .user { background: #e8f0fe; } .assistant { background: #f4f4f4; } .error { background: #fde8e8; }
   .stats { font: 12px monospace; color: #555; margin: -.2rem 0 .4rem .6rem; }
   form { display: flex; gap: .5rem; } textarea { flex: 1; font: inherit; }

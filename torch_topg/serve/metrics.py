@@ -151,6 +151,112 @@ class _EngineCollector:
             "Step compilations after warm-up (should stay 0)",
             s["compile"]["while_serving"],
         )
+        yield from _kv_tier_metrics(kv)
+        yield from _speculative_metrics(s.get("speculative"))
+
+
+# engine.stats()["kv"]["tiers"][tier]: these keys are levels (gauges); every other number
+# is a count of events since start (counters), bytes_read / bytes_written in bytes.
+_TIER_GAUGES = ("blocks_total", "blocks_used", "blocks_cached", "bytes")
+_TIER_BYTES = ("bytes_read", "bytes_written")
+MAX_SESSIONS = 100  # sessions exported per scrape (label cardinality): the busiest ones
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _kv_tier_metrics(kv: dict[str, Any]) -> Iterator[Metric]:
+    """Prefix-cache, KV-tier and session figures of ``stats()["kv"]``: each exported when
+    the engine reports it, absent otherwise (an engine without those features)."""
+    if "prefix_caching" in kv:
+        yield _gauge("topg_prefix_cache_enabled", "1 if prefix caching is on",
+                     float(bool(kv["prefix_caching"])))  # fmt: skip
+    for key, doc in (
+        ("queries", "Prefix-cache lookups (one per admitted sequence)"),
+        ("query_tokens", "Prompt tokens looked up in the prefix cache"),
+        ("hit_tokens", "Prompt tokens found in the KV cache (any tier) and not recomputed"),
+    ):
+        if _num(kv.get(key)):
+            yield _counter(f"topg_prefix_cache_{key}", doc, kv[key])
+    if _num(kv.get("hit_rate")):
+        yield _gauge("topg_prefix_cache_hit_rate", "hit_tokens / query_tokens since start",
+                     kv["hit_rate"])  # fmt: skip
+    tiers = kv.get("tiers")
+    if isinstance(tiers, dict) and tiers:
+        gauges = {k: GaugeMetricFamily(f"topg_kv_tier_{k}", f"KV {k} per tier", labels=["tier"])
+                  for k in _TIER_GAUGES}  # fmt: skip
+        events = CounterMetricFamily(
+            "topg_kv_tier_events",
+            "KV block events per tier (hits, promoted, stored, evicted, dropped, errors, ...)",
+            labels=["tier", "event"],
+        )
+        io = CounterMetricFamily("topg_kv_tier_io_bytes", "Bytes moved per tier",
+                                 labels=["tier", "direction"])  # fmt: skip
+        for tier, c in tiers.items():
+            if not isinstance(c, dict):
+                continue
+            for key, v in sorted(c.items()):
+                if not _num(v):
+                    continue
+                if key in _TIER_GAUGES:
+                    gauges[key].add_metric([tier], v)
+                elif key in _TIER_BYTES:
+                    io.add_metric([tier, key.removeprefix("bytes_")], v)
+                else:
+                    events.add_metric([tier, key], v)
+        for fam in (*gauges.values(), events, io):
+            if fam.samples:
+                yield fam
+    if _num(kv.get("active_sessions")):
+        yield _gauge("topg_sessions_active", "Sessions with a recent request (session_ttl)",
+                     kv["active_sessions"])  # fmt: skip
+    sessions = kv.get("sessions")
+    if isinstance(sessions, dict) and sessions:
+        busiest = sorted(sessions.items(), key=lambda kv_: -_count(kv_[1], "requests"))
+        fams = {k: CounterMetricFamily(f"topg_session_{k}", doc, labels=["session"])
+                for k, doc in (("requests", "Requests per session"),
+                               ("query_tokens", "Prompt tokens per session"),
+                               ("hit_tokens", "Prompt tokens read from the cache per session"))}  # fmt: skip
+        for sid, c in busiest[:MAX_SESSIONS]:
+            for k, fam in fams.items():
+                if isinstance(c, dict) and _num(c.get(k)):
+                    fam.add_metric([str(sid)], c[k])
+        yield from (f for f in fams.values() if f.samples)
+
+
+def _count(c: Any, key: str) -> float:
+    return c.get(key, 0) if isinstance(c, dict) and _num(c.get(key)) else 0
+
+
+def _speculative_metrics(spec: Any) -> Iterator[Metric]:
+    """``stats()["speculative"]`` (present when the engine speculates)."""
+    if not isinstance(spec, dict):
+        return
+    for key, doc in (
+        ("proposals", "Speculative proposals verified"),
+        ("proposed_tokens", "Draft tokens proposed"),
+        ("accepted_tokens", "Draft tokens accepted"),
+        ("skipped_steps", "Steps that did not speculate (adaptive k = 0)"),
+    ):
+        if _num(spec.get(key)):
+            yield _counter(f"topg_spec_{key}", doc, spec[key])
+    for key, doc in (
+        ("acceptance_rate", "accepted_tokens / proposed_tokens since start"),
+        ("mean_accepted_length", "Tokens committed per verified proposal (accepted + 1)"),
+        ("acceptance_estimate", "The adaptive controller's running acceptance estimate"),
+    ):
+        if _num(spec.get(key)):
+            yield _gauge(f"topg_spec_{key}", doc, spec[key])
+    per_pos = spec.get("acceptance_per_position")
+    if isinstance(per_pos, list) and per_pos:
+        g = GaugeMetricFamily("topg_spec_acceptance_by_position",
+                              "Acceptance rate of the draft token at each position",
+                              labels=["position"])  # fmt: skip
+        for i, v in enumerate(per_pos):
+            if _num(v):
+                g.add_metric([str(i)], v)
+        yield g
 
 
 def _stats(engine: Engine) -> dict[str, Any]:

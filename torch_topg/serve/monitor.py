@@ -120,8 +120,50 @@ def frame(url: str, cur: Samples, prev: Samples | None, dt: float) -> str:
         f"KV blocks  {kv}",
         f"cached     {'-' if not prompt else f'{100 * (cached or 0) / prompt:.1f}%'}"
         f" of {num(prompt)} prompt tokens",
+        *_feature_lines(cur, prev),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _labels(samples: Samples, name: str, label: str) -> list[str]:
+    return sorted({lab[label] for lab, _ in samples.get(name, []) if label in lab})
+
+
+def _feature_lines(cur: Samples, prev: Samples | None) -> list[str]:
+    """KV tiers, prefix cache, sessions and speculative decoding: a line each, shown only
+    when the server exports it (engines without the feature export nothing)."""
+    lines = []
+    tiers = _labels(cur, "topg_kv_tier_blocks_used", "tier")
+    if tiers:
+        parts = []
+        for t in tiers:
+            used, total = (
+                value(cur, "topg_kv_tier_blocks_used", tier=t),
+                value(cur, "topg_kv_tier_blocks_total", tier=t),
+            )
+            part = f"{t} {used:.0f}/{total:.0f}" if total is not None else f"{t} {used:.0f}"
+            hits = value(cur, "topg_kv_tier_events_total", tier=t, event="hits")
+            evicted = value(cur, "topg_kv_tier_events_total", tier=t, event="evicted")
+            extra = [f"{k} {v:.0f}" for k, v in (("hits", hits), ("evicted", evicted)) if v]
+            parts.append(part + (f" ({', '.join(extra)})" if extra else ""))
+        lines.append("KV tiers   " + "   ".join(parts))
+    rate = value(cur, "topg_prefix_cache_hit_rate")
+    if rate is not None:
+        hit = _delta(cur, prev, "topg_prefix_cache_hit_tokens_total")
+        query = _delta(cur, prev, "topg_prefix_cache_query_tokens_total")
+        recent = f", last interval {100 * hit / query:.1f}%" if hit is not None and query else ""
+        lines.append(f"prefix     hit rate {100 * rate:.1f}% of looked-up tokens{recent}")
+    sessions = value(cur, "topg_sessions_active")
+    if sessions is not None:
+        lines.append(f"sessions   {sessions:.0f} active")
+    acc = value(cur, "topg_spec_acceptance_rate")
+    if acc is not None:
+        mean = value(cur, "topg_spec_mean_accepted_length")
+        lines.append(
+            f"speculative acceptance {100 * acc:.1f}%"
+            + (f", {mean:.2f} tokens per verify" if mean is not None else "")
+        )
+    return lines
 
 
 def monitor_main(argv: list[str]) -> int:

@@ -32,7 +32,11 @@ _SAMPLING = (
     "ignore_eos",
     "n",
 )
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "logprobs", "user", *_SAMPLING}
+_COMMON = {
+    "model", "stream", "stream_options", "max_tokens", "logprobs", "user", "session_id",
+    *_SAMPLING,
+}  # fmt: skip
+MAX_SESSION_ID = 256  # characters
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs"})
 
@@ -80,6 +84,7 @@ class GenerationRequest:
     n: int = 1
     # engine parameter -> this request's field, for the engine's error messages
     renames: dict[str, str] = field(default_factory=dict)
+    session_id: str | None = None  # the engine's session (KV kept for the conversation)
 
 
 def _is_int(v: Any) -> bool:
@@ -184,6 +189,7 @@ def parse_completion(body: Any, served: str) -> GenerationRequest:
     return GenerationRequest(
         inputs, sampling, stream, usage, lp, _n(fields),
         renames={"max_new_tokens": name, "prompt": "prompt"},
+        session_id=_session_id(fields),
     )  # fmt: skip
 
 
@@ -240,7 +246,24 @@ def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
         [messages], sampling, stream, usage, k, _n(fields),
         renames={"max_new_tokens": name, "prompt": "messages", "max_length": "messages",
                  "logprobs": "top_logprobs"},
+        session_id=_session_id(fields),
     )  # fmt: skip
+
+
+def _session_id(fields: dict[str, Any]) -> str | None:
+    """``session_id`` (an extension): a non-empty string naming the conversation, so the
+    engine keeps its KV blocks in preference to others' (not ``user``: OpenAI's ``user``
+    names an end user, who may hold many conversations)."""
+    sid = fields.get("session_id")
+    if sid is None:
+        return None
+    if not isinstance(sid, str) or not 0 < len(sid) <= MAX_SESSION_ID:
+        raise APIError(
+            f"session_id must be a non-empty string of at most {MAX_SESSION_ID} characters, "
+            f"got {sid!r:.80}",
+            param="session_id",
+        )
+    return sid
 
 
 def _n(fields: dict[str, Any]) -> int:

@@ -29,6 +29,7 @@ from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, Token
 from torch_topg.engine.sampling import Sampler, SamplingParams, seed_tensor
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
+from torch_topg.engine.speculative.speculator import Speculator, accepted, rows_of
 
 
 class QueueFull(RuntimeError):
@@ -88,6 +89,10 @@ class Engine:
             self.pool, config.max_batch_size, config.max_num_batched_tokens, cache=self.kv
         )
         self.sampler = Sampler()
+        self.spec: Speculator | None = None
+        if config.speculative is not None:
+            self.spec = Speculator(config.speculative, self.runner,
+                                   max_model_len=config.max_model_len, compile=config.compile)  # fmt: skip
         self._eos = _eos_ids(model, tokenizer)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -105,6 +110,8 @@ class Engine:
             self._on_shutdown.append(batch_invariant_mode())
         t0 = time.perf_counter()
         self.runner.warmup()
+        if self.spec is not None:
+            self.spec.warmup()
         self._stats.time["warmup_s"] = time.perf_counter() - t0
         self._compiles_at_ready = self.runner.compilations
         self._thread = threading.Thread(target=self._loop, name="topg-engine", daemon=True)
@@ -339,10 +346,15 @@ class Engine:
     def _step(self) -> None:
         st = self._stats
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.plan(self.scheduler)
         out = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.propose(out)
         t1 = time.perf_counter()
         st.time["schedule_s"] += t1 - t0
         if not out.scheduled:
+            self.scheduler.wait_for_loads()
             return
         try:
             rows = self._run(out)
@@ -356,6 +368,8 @@ class Engine:
             self._sample(sampled)
         self.scheduler.commit([s.seq for s in out.scheduled])
         st.time["sample_s"] += time.perf_counter() - t2
+        if self.spec is not None:
+            self.spec.observe_step(out, time.perf_counter() - t1)
         st.steps += 1
         st.batch_sizes[len(out.scheduled)] += 1
         st.tokens_per_step += out.num_tokens
@@ -370,17 +384,12 @@ class Engine:
         """One model call for the whole step: the logits row of each scheduled sequence
         that samples (None for the others)."""
         items = [
-            (s.seq.token_ids, s.seq.num_computed, s.num_new, s.seq.blocks) for s in out.scheduled
-        ]
-        samples = [s.samples for s in out.scheduled]
-        batch = self.runner.pack(items, samples)
-        logits = self.runner.execute(batch)
-        rows: list[torch.Tensor | None] = []
-        r = 0
-        for flag in samples:
-            rows.append(logits[r] if flag else None)
-            r += flag
-        return rows
+            (s.seq.token_ids + s.seq.spec_tokens if s.num_spec else s.seq.token_ids,
+             s.seq.num_computed, s.num_new, s.seq.blocks)
+            for s in out.scheduled
+        ]  # fmt: skip
+        samples = [(1 + s.num_spec) * s.samples for s in out.scheduled]
+        return rows_of(self.runner.execute(self.runner.pack(items, samples)), samples)
 
     def _run_isolated(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
         """The batched step raised: run each sequence alone; those that still raise fail
@@ -407,29 +416,47 @@ class Engine:
                 if copies is not None:  # the children's first tokens come from this row
                     self.runner.copy_blocks(copies)
                     sampled.extend((c, row) for c in children)
-        seqs = [s for s, _ in sampled]
-        logits = torch.stack([r for _, r in sampled])
-        params = [s.request.params for s in seqs]
-        seeds = seed_tensor([s.seed for s in seqs])
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)
+        # One row per position: a verify step's rows draw each position with its own key,
+        # as if the proposals before it were committed (speculative/rejection.py).
+        props = [s.spec_tokens if r.dim() == 2 else [] for s, r in sampled]
+        rows = [
+            (s, p[:j]) for (s, _), p in zip(sampled, props, strict=True) for j in range(len(p) + 1)
+        ]
+        logits = torch.cat([r.view(-1, r.shape[-1]) for _, r in sampled])
+        params = [s.request.params for s, _ in rows]
+        seeds = seed_tensor([s.seed for s, _ in rows])
+        positions = torch.tensor([s.num_tokens + len(d) for s, d in rows], dtype=torch.long)
         needs_hist = any(p.has_penalties for p in params)
         res = self.sampler(
             logits, params, seeds, positions,
-            prompt_tokens=[s.token_ids[: s.prompt_len] for s in seqs] if needs_hist else None,
-            output_tokens=[s.output_ids for s in seqs] if needs_hist else None,
+            prompt_tokens=[s.token_ids[: s.prompt_len] for s, _ in rows] if needs_hist else None,
+            output_tokens=[s.output_ids + d for s, d in rows] if needs_hist else None,
         )  # fmt: skip
         tokens = res.tokens.tolist()
         now = time.perf_counter()
-        for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
-            lp = None
-            if seq.request.params.logprobs is not None and res.logprobs is not None:
-                top = {}
-                if res.top_logprobs is not None and seq.request.params.logprobs > 0:
-                    vals, ids = res.top_logprobs
-                    k = seq.request.params.logprobs
-                    top = dict(zip(ids[i, :k].tolist(), vals[i, :k].tolist(), strict=True))
-                lp = TokenLogprob(tok, float(res.logprobs[i]), top)
-            self._append(seq, tok, lp, now)
+        i = 0
+        for (seq, _), prop in zip(sampled, props, strict=True):
+            drawn = tokens[i : i + len(prop) + 1]
+            n = len(drawn)
+            if prop:
+                n = accepted(drawn, prop) + 1
+                self.spec.rollback(self.scheduler, seq, n - 1)  # before any append
+            for j, tok in enumerate(drawn[:n]):
+                if seq.finished:  # a stop inside an accepted run
+                    break
+                self._append(seq, tok, self._logprob(res, i + j, tok, seq), now)
+            i += len(drawn)
+
+    @staticmethod
+    def _logprob(res: Any, i: int, tok: int, seq: Sequence) -> TokenLogprob | None:
+        k = seq.request.params.logprobs
+        if k is None or res.logprobs is None:
+            return None
+        top = {}
+        if res.top_logprobs is not None and k > 0:
+            vals, ids = res.top_logprobs
+            top = dict(zip(ids[i, :k].tolist(), vals[i, :k].tolist(), strict=True))
+        return TokenLogprob(tok, float(res.logprobs[i]), top)
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
         req = seq.request
@@ -509,6 +536,7 @@ class Engine:
                 **self.kv.stats(),
             },
             "time": dict(st.time),
+            **({"speculative": self.spec.summary()} if self.spec is not None else {}),
             "compile": {
                 "enabled": self.runner.compiled,
                 "compilations": self.runner.compilations,

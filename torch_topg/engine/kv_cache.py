@@ -22,9 +22,11 @@ first, and among blocks released together the deepest first (a prefix's tail is 
 less than its head, which more requests share). With ``session_id``: each block is tagged
 with the session that last committed or hit it, and a session is *active* while it was
 seen within ``session_ttl`` seconds. When a tier must evict, the blocks of active
-sessions are kept if possible, most recent session first, up to ``session_share`` of the
-tier; everything else (blocks of no session, of idle sessions, of sessions past the
-cap) goes first in LRU order. It is a soft priority, never a pin: when nothing else is
+sessions are kept if possible, up to ``session_share`` of the tier, the longest-active
+sessions first (a session keeps its place while it stays active: under round-robin
+traffic larger than the tier, recency would rotate the protection to exactly the
+sessions that come back last, which is LRU's failure again); everything else (blocks of
+no session, of idle sessions, of sessions past the cap) goes first, in LRU order. It is a soft priority, never a pin: when nothing else is
 left, session blocks are evicted too, so a new request never waits for a session and
 nothing can deadlock. ``close_session`` drops a session's priority and puts its blocks
 first in line.
@@ -37,6 +39,8 @@ import time
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,19 +67,25 @@ class SessionPolicy:
         self.share = share
         self.clock = clock
         self.last_seen: dict[str, float] = {}
+        self.since: dict[str, float] = {}  # when each active session became active
 
     def touch(self, session: str | None) -> None:
         if session is not None:
-            self.last_seen[session] = self.clock()
+            self.active()  # an expired session starts over
+            now = self.clock()
+            self.last_seen[session] = now
+            self.since.setdefault(session, now)
 
     def close(self, session: str) -> None:
         self.last_seen.pop(session, None)
+        self.since.pop(session, None)
 
     def active(self) -> dict[str, float]:
+        """Active sessions and when each became active (expired ones are dropped)."""
         now = self.clock()
         for s in [s for s, t in self.last_seen.items() if now - t >= self.ttl]:
-            del self.last_seen[s]  # idle past the TTL: its blocks are ordinary LRU now
-        return self.last_seen
+            self.close(s)  # idle past the TTL: its blocks are ordinary LRU now
+        return self.since
 
     def pick(
         self, order: OrderedDict[int, None], count: int, session_of: list[str | None], size: int
@@ -88,7 +98,7 @@ class SessionPolicy:
         held = Counter(session_of[b] for b in order if session_of[b] in active)
         room = int(self.share * size)
         keep: set[str] = set()
-        for s in sorted(held, key=active.__getitem__, reverse=True):
+        for s in sorted(held, key=active.__getitem__):
             if held[s] <= room:
                 keep.add(s)
                 room -= held[s]
@@ -127,6 +137,8 @@ class KVCacheManager:
         self.counts: dict[str, Counter[str]] = {t: Counter() for t in ("device", "host", "disk")}
         self.prefix: Counter[str] = Counter(queries=0, query_tokens=0, hit_tokens=0)
         self.sessions: dict[str, Counter[str]] = {}
+        self._loader: ThreadPoolExecutor | None = None
+        self._loads: list[Future[list[bool]]] = []
         pool.pick = lambda cached, n: self.policy.pick(cached, n, self.dev_session, pool.num_blocks)
         pool.on_evict = self._on_device_evict
 
@@ -142,6 +154,8 @@ class KVCacheManager:
             self.stores["disk"] = DiskStore(caches, self.disk.num_slots, self._disk_folder)
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         for store in self.stores.values():
             store.close()
 
@@ -161,10 +175,14 @@ class KVCacheManager:
 
     # --- the scheduler's calls ---------------------------------------------------------
     def match(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks the longest cached prefix of its tokens (device
-        hits shared, lower-tier hits promoted); sets ``seq.blocks`` and
-        ``seq.num_computed`` and returns the tokens reused."""
-        assert not seq.blocks and seq.num_computed == 0
+        """Give a sequence with no blocks the longest cached prefix of its tokens; returns
+        the tokens it can reuse now.
+
+        Device hits are shared at once. Lower-tier hits get fresh device blocks and their
+        records are copied in by a background thread (:meth:`load_done` tells when the
+        sequence can run): the copy overlaps the steps of the running sequences.
+        """
+        assert not seq.blocks and seq.num_computed == 0 and seq.kv_load is None
         if not self.enabled:
             return 0
         bs = self.pool.block_size
@@ -177,7 +195,6 @@ class KVCacheManager:
             blocks.append(b)
         self.pool.share(blocks)
         self.counts["device"]["hits"] += len(blocks)
-        blocks += self._promote(hashes[len(blocks) :], seq.session_id)
         sid = seq.session_id
         for b in blocks:
             self.dev_session[b] = sid
@@ -186,14 +203,65 @@ class KVCacheManager:
         seq.num_computed = len(blocks) * bs
         self.prefix["queries"] += 1
         self.prefix["query_tokens"] += seq.num_tokens
-        self.prefix["hit_tokens"] += seq.num_computed
-        self.prefix["miss_blocks"] += len(hashes) - len(blocks)
+        self.prefix["lookup_blocks"] += len(hashes)
         if sid is not None:
             c = self.sessions.setdefault(sid, Counter())
             c["requests"] += 1
             c["query_tokens"] += seq.num_tokens
-            c["hit_tokens"] += seq.num_computed
+        self._start_load(seq, hashes[len(blocks) :])
+        if seq.kv_load is None:
+            self._count_hit(seq)
         return seq.num_computed
+
+    def load_done(self, seq: Sequence, wait: bool = False) -> bool:
+        """Whether ``seq``'s lower-tier copy (if any) has finished; when it has, the
+        promoted blocks join ``seq.blocks`` (up to the first unreadable record)."""
+        load = seq.kv_load
+        if load is None:
+            return True
+        future, found, new = load
+        if not wait and not future.done():
+            return False
+        oks: list[bool] = future.result()
+        seq.kv_load = None
+        bs = self.pool.block_size
+        kept = 0  # the copy stops at the first unreadable record: oks is True* False*
+        for (tier, slot, h), b, ok in zip(found, new, oks, strict=True):
+            c = self.counts[tier.name]
+            if not ok:
+                if b == new[kept]:  # the unreadable one: dropped
+                    c["errors"] += 1
+                    tier.release(slot)
+                else:  # not read: stays in its tier
+                    tier.unpin(slot)
+                continue
+            tier.release(slot)  # promoted: the tiers are exclusive
+            self.pool.register(b, h)  # False: the device computed it meanwhile (fine)
+            self.dev_session[b] = seq.session_id
+            kept += 1
+            c["hits"] += 1
+            c["promoted"] += 1
+            c["bytes_read"] += self.stores[tier.name].block_bytes
+        seq.blocks.extend(new[:kept])
+        self.pool.free(new[kept:][::-1])  # past a failed read: back to the free list
+        seq.num_computed = len(seq.blocks) * bs
+        self._count_hit(seq)
+        return True
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until the oldest copy in flight ends (or ``timeout`` s): the engine's loop
+        calls it when nothing else can run, instead of spinning."""
+        if self._loads:
+            futures = [f for f in self._loads if not f.done()]
+            if futures:
+                wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+            self._loads = [f for f in self._loads if not f.done()]
+
+    def _count_hit(self, seq: Sequence) -> None:
+        n = seq.num_computed
+        self.prefix["hit_tokens"] += n
+        if seq.session_id is not None and seq.session_id in self.sessions:
+            self.sessions[seq.session_id]["hit_tokens"] += n
 
     def commit(self, seq: Sequence) -> None:
         """Hash ``seq``'s full blocks of committed tokens (those below ``num_computed``)."""
@@ -213,6 +281,7 @@ class KVCacheManager:
 
     def release(self, seq: Sequence) -> None:
         """Commit, then drop ``seq``'s hold on its blocks, deepest first."""
+        self.load_done(seq, wait=True)  # a copy in flight writes into its blocks
         self.commit(seq)
         self.pool.free(seq.blocks[::-1])
         seq.blocks = []
@@ -230,38 +299,49 @@ class KVCacheManager:
                 t.lru.move_to_end(s, last=False)
 
     # --- moving blocks between tiers ---------------------------------------------------
-    def _promote(self, hashes: list[bytes], session: str | None) -> list[int]:
-        """Device blocks for the leading ``hashes`` found in lower tiers (copied up)."""
+    def _start_load(self, seq: Sequence, hashes: list[bytes]) -> None:
+        """Device blocks for the leading ``hashes`` found in lower tiers, filled by the
+        loader thread; sets ``seq.kv_load`` (None when there is nothing to load)."""
         found: list[tuple[TierIndex, int, bytes]] = []
         for h in hashes:
-            hit = next(((t, s) for t in self.tiers() if (s := t.lookup(h)) is not None), None)
+            hit = None
+            for t in self.tiers():
+                slot = t.lookup(h)
+                if slot is not None and slot not in t.pinned:  # pinned: another load's
+                    hit = (t, slot)
+                    break
             if hit is None:
                 break
             hit[0].pin(hit[1])  # not evicted by the demotions the allocation below causes
             found.append((hit[0], hit[1], h))
-        if not found:
-            return []
         n = min(len(found), self.pool.num_free)
+        for t, slot, _ in found[n:]:  # no device room for these: they stay where they are
+            t.unpin(slot)
+        found = found[:n]
+        if not found:
+            return
         new = self.pool.allocate(n)
-        out: list[int] = []
-        for i, (tier, slot, h) in enumerate(found):
-            if i >= n or len(out) < i:  # no device room, or the chain broke: left in place
-                tier.unpin(slot)
-                continue
-            store = self.stores[tier.name]
-            ok = store.read(slot, self.caches, new[i])
-            tier.release(slot)  # promoted (the tiers are exclusive), or unreadable: dropped
-            c = self.counts[tier.name]
-            if not ok:
-                c["errors"] += 1
-                continue
-            self.pool.register(new[i], h)
-            out.append(new[i])
-            c["hits"] += 1
-            c["promoted"] += 1
-            c["bytes_read"] += store.block_bytes
-        self.pool.free(new[len(out) :][::-1])  # unhashed: back to the free list
-        return out
+        jobs = [(self.stores[t.name], slot, b) for (t, slot, _), b in zip(found, new, strict=True)]
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="topg-kv-load")
+        future = self._loader.submit(self._copy_in, jobs)
+        self._loads.append(future)
+        seq.kv_load = (future, found, new)
+
+    def _copy_in(self, jobs: list[tuple[HostStore | DiskStore, int, int]]) -> list[bool]:
+        """The loader thread: records into device blocks, in chain order; stops at the
+        first unreadable one (the rest of the chain is recomputed anyway)."""
+        stream = None
+        if self.caches and self.caches[0].device.type == "cuda":
+            stream = torch.cuda.Stream(self.caches[0].device)
+        oks: list[bool] = []
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for store, slot, block in jobs:
+                ok = bool(oks[-1]) if oks else True
+                oks.append(ok and store.read(slot, self.caches, block))
+        if stream is not None:
+            stream.synchronize()
+        return oks
 
     def _on_device_evict(self, block: int, h: bytes) -> None:
         self.counts["device"]["evicted"] += 1
@@ -275,6 +355,8 @@ class KVCacheManager:
         self, tier: TierIndex, src: list[torch.Tensor], index: int, h: bytes, sid: str | None
     ) -> None:
         """Demote a block (rows ``index`` of ``src``) into ``tier``, evicting its oldest."""
+        if any(t.lookup(h) is not None for t in self.tiers()):
+            return  # a copy is there already (a load in flight pins it): keep one
         if not tier.has_free():
             if not tier.lru:  # every slot pinned by a promotion in flight
                 self.counts[tier.name]["dropped"] += 1

@@ -57,6 +57,8 @@ class TierIndex:
         return self._free.pop()
 
     def fill(self, slot: int, h: bytes, session: str | None) -> None:
+        if h in self.by_hash:
+            raise RuntimeError(f"{self.name} tier: hash already held by slot {self.by_hash[h]}")
         self.hash_of[slot] = h
         self.by_hash[h] = slot
         self.session[slot] = session

@@ -31,11 +31,12 @@ from torch_topg.engine.sequence import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens computed this step: [seq.num_computed, + num_new)
+    num_spec: int = 0  # of which speculative proposals (verified: 1 + num_spec rows)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's end (its last logits are sampled)."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.seq.num_computed + self.num_new >= self.seq.num_tokens
 
 
 @dataclass
@@ -70,6 +71,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def wait_for_loads(self, timeout: float = 0.05) -> None:
+        """Nothing could be scheduled: wait for a lower-tier copy instead of spinning."""
+        self.cache.wait_for_loads(timeout)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (any state) and free its blocks."""
@@ -155,24 +160,29 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.remaining, budget)
+            n = min(seq.remaining + seq.num_spec, budget)
+            if n > seq.remaining and not self._grow(seq, n):
+                n = min(seq.remaining, budget)  # no blocks to speculate: a plain decode
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
+                seq.num_spec = max(0, n - seq.remaining)
+                out.scheduled.append(ScheduledSeq(seq, n, seq.num_spec))
                 budget -= n
                 i += 1
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not seq.blocks and seq.num_computed == 0:
-                cached = self.cache.match(seq)
-                if seq.index == 0 and seq.num_preemptions == 0:
-                    seq.request.cached_prompt_tokens = cached
+            if not seq.blocks and seq.num_computed == 0 and seq.kv_load is None:
+                self.cache.match(seq)
+            if not self.cache.load_done(seq):
+                break  # its cached prefix is being copied up from a lower tier
+            if seq.index == 0 and seq.num_preemptions == 0:
+                seq.request.cached_prompt_tokens = seq.num_computed
             n = min(seq.remaining, budget)
             if not self._grow(seq, n):
                 self._release(seq)  # its prefix hits stay cached for the next try
@@ -184,6 +194,15 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """A verify step rejected proposals: only ``num_computed`` positions hold committed
+        tokens; blocks past them (allocated for rejected positions) go back to the pool."""
+        seq.num_computed = num_computed
+        keep = self.pool.blocks_for(num_computed)
+        if len(seq.blocks) > keep:
+            self.pool.free(seq.blocks[keep:])
+            del seq.blocks[keep:]
 
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran: the scheduled tokens are in the cache."""

@@ -37,9 +37,13 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed = 0
         self.blocks: list[int] = []  # owned by the scheduler
+        # speculation (engine/speculative): proposals for the next step, not committed
+        self.num_spec = 0
+        self.spec_tokens: list[int] = []
         self.session_id: str | None = request.session_id
         self.block_hashes: list[bytes] = []  # prefix hashes of full blocks (kv_cache.py)
         self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
+        self.kv_load: Any = None  # a lower-tier copy in flight (kv_cache.py)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.detok = IncrementalDetokenizer(

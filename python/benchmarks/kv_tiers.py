@@ -146,7 +146,9 @@ def multi_turn(dtype: str, convs: int, turns: int, new_tokens: int, compile: boo
     ]
     per_turn = statistics.mean(len(o) for o in opening) + new_tokens + 10
     history = convs * turns * per_turn
-    budget_blocks = int(history / 4 / 16)
+    # ... but never less than the running batch needs (4 clients at the longest
+    # conversation, with room to spare): a pool that preempts measures preemption.
+    budget_blocks = max(int(history / 4 / 16), int(1.5 * 4 * turns * per_turn / 16))
     out = {"history_tokens": int(history), "pool_blocks": budget_blocks, "configs": {}}
     for name, cfg in CONFIGS.items():
         tmp = tempfile.TemporaryDirectory(prefix="topg-kv-bench-") if cfg.get("disk") else None

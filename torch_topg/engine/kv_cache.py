@@ -236,7 +236,8 @@ class KVCacheManager:
                     tier.unpin(slot)
                 continue
             tier.release(slot)  # promoted: the tiers are exclusive
-            self.pool.register(b, h)  # False: the device computed it meanwhile (fine)
+            if self.pool.register(b, h):  # False: the device computed it meanwhile (fine)
+                self._drop_lower(h)  # a stale copy demoted while this one was pinned
             self.dev_session[b] = seq.session_id
             kept += 1
             c["hits"] += 1
@@ -355,7 +356,7 @@ class KVCacheManager:
         self, tier: TierIndex, src: list[torch.Tensor], index: int, h: bytes, sid: str | None
     ) -> None:
         """Demote a block (rows ``index`` of ``src``) into ``tier``, evicting its oldest."""
-        if any(t.lookup(h) is not None for t in self.tiers()):
+        if tier.lookup(h) is not None:
             return  # a copy is there already (a load in flight pins it): keep one
         if not tier.has_free():
             if not tier.lru:  # every slot pinned by a promotion in flight

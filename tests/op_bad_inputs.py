@@ -34,6 +34,7 @@ from op_samples import (
     cos_sin,
     cu,
     group_name,
+    int8_caches,
     other_device,
     paged,
 )
@@ -184,7 +185,9 @@ def _bad_paged(g: Gen, other: str) -> list[BadInput]:
     return [
         BadInput("4-d query", (q[None], kc, vc, bt, sl), match=_arg("query", "3 dimensions")),
         BadInput("strided query", (_strided(g, 2, 4, 16), kc, vc, bt, sl), match=_arg("query", STRIDE)),
-        BadInput("cache dtype", (q, kc.bfloat16(), vc, bt, sl), match=_arg("key_cache", "dtype float32 (the dtype of 'query')")),
+        BadInput("cache dtype", (q, kc.bfloat16(), vc, bt, sl), match=_arg("key_cache", "dtype float32 (the dtype of 'query') or int8 (with 'key_scale' and 'value_scale')")),
+        BadInput("value_cache dtype", (q, kc, vc.half(), bt, sl), match=_arg("value_cache", "dtype float32 (the dtype of 'key_cache')")),
+        *_bad_scales(g, (q, kc, vc, bt, sl), 1, other),
         BadInput("expanded key_cache", (q, _expanded(g, *kc.shape), vc, bt, sl), match=_arg("key_cache", CONTIG)),
         BadInput("strided value_cache", (q, kc, g.randn(2 * nb, 4, 2, 16)[::2], bt, sl), match=_arg("value_cache", CONTIG)),
         BadInput("cache head_dim", (q, g.randn(nb, 4, 2, 8), vc, bt, sl), match=_arg("key_cache", "size 16 at dim 3 (head_dim of 'query')")),
@@ -202,6 +205,26 @@ def _bad_paged(g: Gen, other: str) -> list[BadInput]:
         BadInput("seq_len too long", (q, kc, vc, bt, g.ints([5, 4 * bt.shape[1] + 1])), match=_value("seq_lens", f"values in [0, {4 * bt.shape[1]}] (max_blocks_per_seq * block_size)"), value_check=True),
         BadInput("cu_seqlens_q values", (g.randn(3, 4, 16), kc, vc, bt, sl), {"cu_seqlens_q": g.ints([0, 2, 1])}, match=_value("cu_seqlens_q", "non-decreasing offsets from 0 to 3 (the query rows)"), value_check=True),
         BadInput("q_len > seq_len", (g.randn(7, 4, 16), kc, vc, bt, sl), {"cu_seqlens_q": g.ints([0, 6, 7])}, match=_value("cu_seqlens_q", "at most seq_lens[0] = 5 query tokens for sequence 0 (its last tokens), got 6"), value_check=True),
+    ]  # fmt: skip
+
+
+def _bad_scales(g: Gen, args: tuple, i: int, other: str) -> list[BadInput]:
+    """The int8 cache's scales; ``args[i]``, ``args[i + 1]``: the (float32) caches."""
+    kc = args[i]
+    kq, vq, ks, vs = int8_caches(g, tuple(kc.shape))
+    q8 = (*args[:i], kq, vq, *args[i + 2 :])
+    s8 = {"key_scale": ks, "value_scale": vs}
+    want = "a float32 tensor [num_blocks, block_size, kv_heads] with int8 caches, got None"
+    return [
+        BadInput("int8 without scales", q8, match=re.escape(f"argument 'key_scale' expected {want}")),
+        BadInput("int8 without value_scale", q8, {"key_scale": ks}, match=re.escape(f"argument 'value_scale' expected {want}")),
+        BadInput("int8 value_cache alone", (*args[:i], kc, vq, *args[i + 2 :]), s8, match=_arg("value_cache", "dtype float32 (the dtype of 'key_cache')")),
+        BadInput("scales with a float cache", args, s8, match=_arg("key_scale", "None with float32 caches (scales go with int8)")),
+        BadInput("float64 key_scale", q8, {**s8, "key_scale": ks.double()}, match=_arg("key_scale", "dtype float32")),
+        BadInput("value_scale shape", q8, {**s8, "value_scale": vs[:, :-1].contiguous()}, match=_arg("value_scale", f"size {ks.shape[1]} at dim 1 (the shape of 'key_cache')")),
+        BadInput("2-d key_scale", q8, {**s8, "key_scale": ks[..., 0]}, match=_arg("key_scale", "3 dimensions")),
+        BadInput("strided key_scale", q8, {**s8, "key_scale": g.randn(*ks.shape[:2], 2 * ks.shape[2])[..., ::2]}, match=_arg("key_scale", CONTIG)),
+        BadInput("key_scale device", q8, {**s8, "key_scale": ks.to(other)}, match=_arg("key_scale", f"device {kc.device} (the device of 'key_cache')"), crashes_native=CRASH_DEVICE),
     ]  # fmt: skip
 
 
@@ -224,6 +247,8 @@ def _bad_cache(g: Gen, other: str) -> list[BadInput]:
         BadInput("expanded key_cache", (key, value, _expanded(g, 3, 4, 2, 16), vc, slots), match=_arg("key_cache", CONTIG)),
         BadInput("strided value_cache", (key, value, kc, g.randn(3, 8, 2, 16)[:, ::2], slots), match=_arg("value_cache", CONTIG)),
         BadInput("cache heads", (key, value, g.randn(3, 4, 3, 16), vc, slots), match=_arg("key_cache", "size 2 at dim 2 (kv heads of 'key')")),
+        BadInput("cache dtype", (key, value, kc.half(), vc, slots), match=_arg("key_cache", "dtype float32 (the dtype of 'key') or int8 (with 'key_scale' and 'value_scale')")),
+        *_bad_scales(g, (key, value, kc, vc, slots), 2, other),
         BadInput("value_cache blocks", (key, value, kc, g.randn(2, 4, 2, 16), slots), match=_arg("value_cache", "size 3 at dim 0 (the shape of 'key_cache')")),
         BadInput("float slots", (key, value, kc, vc, slots.float()), match=_arg("slot_mapping", INDEX)),
         BadInput("slots size", (key, value, kc, vc, slots[:4]), match=_arg("slot_mapping", "size 5 at dim 0 (tokens of 'key')")),
@@ -389,11 +414,16 @@ def _special_paged(g: Gen) -> list[Special]:
     q, kc, vc, bt, sl = paged(g, [5, 2], 2, 1, 16, 4)
     used = {int(b) for b in bt[0, :2]} | {int(bt[1, 0])}
     kn, vn = kc.clone(), vc.clone()
+    kq, vq, ks, vs = int8_caches(g, tuple(kc.shape))
     for b in range(kc.shape[0]):  # NaN in every slot no sequence reads
         lo = 0 if b not in used else (1 if b == int(bt[0, 1]) else 2 if b == int(bt[1, 0]) else 4)
         kn[b, lo:], vn[b, lo:] = NAN, NAN
+        ks[b, lo:], vs[b, lo:] = NAN, NAN
+    s8 = {"key_scale": ks, "value_scale": vs}
     return [
         Special("nan in unread cache slots", (q, kn, vn, bt, sl), finite=True),
+        Special("int8: nan scales in unread slots", (q, kq, vq, bt, sl), s8, finite=True),
+        Special("int8: nan query", (_put(q, (1, 0, 3), NAN), kq, vq, bt, sl), s8),
         Special("nan query", (_put(q, (1, 0, 3), NAN), kc, vc, bt, sl)),
         Special("no sequences", (q[:0], kc, vc, bt[:0], sl[:0])),
     ]
@@ -402,8 +432,14 @@ def _special_paged(g: Gen) -> list[Special]:
 def _special_cache(g: Gen) -> list[Special]:
     key, value = _put(g.randn(3, 2, 16), (0, 1, 2), NAN), _put(g.randn(3, 2, 16), (1, 0, 0), -INF)
     kc, vc, slots = g.randn(2, 4, 2, 16), g.randn(2, 4, 2, 16), g.ints([4, -1, 7], torch.int64)
+    kq, vq, ks, vs = int8_caches(g, tuple(kc.shape))
     return [
         Special("nan and inf copied", (key, value, kc, vc, slots)),
+        Special(
+            "int8: nan / inf rows get nan / inf scales",
+            (key, value, kq, vq, slots),
+            {"key_scale": ks, "value_scale": vs},
+        ),
         Special("no tokens", (key[:0], value[:0], kc, vc, slots[:0])),
     ]
 

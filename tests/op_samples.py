@@ -120,6 +120,15 @@ def paged(g: Gen, lens: list[int], hq: int, hkv: int, d: int, block_size: int, d
     return g.randn(len(lens), hq, d, dtype=dtype), kc, vc, bt, g.ints(lens)
 
 
+def int8_caches(g: Gen, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``(key_cache, value_cache, key_scale, value_scale)``: int8 caches of ``shape``
+    ``[num_blocks, block_size, Hkv, D]`` and their float32 scales ``[num_blocks,
+    block_size, Hkv]``."""
+    kq, vq = (g.randint(255, *shape).sub(127).to(torch.int8) for _ in range(2))
+    ks, vs = (g.rand(*shape[:3]).div(64) for _ in range(2))
+    return kq, vq, ks, vs
+
+
 def cu(g: Gen, lens: list[int]) -> torch.Tensor:
     return g.ints([0, *itertools.accumulate(lens)])
 
@@ -226,6 +235,17 @@ def _paged_attention(g: Gen) -> list[Sample]:
                 f"{dt} ragged", (rq, kc, vc, bt, sl), {"cu_seqlens_q": cu(g, [2, 17, 0])}, dtype=dt
             )
         )
+        kq, vq, ks, vs = int8_caches(g, kc.shape)  # the int8 cache with its scales
+        s8 = {"key_scale": ks, "value_scale": vs}
+        out.append(Sample(f"{dt} int8 cache", (q, kq, vq, bt, sl), {**kw, **s8}, dtype=dt))
+        out.append(
+            Sample(
+                f"{dt} int8 ragged",
+                (rq, kq, vq, bt, sl),
+                {"cu_seqlens_q": cu(g, [2, 17, 0]), **s8},
+                dtype=dt,
+            )
+        )
     return out  # fmt: skip
 
 
@@ -237,6 +257,9 @@ def _reshape_and_cache(g: Gen) -> list[Sample]:
         kc, vc = g.randn(3, 4, 2, 20, dtype=dt), g.randn(3, 4, 2, 20, dtype=dt)
         slots = g.ints([0, 5, -1, 11, 2], idx)
         out.append(Sample(f"{dt} {idx}", (key, value, kc, vc, slots), dtype=dt))
+        kq, vq, ks, vs = int8_caches(g, kc.shape)
+        kw = {"key_scale": ks, "value_scale": vs}
+        out.append(Sample(f"{dt} {idx} int8 cache", (key, value, kq, vq, slots), kw, dtype=dt))
     return out
 
 

@@ -71,9 +71,11 @@ def _clone(x):
 def _run(fn, spec: OpSpec, args: tuple, kwargs: dict) -> list:
     """The results of ``fn`` on copies of the arguments, then the arguments it writes."""
     args = tuple(map(_clone, args))
-    out = fn(*args, **{k: _clone(v) for k, v in kwargs.items()})
+    kwargs = {k: _clone(v) for k, v in kwargs.items()}
+    out = fn(*args, **kwargs)
     outs = list(out) if isinstance(out, (tuple, list)) else [] if out is None else [out]
-    written = (args[spec.arg_names.index(n)] for n in spec.mutated_args)
+    index = {n: spec.arg_names.index(n) for n in spec.mutated_args}
+    written = (args[i] if i < len(args) else kwargs.get(n) for n, i in index.items())
     return outs + [t for t in written if t is not None]
 
 

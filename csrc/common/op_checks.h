@@ -166,13 +166,47 @@ inline RotarySizes rotary_embedding(const at::Tensor& positions, const at::Tenso
 }
 
 // ---------------------------------------------------------------- paged KV cache
+// `key_cache`: the dtype of `like` (the query or the key), or int8 (a quantised cache).
+inline void cache_dtype(const char* op, const at::Tensor& kc, const at::Tensor& like,
+                        const char* like_name) {
+  if (kc.scalar_type() != like.scalar_type() && kc.scalar_type() != at::kChar)
+    Arg(op, "key_cache", kc)
+        .fail("dtype " + dtype_name(like.scalar_type()) + " (the dtype of '" + like_name +
+              "') or int8 (with 'key_scale' and 'value_scale')");
+}
+
+// int8 caches need both scales, float32 [num_blocks, block_size, Hkv]; other caches none.
+// Returns whether the cache is quantised.
+inline bool kv_scales(const char* op, const at::Tensor& kc, const std::optional<at::Tensor>& ks,
+                      const std::optional<at::Tensor>& vs) {
+  const bool quant = kc.scalar_type() == at::kChar;
+  for (auto [name, s] : {std::pair{"key_scale", &ks}, std::pair{"value_scale", &vs}}) {
+    if (!s->has_value()) {
+      TOPG_CHECK(!quant, op, "argument '", name,
+                 "' expected a float32 tensor [num_blocks, block_size, kv_heads] with int8 "
+                 "caches, got None");
+      continue;
+    }
+    const Arg a(op, name, **s);
+    if (!quant)
+      a.fail("None with " + dtype_name(kc.scalar_type()) + " caches (scales go with int8)");
+    a.dim(3).dtype(at::kFloat).same_device(kc, "key_cache").contiguous();
+    for (int64_t d = 0; d < 3; ++d) a.size(d, kc.size(d), "the shape of 'key_cache'");
+  }
+  return quant;
+}
+
 struct CacheSizes {
   int64_t tokens = 0, kv_heads = 0, head_dim = 0, num_slots = 0;
+  bool quant = false;  // int8 caches with scales
 };
 
 inline CacheSizes reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                                     const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                    const at::Tensor& slot_mapping, c10::DeviceType dev) {
+                                    const at::Tensor& slot_mapping,
+                                    const std::optional<at::Tensor>& key_scale,
+                                    const std::optional<at::Tensor>& value_scale,
+                                    c10::DeviceType dev) {
   const char* op = "reshape_and_cache";
   Arg(op, "key", key).dim(3).floating().device(dev).last_dim_contiguous();
   Arg(op, "value", value)
@@ -182,9 +216,13 @@ inline CacheSizes reshape_and_cache(const at::Tensor& key, const at::Tensor& val
       .last_dim_contiguous();
   for (int64_t d = 0; d < 3; ++d)
     Arg(op, "value", value).size(d, key.size(d), "the shape of 'key'");
+  Arg(op, "key_cache", key_cache).dim(4);
+  cache_dtype(op, key_cache, key, "key");
+  Arg(op, "key_cache", key_cache).contiguous();
+  Arg(op, "value_cache", value_cache).dim(4).same_dtype(key_cache, "key_cache").contiguous();
   for (auto [name, t] :
        {std::pair{"key_cache", &key_cache}, std::pair{"value_cache", &value_cache}}) {
-    Arg(op, name, *t).dim(4).same_dtype(key, "key").same_device(key, "key").contiguous();
+    Arg(op, name, *t).same_device(key, "key");
     Arg(op, name, *t)
         .size(2, key.size(1), "kv heads of 'key'")
         .size(3, key.size(2), "head_dim of 'key'");
@@ -193,7 +231,8 @@ inline CacheSizes reshape_and_cache(const at::Tensor& key, const at::Tensor& val
     Arg(op, "value_cache", value_cache).size(d, key_cache.size(d), "the shape of 'key_cache'");
   Arg(op, "slot_mapping", slot_mapping).dim(1).index().same_device(key, "key");
   Arg(op, "slot_mapping", slot_mapping).size(0, key.size(0), "tokens of 'key'");
-  return {key.size(0), key.size(1), key.size(2), key_cache.size(0) * key_cache.size(1)};
+  const bool quant = kv_scales(op, key_cache, key_scale, value_scale);
+  return {key.size(0), key.size(1), key.size(2), key_cache.size(0) * key_cache.size(1), quant};
 }
 
 [[noreturn]] inline void bad_slot(const at::Tensor& slot_mapping, int64_t num_slots, int64_t slot,
@@ -207,18 +246,23 @@ struct PagedSizes {
   int64_t rows = 0, num_seqs = 0, hq = 0, hkv = 0, head_dim = 0;
   int64_t num_blocks = 0, block_size = 0, max_blocks = 0;
   bool ragged = false;
+  bool quant = false;  // int8 caches with scales
 };
 
 inline PagedSizes paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                   const at::Tensor& bt, const at::Tensor& sl,
                                   const std::optional<at::Tensor>& cu, int64_t window_left,
-                                  double softcap, c10::DeviceType dev) {
+                                  double softcap, const std::optional<at::Tensor>& key_scale,
+                                  const std::optional<at::Tensor>& value_scale,
+                                  c10::DeviceType dev) {
   const char* op = "paged_attention";
   Arg(op, "query", q).dim(3).floating().device(dev).last_dim_contiguous();
-  for (auto [name, t] : {std::pair{"key_cache", &kc}, std::pair{"value_cache", &vc}}) {
-    Arg(op, name, *t).dim(4).same_dtype(q, "query").same_device(q, "query");
-    Arg(op, name, *t).size(3, q.size(2), "head_dim of 'query'").contiguous();
-  }
+  Arg(op, "key_cache", kc).dim(4);
+  cache_dtype(op, kc, q, "query");
+  Arg(op, "key_cache", kc).same_device(q, "query");
+  Arg(op, "key_cache", kc).size(3, q.size(2), "head_dim of 'query'").contiguous();
+  Arg(op, "value_cache", vc).dim(4).same_dtype(kc, "key_cache").same_device(q, "query");
+  Arg(op, "value_cache", vc).size(3, q.size(2), "head_dim of 'query'").contiguous();
   for (int64_t d = 0; d < 3; ++d)
     Arg(op, "value_cache", vc).size(d, kc.size(d), "the shape of 'key_cache'");
   if (kc.size(1) <= 0)
@@ -243,6 +287,7 @@ inline PagedSizes paged_attention(const at::Tensor& q, const at::Tensor& kc, con
   TOPG_CHECK(window_left >= -1, op, "window_left must be >= -1, got ", window_left);
   TOPG_CHECK(softcap >= 0, op, "softcap must be >= 0, got ", softcap);
   PagedSizes s;
+  s.quant = kv_scales(op, kc, key_scale, value_scale);
   s.rows = q.size(0), s.num_seqs = sl.size(0), s.hq = hq, s.hkv = hkv, s.head_dim = q.size(2);
   s.num_blocks = kc.size(0), s.block_size = kc.size(1), s.max_blocks = bt.size(1);
   s.ragged = cu.has_value();

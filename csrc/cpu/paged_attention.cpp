@@ -1,6 +1,6 @@
 // CPU kernel: topg::paged_attention (decode, or ragged new tokens with cu_seqlens_q, over a
-// paged KV cache). Checks, index validation, partitioning and scheduling; the math is in
-// paged_kernels.h, the index checks in paged_checks.h.
+// paged KV cache in the query's dtype or int8 with per-token scales). Checks, index validation,
+// partitioning and scheduling; the math is in paged_kernels.h, the index checks in paged_checks.h.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -30,10 +30,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
                                const at::Tensor& value_cache, const at::Tensor& block_tables_,
                                const at::Tensor& seq_lens_,
                                const std::optional<at::Tensor>& cu_seqlens_q_,
-                               std::optional<double> scale, int64_t window_left, double softcap) {
-  const checks::PagedSizes sz =
-      checks::paged_attention(query, key_cache, value_cache, block_tables_, seq_lens_,
-                              cu_seqlens_q_, window_left, softcap, at::kCPU);
+                               std::optional<double> scale, int64_t window_left, double softcap,
+                               const std::optional<at::Tensor>& key_scale,
+                               const std::optional<at::Tensor>& value_scale) {
+  const checks::PagedSizes sz = checks::paged_attention(
+      query, key_cache, value_cache, block_tables_, seq_lens_, cu_seqlens_q_, window_left, softcap,
+      key_scale, value_scale, at::kCPU);
   const at::Tensor block_tables = block_tables_.contiguous(), seq_lens = seq_lens_.contiguous();
   const bool ragged = sz.ragged;
   const at::Tensor cu_seqlens_q = ragged ? cu_seqlens_q_->contiguous() : at::Tensor();
@@ -58,10 +60,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   }
 
   const int64_t rs = paged::part_stride(d);
-  TOPG_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
-    paged::PagedArgs<T> a{};
+  // C: the cache's storage type (T, or int8_t with scales).
+  const auto body = [&]<typename T, typename C>() {
+    paged::PagedArgs<T, C> a{};
     a.q = cptr<T>(query), a.q_ss = query.stride(0), a.q_sh = query.stride(1);
-    a.kc = cptr<T>(key_cache), a.vc = cptr<T>(value_cache);
+    a.kc = cptr<C>(key_cache), a.vc = cptr<C>(value_cache);
+    if (sz.quant) a.ks = cptr<float>(*key_scale), a.vs = cptr<float>(*value_scale);
     a.bt = block_tables.const_data_ptr<int32_t>(), a.bt_ss = block_tables.size(1);
     a.row_seq = row_seq.data();
     a.hq = hq, a.hkv = hkv, a.d = d, a.block_size = block_size;
@@ -133,6 +137,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
       });
       w0 = w1;
     }
+  };
+  TOPG_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
+    if (sz.quant)
+      body.template operator()<T, int8_t>();
+    else
+      body.template operator()<T, T>();
   });
   return out;
 }

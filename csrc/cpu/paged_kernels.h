@@ -47,12 +47,16 @@ inline int64_t part_tokens(int64_t span) {
 // 1024 context: 1 row 117 ms, 4: 94, 8: 89, 16: 82, 32: 85, 64: 197 (buffers spill L2)).
 constexpr int64_t kItemRows = 16;
 
-template <typename T>
+// T: the query / output storage type; C: the cache's (T, or int8_t for a quantised
+// cache, whose rows are read as q * scale: ks / vs [num_blocks, block_size, hkv]).
+template <typename T, typename C = T>
 struct PagedArgs {
   const T* q;
   int64_t q_ss, q_sh;  // query token / head strides
-  const T* kc;         // [num_blocks, block_size, hkv, d], contiguous
-  const T* vc;
+  const C* kc;         // [num_blocks, block_size, hkv, d], contiguous
+  const C* vc;
+  const float* ks = nullptr;  // int8 caches only: per token and kv head scales
+  const float* vs = nullptr;
   const int32_t* bt;  // block tables, row stride bt_ss
   int64_t bt_ss;
   const int32_t* row_seq;  // query row -> its sequence (its row of the block table)
@@ -68,6 +72,7 @@ struct PagedArgs {
 
 struct Workspace {
   std::vector<float> q, s, acc, pb;
+  std::vector<float> ksc, vsc;  // int8 caches: [hkv, ps] scales of the partition's tokens
   std::vector<int64_t> rows;
   // Per token of the K (V) pass: the row start to prefetch meanwhile, or null.
   std::vector<const char*> pfk, pfv;
@@ -87,7 +92,7 @@ inline void prefetch_bytes(const char* c, int64_t b0, int64_t b1) {
 template <int HG, typename T>
 inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* rows, int64_t n,
                      int64_t d, float* s, int64_t ps, const char* const* pf, int64_t pf_off) {
-  constexpr int TT = HG == 4 ? 2 : 4;  // HG * TT = 8 or 4 accumulators
+  constexpr int TT = HG == 4 ? 2 : 4;  // HG * TT = 8, 12 or 4 accumulators (a multiple of 4)
   for (int64_t t = 0; t < n; t += TT) {
     for (int j = 0; j < TT && t + j < n; ++j)
       if (pf && pf[t + j]) prefetch_bytes(pf[t + j] + pf_off, 0, d * int64_t(sizeof(T)));
@@ -154,18 +159,20 @@ inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t 
 template <int HG, typename T>
 inline void pv_heads(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t d,
                      float* acc, int64_t as, const char* const* pf, int64_t pf_off) {
-  constexpr int NV = HG == 4 ? 3 : HG == 2 ? 4 : 8;
+  constexpr int NV = HG == 4 ? 3 : HG == 3 || HG == 2 ? 4 : 8;
   int64_t e = 0;
   for (; e + 8 * NV <= d; e += 8 * NV) pv_strip<HG, NV>(pb, vc, rows, n, e, d, acc, as, pf, pf_off);
   for (; e < d; e += 8) pv_strip<HG, 1>(pb, vc, rows, n, e, d, acc, as, pf, pf_off);
 }
 
-// Largest head group the micro-kernels handle that divides G.
-inline int head_group(int64_t G) { return G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1; }
+// Largest head group the micro-kernels handle that divides G (3: SmolLM2's 9 / 3 heads,
+// whose K/V rows are then loaded and converted once for all three).
+inline int head_group(int64_t G) { return G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1; }
 
 template <typename F>
 inline void with_head_group(int hg, F&& f) {
   if (hg == 4) return f.template operator()<4>();
+  if (hg == 3) return f.template operator()<3>();
   if (hg == 2) return f.template operator()<2>();
   return f.template operator()<1>();
 }
@@ -188,8 +195,11 @@ struct RowPart {
 // are prefetched. Writes, per row and query head h, the unnormalised output, the max
 // score and the sum of exps to rp[r].res[h * part_stride(d) ...] (m = -inf, l = 0 for an
 // empty partition).
-template <typename T>
-void partition(const PagedArgs<T>& a, const RowPart* rp, int64_t R, int64_t t0, int64_t t1,
+// int8 caches: a score is ks[t] * (q . k_int8[t]) (the scale applied to the finished dot
+// product, before the softcap) and a weight p[t] becomes p[t] * vs[t] in the P V sum,
+// so the int8 rows are only converted, never scaled element by element.
+template <typename T, typename C>
+void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t0, int64_t t1,
                Workspace& ws) {
   const int64_t H = a.hq, G = a.hq / a.hkv, d = a.d, dp = round_up(d, 8), rs = part_stride(d);
   const int64_t VH = H * R, VG = G * R;  // virtual heads, per kv head
@@ -208,12 +218,23 @@ void partition(const PagedArgs<T>& a, const RowPart* rp, int64_t R, int64_t t0, 
   ws.s.resize(VH * ps);
   ws.pb.resize(TOKEN_TILE * 4 * 8);
   ws.rows.resize(n);
+  const bool quant = a.ks != nullptr;
+  if (quant) {  // zero past n: pad lanes stay finite (they are masked to -inf after)
+    ws.ksc.assign(a.hkv * ps, 0.f);
+    ws.vsc.assign(a.hkv * ps, 0.f);
+  }
   {  // token row offsets, walking the block table (no division per token)
     const int32_t* blocks = a.bt + int64_t(a.row_seq[rp[0].row]) * a.bt_ss;
     int64_t blk = t0 / a.block_size, off = t0 % a.block_size;
     const int64_t row = a.hkv * d;
     for (int64_t t = 0; t < n; ++t) {
-      ws.rows[t] = (int64_t(blocks[blk]) * a.block_size + off) * row;
+      const int64_t slot = int64_t(blocks[blk]) * a.block_size + off;
+      ws.rows[t] = slot * row;
+      if (quant)
+        for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
+          ws.ksc[kvh * ps + t] = a.ks[slot * a.hkv + kvh];
+          ws.vsc[kvh * ps + t] = a.vs[slot * a.hkv + kvh];
+        }
       if (++off == a.block_size) off = 0, ++blk;
     }
   }
@@ -221,13 +242,13 @@ void partition(const PagedArgs<T>& a, const RowPart* rp, int64_t R, int64_t t0, 
   const float qscale = a.softcap > 0 ? a.scale / a.softcap : a.scale;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < H; ++h) {
-      const T* src = a.q + rp[r].row * a.q_ss + h * a.q_sh;
+      const T* src = a.q + rp[r].row * a.q_ss + h * a.q_sh;  // T: the query's type
       float* dst = ws.q.data() + (((h / G) * R + r) * G + h % G) * dp;
       for (int64_t e = 0; e < d; ++e) dst[e] = to_float(src[e]) * qscale;
     }
   const int64_t* rows = ws.rows.data();
   {  // prefetch targets: K rows PF tokens ahead, running on into the V rows
-    const int64_t PF = std::max<int64_t>(1, PREFETCH_BYTES / (a.hkv * d * int64_t(sizeof(T))));
+    const int64_t PF = std::max<int64_t>(1, PREFETCH_BYTES / (a.hkv * d * int64_t(sizeof(C))));
     ws.pfk.assign(n, nullptr);
     ws.pfv.assign(n, nullptr);
     const char* kb = reinterpret_cast<const char*>(a.kc);
@@ -235,14 +256,14 @@ void partition(const PagedArgs<T>& a, const RowPart* rp, int64_t R, int64_t t0, 
     for (int64_t t = 0; t < n; ++t) {
       const int64_t f = t + PF;
       if (f < n) {
-        ws.pfk[t] = kb + rows[f] * int64_t(sizeof(T));
-        ws.pfv[t] = vb + rows[f] * int64_t(sizeof(T));
+        ws.pfk[t] = kb + rows[f] * int64_t(sizeof(C));
+        ws.pfv[t] = vb + rows[f] * int64_t(sizeof(C));
       } else if (f < 2 * n) {
-        ws.pfk[t] = vb + rows[f - n] * int64_t(sizeof(T));
+        ws.pfk[t] = vb + rows[f - n] * int64_t(sizeof(C));
       }
     }
   }
-  const int64_t rsz = d * int64_t(sizeof(T));  // bytes of one kv head's row
+  const int64_t rsz = d * int64_t(sizeof(C));  // bytes of one kv head's row
   float* scores = ws.s.data();
   with_head_group(head_group(VG), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
@@ -265,6 +286,9 @@ void partition(const PagedArgs<T>& a, const RowPart* rp, int64_t R, int64_t t0, 
     const int64_t b = std::max<int64_t>(rp[r].lo - t0, 0);
     const int64_t e = std::clamp<int64_t>(rp[r].n - t0, b, n);
     float* s = ws.s.data() + vh * ps;
+    if (quant)
+      for (int64_t c = 0; c < round_up(n, 8); c += 8)
+        (Vec8::load(s + c) * Vec8::load(ws.ksc.data() + (vh / VG) * ps + c)).store(s + c);
     if (a.softcap > 0)
       for (int64_t c = 0; c < round_up(n, 8); c += 8)
         (Vec8(a.softcap) * tanh(Vec8::load(s + c))).store(s + c);
@@ -300,9 +324,11 @@ void partition(const PagedArgs<T>& a, const RowPart* rp, int64_t R, int64_t t0, 
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
         for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG) {
           float* const pb = ws.pb.data();
+          const float* vsc = quant ? ws.vsc.data() + kvh * ps + t : nullptr;
           for (int64_t j = 0; j < nt; ++j)
             for (int g = 0; g < HG; ++g)
-              Vec8(scores[(h + g) * ps + t + j]).store(pb + (j * HG + g) * 8);
+              Vec8(scores[(h + g) * ps + t + j] * (vsc ? vsc[j] : 1.f))
+                  .store(pb + (j * HG + g) * 8);
           pv_heads<HG>(pb, a.vc + kvh * d, rows + t, nt, d, acc + h * as, as,
                        h == kvh * VG ? ws.pfv.data() + t : nullptr, kvh * rsz);
         }
@@ -362,6 +388,44 @@ void cache_tokens(const char* key, const char* value, int64_t k_ts, int64_t k_hs
     for (int64_t h = 0; h < hkv; ++h) {
       std::memcpy(kd + h * row, key + (t * k_ts + h * k_hs) * esize, row);
       std::memcpy(vd + h * row, value + (t * v_ts + h * v_hs) * esize, row);
+    }
+  }
+}
+
+// One row of d values (one token, one kv head) into an int8 cache row and its scale
+// (torch_topg.reference.quantize_kv, bit for bit): fp32 scale = max|x| / 127 (NaN if the
+// row holds one), q = round_half_even(x / scale) clamped to [-127, 127], 0 where the
+// quotient is NaN (an all-zero row, or an inf over an inf scale).
+template <typename T>
+inline void quantize_row(const T* x, int64_t d, int8_t* q, float* scale) {
+  float m = 0.f;
+  bool nan = false;
+  for (int64_t e = 0; e < d; ++e) {
+    const float v = std::fabs(to_float(x[e]));
+    nan |= std::isnan(v);
+    m = std::max(m, v);
+  }
+  const float s = nan ? NAN : m / 127.f;
+  *scale = s;
+  for (int64_t e = 0; e < d; ++e) {
+    const float r = to_float(x[e]) / s;  // a true division, as the reference's
+    q[e] = std::isnan(r) ? int8_t(0) : int8_t(std::nearbyint(std::clamp(r, -127.f, 127.f)));
+  }
+}
+
+// reshape_and_cache into int8 caches for tokens [begin, end): key / value strides in
+// elements; negative slots are skipped.
+template <typename T, typename Index>
+void cache_tokens_int8(const T* key, const T* value, int64_t k_ts, int64_t k_hs, int64_t v_ts,
+                       int64_t v_hs, int8_t* kc, int8_t* vc, float* ks, float* vs,
+                       const Index* slots, int64_t hkv, int64_t d, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t slot = int64_t(slots[t]);
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t i = slot * hkv + h;
+      quantize_row(key + t * k_ts + h * k_hs, d, kc + i * d, ks + i);
+      quantize_row(value + t * v_ts + h * v_hs, d, vc + i * d, vs + i);
     }
   }
 }

@@ -1,5 +1,6 @@
 // Small SIMD layer for the CPU kernels: 8 x fp32 lanes, loads/stores from fp32,
-// bf16 and fp16 storage, and the transcendental functions the kernels need.
+// bf16 and fp16 storage (and loads of int8, the quantised KV cache), and the transcendental
+// functions the kernels need.
 //
 // This header never includes torch: kernel math lives in headers that only see
 // raw pointers and these types; the binding files (*.cpp) check tensors and
@@ -41,6 +42,7 @@ inline uint32_t float_to_bits(float f) {
 }
 
 inline float to_float(float v) { return v; }
+inline float to_float(int8_t v) { return float(v); }  // int8 KV cache values
 inline float to_float(bf16 v) { return bits_to_float(uint32_t(v.x) << 16); }
 inline float to_float(fp16 v) {
 #if TOPG_AVX2
@@ -119,6 +121,10 @@ struct Vec8 {
   }
   static Vec8 load(const fp16* p) {
     return Vec8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static Vec8 load(const int8_t* p) {  // 8 bytes, sign-extended, converted exactly
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return Vec8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(bf16* p) const {

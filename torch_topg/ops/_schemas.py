@@ -10,7 +10,9 @@ Layout conventions (see ``docs/ops.md`` for the full semantics):
 * prefill attention uses ``[batch, seq, heads, head_dim]`` (dense) or
   ``[tokens, heads, head_dim]`` with ``cu_seqlens`` (ragged), like FlashAttention;
   only the last dimension has to be contiguous;
-* the paged KV cache is ``[num_blocks, block_size, kv_heads, head_dim]``;
+* the paged KV cache is ``[num_blocks, block_size, kv_heads, head_dim]``, in the
+  query's dtype or int8 with float32 scales ``[num_blocks, block_size, kv_heads]``
+  (``key_scale`` / ``value_scale``, one per token and kv head);
 * ``Tensor(a!)`` marks an argument the op writes in place.
 """
 
@@ -41,11 +43,13 @@ SCHEMAS: dict[str, str] = {
     "paged_attention": (
         "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, *, Tensor? cu_seqlens_q=None, "
-        "float? scale=None, int window_left=-1, float softcap=0.0) -> Tensor"
+        "float? scale=None, int window_left=-1, float softcap=0.0, Tensor? key_scale=None, "
+        "Tensor? value_scale=None) -> Tensor"
     ),
     "reshape_and_cache": (
         "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
-        "Tensor(b!) value_cache, Tensor slot_mapping) -> ()"
+        "Tensor(b!) value_cache, Tensor slot_mapping, *, Tensor(c!)? key_scale=None, "
+        "Tensor(d!)? value_scale=None) -> ()"
     ),
     # --- mixture of experts ------------------------------------------------------
     "moe_topk": (

@@ -91,6 +91,8 @@ def paged_attention(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over a paged KV cache (vLLM layout), read in place.
 
@@ -102,7 +104,8 @@ def paged_attention(
         query: ``[num_seqs, Hq, D]`` (one token per sequence) or, with ``cu_seqlens_q``,
             ``[Tq, Hq, D]``; float32 / bfloat16 / float16, last dim contiguous.
         key_cache, value_cache: contiguous ``[num_blocks, block_size, Hkv, D]``, the
-            dtype of ``query``; ``Hq % Hkv == 0``.
+            dtype of ``query``, or both int8 (a quantised cache written by
+            :func:`reshape_and_cache` with scales); ``Hq % Hkv == 0``.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``: token ``t`` of sequence
             ``s`` lives in block ``block_tables[s, t // block_size]`` at offset
             ``t % block_size``. The first ``ceil(seq_len / block_size)`` ids of a row
@@ -117,6 +120,9 @@ def paged_attention(
             within its sequence) sits at position ``p = seq_len - q_len + i`` and sees
             keys ``max(0, p - window_left) .. p`` (``0 .. p`` when ``window_left == -1``):
             causal, bottom-right aligned. Without ``cu_seqlens_q``, ``q_len = 1``.
+        key_scale, value_scale: with int8 caches (and only then), contiguous float32
+            ``[num_blocks, block_size, Hkv]``: cached token ``t``'s kv head ``h`` holds
+            ``cache[.., t, h, :] * scale[.., t, h]`` (``reference.dequantize_kv``).
 
     Returns:
         The shape of ``query`` in its dtype; zeros for a query that sees no key
@@ -138,6 +144,8 @@ def paged_attention(
         scale=scale,
         window_left=window_left,
         softcap=softcap,
+        key_scale=key_scale,
+        value_scale=value_scale,
     )
 
 
@@ -147,20 +155,34 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """In place: write token ``t``'s K/V into cache slot ``slot_mapping[t]``.
 
     Args:
-        key, value: ``[T, Hkv, D]``, last dim contiguous, the dtype of the caches.
+        key, value: ``[T, Hkv, D]``, last dim contiguous, float32 / bfloat16 / float16.
         key_cache, value_cache: contiguous ``[num_blocks, block_size, Hkv, D]``;
-            ``slot = block * block_size + offset``.
+            ``slot = block * block_size + offset``. The dtype of ``key`` (an exact
+            copy), or int8: each row of ``D`` values (one token, one kv head) is
+            quantised (``reference.quantize_kv``: ``scale = max|x| / 127``,
+            ``round_half_even(x / scale)`` in fp32) and its scale written beside it.
         slot_mapping: int64 (or int32) ``[T]``; a negative slot skips the token (vLLM
             padding); slots must be below ``num_blocks * block_size``.
+        key_scale, value_scale: with int8 caches (and only then), contiguous float32
+            ``[num_blocks, block_size, Hkv]``, written in place.
     """
     if torch.compiler.is_compiling():
-        torch.ops.topg.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping)
+        torch.ops.topg.reshape_and_cache.default(
+            key, value, key_cache, value_cache, slot_mapping,
+            key_scale=key_scale, value_scale=value_scale,
+        )  # fmt: skip
     else:
-        _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        _reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping,
+            key_scale=key_scale, value_scale=value_scale,
+        )  # fmt: skip
 
 
 # --- argument checks (shared by the fake kernel and the reference fallback) ----------
@@ -174,12 +196,19 @@ def _check_qkv(
     nd: int,
     names: tuple[str, str] = ("key", "value"),
 ) -> None:
-    """q and k/v (named ``names``) with ``nd`` dims ``[..., H, D]``: dtypes, GQA, head_dim."""
+    """q and k/v (named ``names``) with ``nd`` dims ``[..., H, D]``: dtypes, GQA, head_dim.
+    A paged cache (``names`` = the caches) may be int8 instead of the query's dtype."""
     kn, vn = names
     Arg(op, "query", query).floating().last_dim_contiguous()
-    Arg(op, kn, key).dim(nd).same_dtype(query, "query").same_device(query, "query")
+    Arg(op, kn, key).dim(nd)
+    if kn == "key_cache":
+        _cache_dtype(op, key, query, "query")
+    else:
+        Arg(op, kn, key).same_dtype(query, "query")
+    Arg(op, kn, key).same_device(query, "query")
     Arg(op, kn, key).last_dim_contiguous().size(nd - 1, query.shape[-1], "head_dim of 'query'")
-    Arg(op, vn, value).dim(nd).same_dtype(query, "query").same_device(query, "query")
+    like = (key, kn) if kn == "key_cache" else (query, "query")
+    Arg(op, vn, value).dim(nd).same_dtype(*like).same_device(query, "query")
     Arg(op, vn, value).last_dim_contiguous()
     for d in range(nd - 1):
         Arg(op, vn, value).size(d, key.shape[d], f"the shape of '{kn}'")
@@ -189,6 +218,42 @@ def _check_qkv(
         hkv > 0 and hq % hkv == 0,
         lambda: f"topg::{op}: query heads ({hq}) must be a multiple of key/value heads ({hkv})",
     )
+
+
+def _cache_dtype(op: str, cache: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    """``key_cache``: the dtype of ``like`` (the query or the key), or int8."""
+    if cache.dtype not in (like.dtype, torch.int8):
+        Arg(op, "key_cache", cache).fail(
+            f"dtype {str(like.dtype).removeprefix('torch.')} (the dtype of '{like_name}') or "
+            "int8 (with 'key_scale' and 'value_scale')"
+        )
+
+
+def _check_scales(
+    op: str,
+    key_cache: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+) -> None:
+    """int8 caches need both scales ``[num_blocks, block_size, Hkv]`` float32; others none."""
+    quant = key_cache.dtype == torch.int8
+    for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if scale is None:
+            check_op(
+                not quant,
+                op,
+                f"argument '{name}' expected a float32 tensor [num_blocks, block_size, "
+                "kv_heads] with int8 caches, got None",
+            )
+            continue
+        a = Arg(op, name, scale)
+        if not quant:
+            a.fail(
+                f"None with {str(key_cache.dtype).removeprefix('torch.')} caches (scales go with int8)"
+            )
+        a.dim(3).dtype([torch.float32]).same_device(key_cache, "key_cache").contiguous()
+        for d in range(3):
+            a.size(d, key_cache.shape[d], "the shape of 'key_cache'")
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, query: torch.Tensor, batch) -> None:
@@ -274,6 +339,8 @@ def _check_paged_attention(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     op = "paged_attention"
     Arg(op, "query", query).dim(3)
@@ -298,6 +365,7 @@ def _check_paged_attention(
         cu.same_device(query, "query").size(0, ns + 1, "num_seqs + 1, from 'seq_lens'")
     check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
     check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap:g}")
+    _check_scales(op, key_cache, key_scale, value_scale)
 
 
 def _check_reshape_and_cache(
@@ -306,12 +374,17 @@ def _check_reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     op = "reshape_and_cache"
     Arg(op, "key", key).dim(3).floating().last_dim_contiguous()
     Arg(op, "value", value).dim(3).same_dtype(key, "key").last_dim_contiguous()
-    Arg(op, "key_cache", key_cache).dim(4).same_dtype(key, "key").contiguous()
-    Arg(op, "value_cache", value_cache).dim(4).same_dtype(key, "key").contiguous()
+    Arg(op, "key_cache", key_cache).dim(4)
+    _cache_dtype(op, key_cache, key, "key")
+    Arg(op, "key_cache", key_cache).contiguous()
+    Arg(op, "value_cache", value_cache).dim(4).same_dtype(key_cache, "key_cache").contiguous()
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         Arg(op, name, t).same_device(key, "key")
     for d in range(3):
@@ -323,6 +396,7 @@ def _check_reshape_and_cache(
         Arg(op, "value_cache", value_cache).size(d, key_cache.shape[d], "the shape of 'key_cache'")
     Arg(op, "slot_mapping", slot_mapping).dim(1).index().same_device(key, "key")
     Arg(op, "slot_mapping", slot_mapping).size(0, key.shape[0], "tokens of 'key'")
+    _check_scales(op, key_cache, key_scale, value_scale)
 
 
 def _empty_out(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -346,7 +420,7 @@ register(
 register(
     "reshape_and_cache",
     check=_check_reshape_and_cache,
-    fake=lambda *args: None,
+    fake=lambda *args, **kwargs: None,
     reference=reference.reshape_and_cache,
     wrapper=reshape_and_cache,
 )

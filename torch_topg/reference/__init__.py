@@ -5,7 +5,13 @@ device without a native kernel. They know nothing of the rest of the package.
 """
 
 from torch_topg.reference.activation import gelu_and_mul, silu_and_mul
-from torch_topg.reference.attention import attention, paged_attention, reshape_and_cache
+from torch_topg.reference.attention import (
+    attention,
+    dequantize_kv,
+    paged_attention,
+    quantize_kv,
+    reshape_and_cache,
+)
 from torch_topg.reference.collectives import all_reduce, fused_all_reduce_add_rms_norm
 from torch_topg.reference.fused_moe import fused_moe
 from torch_topg.reference.linear import linear
@@ -16,6 +22,7 @@ from torch_topg.reference.rotary import rotary_embedding
 __all__ = [
     "all_reduce",
     "attention",
+    "dequantize_kv",
     "fused_add_rms_norm",
     "fused_all_reduce_add_rms_norm",
     "fused_moe",
@@ -23,6 +30,7 @@ __all__ = [
     "linear",
     "moe_topk",
     "paged_attention",
+    "quantize_kv",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

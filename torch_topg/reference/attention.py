@@ -144,6 +144,8 @@ def paged_attention(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     max_blocks = block_tables.shape[1]
@@ -178,6 +180,9 @@ def paged_attention(
             continue
         k = key_cache[blocks].flatten(0, 1)[:n]  # [n, Hkv, D]
         v = value_cache[blocks].flatten(0, 1)[:n]
+        if key_scale is not None:  # int8 cache: fp32 values
+            k = dequantize_kv(k, key_scale[blocks].flatten(0, 1)[:n])
+            v = dequantize_kv(v, value_scale[blocks].flatten(0, 1)[:n])
         # The queries are the last q1 - q0 tokens: query i sees keys 0 .. n - (q1 - q0) + i
         # (bottom-right aligned causal).
         out[q0:q1] = _attend_one(query[q0:q1], k, v, True, scale, window_left, softcap, None).to(
@@ -211,6 +216,9 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     slots = slot_mapping.long()
@@ -221,5 +229,29 @@ def reshape_and_cache(
         )
     keep = slots >= 0  # negative slot = padding token, skipped
     idx = slots[keep]
-    key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, idx, key[keep])
-    value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, idx, value[keep])
+    for x, cache, scale in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
+        x = x[keep]
+        if scale is not None:  # int8 cache
+            x, s = quantize_kv(x)
+            scale.view(num_slots, *scale.shape[2:]).index_copy_(0, idx, s)
+        cache.view(num_slots, *cache.shape[2:]).index_copy_(0, idx, x)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 KV cache's quantisation: per row of ``D`` values (one token, one kv head).
+
+    ``x [..., D]`` (any float dtype) -> ``(q int8 [..., D], scale float32 [...])`` with, in
+    fp32, ``scale = max|x| / 127`` and ``q = round_half_even(x / scale)`` clamped to
+    ``[-127, 127]`` (a NaN quotient stores 0: an all-zero row stores 0 with scale 0).
+    A row holding NaN or inf gets a NaN or inf scale, so it dequantises to NaN.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127
+    r = xf / scale[..., None]
+    q = torch.where(torch.isnan(r), 0.0, r.clamp(-127, 127).round())
+    return q.to(torch.int8), scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q int8 [..., D]``, ``scale float32 [...]`` -> float32 ``q * scale``."""
+    return q.float() * scale[..., None]

@@ -31,6 +31,8 @@ def unsupported(op: str, *args: Any, **kwargs: Any) -> str:
             return "an explicit mask: the Pallas kernel takes causal / window masks only"
     if op == "paged_attention" and kwargs.get("cu_seqlens_q") is not None:
         return "several query tokens per sequence (cu_seqlens_q): the Pallas kernel takes one"
+    if op == "paged_attention" and kwargs.get("key_scale") is not None:
+        return "an int8 KV cache (key_scale): the Pallas kernel reads float caches"
     return ""
 
 
@@ -102,8 +104,11 @@ def paged_attention(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     assert cu_seqlens_q is None, "unsupported() sends ragged calls to the reference"
+    assert key_scale is None, "unsupported() sends int8 caches to the reference"
     k = kernels("paged_attention")
     if query.shape[0] == 0:
         return torch.empty_like(query)

@@ -391,6 +391,9 @@ class KVCacheManager:
     # --- introspection -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         p = self.prefix
+        active = self.policy.active()
+        for sid in [s for s in self.sessions if s not in active]:
+            del self.sessions[sid]  # idle past the TTL: its figures go with its priority
         tiers: dict[str, Any] = {
             "device": {
                 "blocks_total": self.pool.num_blocks,
@@ -414,7 +417,7 @@ class KVCacheManager:
             "hit_rate": p["hit_tokens"] / p["query_tokens"] if p["query_tokens"] else 0.0,
             "tiers": tiers,
             "sessions": {s: dict(c) for s, c in self.sessions.items()},
-            "active_sessions": len(self.policy.active()),
+            "active_sessions": len(active),
         }
 
     def check(self) -> None:

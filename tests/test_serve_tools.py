@@ -270,3 +270,25 @@ def test_playground_script_streams_in_node(server, tmp_path) -> None:
         rf"TTFT \d+ ms  ·  {n} tokens  ·  ([\d.]+|-) tokens/s  ·  prompt \d+, cached \d+",
         shown["stats"],
     ), shown["stats"]
+
+
+def test_serve_cli_failures_exit_1() -> None:
+    """``python -m torch_topg serve``: a model that does not load, or a port already taken,
+    ends the process with exit code 1 and says why (the HTTP server in its thread stops)."""
+    import socket
+    import subprocess
+    import sys
+
+    serve = [sys.executable, "-m", "torch_topg", "serve", "--host", "127.0.0.1"]
+    p = subprocess.run([*serve, "--port", "0", "--model", "/nonexistent/model"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert "loading the model failed" in p.stderr and "Finished server process" in p.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = subprocess.run([*serve, "--port", str(port), "--model", "/nonexistent/model"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert "the HTTP server did not start" in p.stderr and "loading" not in p.stderr

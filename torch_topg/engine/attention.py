@@ -15,7 +15,9 @@ Metadata (keyword arguments of the model call, all tensors so that a compiled st
 takes them as graph inputs, never as constants):
 
 - ``topg_kv_caches``: ``[k_0, v_0, k_1, v_1, ...]``, each ``[num_blocks, block_size,
-  Hkv, D]``, indexed by the attention module's ``layer_idx``;
+  Hkv, D]``, indexed by the attention module's ``layer_idx``; with an int8 cache
+  ``[k_0, v_0, ks_0, vs_0, ...]``, int8 K/V and their float32 scales ``[num_blocks,
+  block_size, Hkv]``;
 - ``topg_slot_mapping``: int64 ``[T]``, the cache slot of each new token;
 - ``topg_block_tables``: int32 ``[S, max_blocks]``;
 - ``topg_seq_lens``: int32 ``[S]``, cached tokens per sequence after this step;
@@ -52,12 +54,14 @@ def paged_attention_forward(
             "attn_implementation='topg_paged' runs only inside torch_topg.Engine (the "
             "model was called without the engine's paged-cache metadata)"
         )
-    layer = module.layer_idx
-    k_cache, v_cache = caches[2 * layer], caches[2 * layer + 1]
+    n = 4 if caches[0].dtype == torch.int8 else 2  # tensors per layer
+    k_cache, v_cache, *scales = caches[n * module.layer_idx : n * module.layer_idx + n]
+    ks, vs = scales or (None, None)
     q = query[0].transpose(0, 1)  # [T, Hq, D], last dim contiguous (a view)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    reshape_and_cache(k, v, k_cache, v_cache, kwargs["topg_slot_mapping"])
+    slots = kwargs["topg_slot_mapping"]
+    reshape_and_cache(k, v, k_cache, v_cache, slots, key_scale=ks, value_scale=vs)
     # transformers' sliding_window W: a query at i sees keys j > i - W.
     window = sliding_window - 1 if sliding_window else -1
     out = paged_attention(
@@ -70,6 +74,8 @@ def paged_attention_forward(
         scale=scaling,
         window_left=window,
         softcap=float(softcap) if softcap else 0.0,
+        key_scale=ks,
+        value_scale=vs,
     )
     return out.unsqueeze(0), None
 

@@ -215,28 +215,35 @@ def markdown_table(levels: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def level_row(level: dict[str, Any], key: str) -> dict[str, Any]:
+    """A ``torch_topg.bench/1`` row of one level: its summary plus ``figures`` as
+    ``Stats`` in ms (p50 as the median, p10-p90 as the spread) and the throughputs as
+    single values (higher is better)."""
+    figures: dict[str, Any] = {}
+    for k in LATENCIES:
+        s = level["latency_ms"][k]
+        if s is not None:
+            figures[k] = Stats(s["p50"], s["p10"], s["p90"], int(s["n"]), "p10-p90").to_dict()
+    for k in ("request_throughput", "output_tokens_per_s"):
+        figures[k] = Stats(level[k], level[k], level[k], 1, "min-max").to_dict()
+    return {"key": key, "unit": "ms", "figures": figures,
+            "higher_is_better": ["request_throughput", "output_tokens_per_s"], **level}  # fmt: skip
+
+
 def to_record(
     levels: list[dict[str, Any]], meta: dict[str, Any], argv: list[str]
 ) -> dict[str, Any]:
-    """A ``torch_topg.bench/1`` record: a row per level; figures are ``Stats`` in ms with
-    p50 as the median and p10-p90 as the spread, throughputs as single values."""
+    """A ``torch_topg.bench/1`` record: a row per level (:func:`level_row`), keyed
+    ``dataset | c=N | max_tokens=M``; ``meta`` becomes the notes."""
     from torch_topg.bench.machine import machine_info
     from torch_topg.bench.record import new_record, validate
 
-    rows = []
-    for lv in levels:
-        figures: dict[str, Any] = {}
-        for k in LATENCIES:
-            s = lv["latency_ms"][k]
-            if s is not None:
-                figures[k] = Stats(s["p50"], s["p10"], s["p90"], int(s["n"]), "p10-p90").to_dict()
-        for k in ("request_throughput", "output_tokens_per_s"):
-            figures[k] = Stats(lv[k], lv[k], lv[k], 1, "min-max").to_dict()
-        rows.append({
-            "key": f"{meta['dataset']} | c={lv['concurrency']} | max_tokens={meta['max_tokens']}",
-            "unit": "ms", "higher_is_better": ["request_throughput", "output_tokens_per_s"],
-            "figures": figures, **lv,
-        })  # fmt: skip
+    rows = [
+        level_row(
+            lv, f"{meta['dataset']} | c={lv['concurrency']} | max_tokens={meta['max_tokens']}"
+        )
+        for lv in levels
+    ]
     notes = [f"{k}={v}" for k, v in meta.items()]
     return validate(new_record("serve", rows, machine_info(measure=False), notes=notes, argv=argv))
 

@@ -59,6 +59,7 @@ def make_config(
     deterministic: bool = False,
     compile: bool = True,
     kv_heads: int | None = None,
+    kv_cache_dtype: str = "auto",
     prefix_caching: bool = True,
     host_kv_memory: int | str | None = None,
     disk_kv_path: str | os.PathLike[str] | None = None,
@@ -89,7 +90,15 @@ def make_config(
         # CPU: a 512-token chunk is ~2 s of a 135M model on 2 cores, the longest pause a
         # prefill should put between two decode steps of the others; CUDA: vLLM's 2048.
         max_num_batched_tokens = 512 if device.type == "cpu" else 2048
-    per_block = ModelRunner.bytes_per_block(model_config, block_size, dtype, kv_heads)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype: expected one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype != "auto" and tp_size != 1:
+        raise ValueError("kv_cache_dtype: 'int8' is not supported with tp_size > 1 yet")
+    per_block = ModelRunner.bytes_per_block(
+        model_config, block_size, dtype, kv_heads, kv_cache_dtype
+    )
     wanted = per_block * max_batch_size * -(-max_model_len // block_size)
     budget = kv_budget(kv_cache_memory, device, wanted)
     num_blocks = budget // per_block
@@ -107,6 +116,7 @@ def make_config(
         max_batch_size=max_batch_size, batch_timeout=float(batch_timeout),
         max_num_batched_tokens=max_num_batched_tokens, max_queue=max_queue,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
+        kv_cache_dtype=kv_cache_dtype,
         seed=seed, deterministic=deterministic, compile=compile, **tiers,
     )  # fmt: skip
 
@@ -205,9 +215,14 @@ def _blocks(name: str, budget: int, per_block: int) -> int:
 _OPTIONS = {
     "device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
     "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size", "max_model_len",
-    "seed", "deterministic", "compile", "prefix_caching", "host_kv_memory", "disk_kv_path",
+    "seed", "deterministic", "compile", "kv_cache_dtype", "prefix_caching", "host_kv_memory", "disk_kv_path",
     "disk_kv_memory", "session_ttl", "session_kv_share",
 }  # fmt: skip
+
+
+#: KV cache dtypes: "auto" = the model's dtype; "int8" = int8 K/V with float32 scales per
+#: token and kv head (reference.quantize_kv), about half the bytes of bf16.
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def _check_options(options: dict[str, Any]) -> None:
@@ -265,6 +280,9 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
             eviction priority after its last request (default 600).
         session_kv_share: the largest share of each tier that active sessions' blocks
             keep in preference to others (default 0.5).
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"``: int8 K/V with a
+            float32 scale per token and kv head, counted in ``kv_cache_memory``
+            (docs/engine.md, "int8 KV cache").
     """
     _check_options(options)
     device = _device(options.pop("device", None))

@@ -24,6 +24,7 @@ class EngineConfig:
     seed: int | None = None
     deterministic: bool = False
     compile: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (with scales)
     # the KV cache hierarchy (kv_cache.py)
     prefix_caching: bool = True
     host_kv_blocks: int = 0

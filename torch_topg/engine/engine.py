@@ -72,6 +72,7 @@ class Engine:
             block_size=config.block_size,
             max_blocks_per_seq=-(-config.max_model_len // config.block_size),
             compile=config.compile,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVCacheManager(

@@ -57,6 +57,7 @@ class ModelRunner:
         max_blocks_per_seq: int,
         kv_heads: int | None = None,
         compile: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         register_attention()
         self.model = model
@@ -68,12 +69,17 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, kv, head_dim)
+        # Per layer [K, V] (auto) or [K, V, K scale, V scale] (int8), every tensor with the
+        # block as dim 0, so `for t in kv_caches: t[dst] = t[src]` copies whole blocks.
         # torch.empty: pages are committed as blocks are first written, so the RSS
         # grows with the blocks in use up to the budget, never beyond it.
-        self.kv_caches = [
-            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2 * layers)
-        ]
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_caches = []
+        for _ in range(layers):
+            self.kv_caches += [torch.empty(s, dtype=t, device=self.device)
+                               for s, t in _kv_tensors(num_blocks, block_size, kv, head_dim,
+                                                       self.dtype, kv_cache_dtype)]  # fmt: skip
+        self.kv_tensors_per_layer = len(self.kv_caches) // max(1, layers)
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self._set_attention(model)
         self.compilations = 0
@@ -85,10 +91,14 @@ class ModelRunner:
             self._step = torch.compile(_fresh_copy(model_step), backend=self._counting_backend())
 
     @staticmethod
-    def bytes_per_block(config: Any, block_size: int, dtype: torch.dtype, kv_heads=None) -> int:
+    def bytes_per_block(
+        config: Any, block_size: int, dtype: torch.dtype, kv_heads=None, kv_cache_dtype="auto"
+    ) -> int:
+        """Bytes of one block in every layer: K and V (and with int8, their scales)."""
         layers, kv, head_dim = kv_layout(config)
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * layers * block_size * (kv_heads or kv) * head_dim * elem
+        tensors = _kv_tensors(1, block_size, kv_heads or kv, head_dim, dtype, kv_cache_dtype)
+        per_layer = sum(torch.Size(s).numel() * t.itemsize for s, t in tensors)
+        return layers * per_layer
 
     def _set_attention(self, model: torch.nn.Module) -> None:
         if hasattr(model, "set_attn_implementation"):
@@ -194,6 +204,17 @@ class ModelRunner:
             if nxt > self.num_blocks:
                 return  # a pool this small is a test's; it compiles on first use
             self.execute(self.pack(items, samples))
+
+
+def _kv_tensors(
+    blocks: int, block_size: int, kv: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of one layer's cache tensors: K, V in ``dtype``, or int8 K, V and
+    their float32 scales (one per token and kv head)."""
+    shape = (blocks, block_size, kv, head_dim)
+    if kv_cache_dtype == "int8":
+        return [(shape, torch.int8)] * 2 + [(shape[:3], torch.float32)] * 2
+    return [(shape, dtype)] * 2
 
 
 def model_step(

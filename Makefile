@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 export MAX_JOBS ?= 2
 
-.PHONY: venv build test demo bench lint format clean cuda-venv cuda-build
+.PHONY: venv build test demo bench lint format clean cuda-venv cuda-build vllm-venv vllm-test
 
 # CUDA lane (CI): compile and link the CUDA kernels against a CUDA build of torch in a
 # separate venv and build folder (the CPU build of .venv is untouched), then check that
@@ -101,6 +101,43 @@ cuda-build: cuda-venv
 	  -DCMAKE_CUDA_COMPILER=$(NVCC)
 	PATH=$(abspath $(CUDA_VENV))/bin:$$PATH cmake --build $(CUDA_BUILD) -- -j$(MAX_JOBS)
 	$(CUDA_VENV)/bin/python python/check_cuda_build.py $(CUDA_BUILD)/out
+
+# vLLM lane (CI): vllm 0.33.0 in its own venv with the versions it pins (constraints-vllm.txt;
+# torch 2.14.0's PyPI build, CUDA 13, which runs CPU code without a GPU), torch_topg
+# installed there (pip install ., so vLLM's plugin loader finds its entry point) with
+# its CPU kernels built against that torch in VLLM_BUILD, then tests/vllm_lane: the plugin
+# through vLLM's loader and each replaced layer against vLLM's forward_native
+# (docs/integrations.md). vLLM itself is installed --no-deps with the part of its
+# requirements that importing its layers needs (VLLM_DEPS), not its GPU kernel packages.
+VLLM_VENV    ?= .venv-vllm
+VLLM_VERSION ?= 0.33.0
+VLLM_BUILD   ?= build/vllm-ci
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_CONSTRAINTS := -c $(abspath constraints-vllm.txt)
+VLLM_DEPS := torch packaging regex cachetools psutil numpy tqdm transformers huggingface_hub \
+  tokenizers safetensors pydantic msgspec pyzmq cloudpickle blake3 py-cpuinfo \
+  typing_extensions filelock pyyaml einops requests cbor2 aiohttp oss-harmony openai pillow \
+  pybase64 uvloop prometheus_client xgrammar "fastapi[standard]" partial_json_parser \
+  llguidance apache-tvm-ffi setuptools wheel cmake ninja pytest hypothesis
+
+$(VLLM_VENV)/.deps: constraints-vllm.txt Makefile
+	$(PY_SYS) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q $(VLLM_CONSTRAINTS) $(VLLM_DEPS)
+	$(VLLM_PY) -m pip install -q $(VLLM_CONSTRAINTS) --no-deps vllm==$(VLLM_VERSION)
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.deps
+
+# torch_topg into the vLLM venv; rebuilt when the native sources or the metadata change.
+$(VLLM_VENV)/.topg: $(VLLM_VENV)/.deps pyproject.toml setup.py CMakeLists.txt $(shell git ls-files csrc cmake)
+	TOPG_BUILD_DIR=$(abspath $(VLLM_BUILD)) TOPG_CUDA=OFF \
+	  $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps .
+	touch $@
+
+# The sources of this checkout (PYTHONPATH), the kernels of VLLM_BUILD (TOPG_NATIVE_DIR).
+vllm-test: $(VLLM_VENV)/.topg
+	PYTHONPATH=$(CURDIR) TOPG_NATIVE_DIR=$(abspath $(VLLM_BUILD))/out TOPG_REQUIRE_NATIVE=1 \
+	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_lane tests/test_vllm_plugin.py
 
 clean:
 	rm -rf build torch_topg/_C*.so torch_topg/_build_info.json

@@ -3,6 +3,7 @@ sgl-kernel's documented semantics (layouts, in-place updates, block tables)."""
 
 from __future__ import annotations
 
+import enum
 import math
 
 import pytest
@@ -193,3 +194,68 @@ def test_fused_experts_and_fused_moe(inplace):
     close(vllm.fused_moe(x, w1, w2, logits, k, True), moe_reference(x, w1, w2, renorm, tid), 4.0)
     with pytest.raises(NotImplementedError):
         vllm.fused_experts(x, w1, w2, tw, tid, use_fp8_w8a8=True)
+
+
+# --- vLLM 0.33.0 signatures (tests/vllm_lane/test_vllm_compat.py checks them against vLLM) --
+
+
+def test_vllm_topk_softmax_bias_and_padding():
+    g = torch.Generator().manual_seed(1)
+    logits, bias = torch.randn(6, 8, generator=g), torch.randn(8, generator=g)
+    w, ids = torch.empty(6, 3), torch.empty(6, 3, dtype=torch.int32)
+    rows = torch.empty(6, 3, dtype=torch.int32)
+    padding = torch.tensor([False, False, True, False, False, True])
+    vllm.topk_softmax(w, ids, rows, logits, True, bias, padding)
+    scores = logits.softmax(-1)
+    chosen = (scores + bias).topk(3, -1).indices  # bias picks the experts ...
+    picked = scores.gather(1, chosen)  # ... the weights stay the softmax scores
+    close(w, picked / picked.sum(-1, keepdim=True))
+    assert ids[~padding].equal(chosen[~padding].int())
+    assert (ids[padding] == -1).all()  # padding rows are routed to no expert
+
+
+def test_vllm_fused_experts_current_signature():
+    class MoEActivation(enum.Enum):  # the shape of vLLM's enum: .value is the name
+        SILU = "silu"
+
+    g = torch.Generator().manual_seed(2)
+    t, h, inter, e, k = 5, 32, 24, 4, 2
+    x = torch.randn(t, h, generator=g)
+    w1 = torch.randn(e, 2 * inter, h, generator=g) / 8
+    w2 = torch.randn(e, h, inter, generator=g) / 8
+    tw, tid = torch.randn(t, e, generator=g).softmax(-1).topk(k, -1)
+    tid = tid.int()
+    expected = moe_reference(x, w1, w2, tw, tid)
+    # activation is the sixth positional argument (vLLM >= 0.24), as a str or an enum
+    close(vllm.fused_experts(x, w1, w2, tw, tid, "silu"), expected, scale=4.0)
+    close(vllm.fused_experts(x, w1, w2, tw, tid, MoEActivation.SILU), expected, scale=4.0)
+    with pytest.raises(TypeError, match="argument 6 is 'activation'.*pass inplace=... by keyword"):
+        vllm.fused_experts(x, w1, w2, tw, tid, True)  # vLLM <= 0.23's positional inplace
+    # a negative id (a padding row's slot) contributes nothing
+    padded = tid.clone()
+    padded[1, 0] = -1
+    keep = tw.clone()
+    keep[1, 0] = 0
+    close(vllm.fused_experts(x, w1, w2, tw, padded), moe_reference(x, w1, w2, keep, tid), 4.0)
+
+
+def test_vllm_norm_without_weight_and_inverse_rotary():
+    x = torch.randn(4, 32)
+    out = torch.empty_like(x)
+    vllm.rms_norm(out, x, None, 1e-6)
+    close(out, rms(x, torch.ones(32), 1e-6))
+    d, pos = 16, torch.tensor([0, 5, 2])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(8).float()[:, None] * inv[None]
+    cache = torch.cat([freqs.cos(), freqs.sin()], -1)
+    q = torch.randn(3, 2 * d)
+    qi = q.clone()
+    vllm.rotary_embedding(pos, qi, None, d, cache, True)
+    vllm.rotary_embedding(pos, qi, None, d, cache, True, 0, True)  # inverse: undoes it
+    close(qi, q)
+    with pytest.raises(NotImplementedError, match="rope_dim_offset=4"):
+        vllm.rotary_embedding(pos, qi, None, d, cache, True, 4)
+    kc, vc = vllm_paged_caches(2, 1, 16, 4, torch.float32)
+    with pytest.raises(NotImplementedError, match="interleaved_v=True"):
+        vllm.reshape_and_cache(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), kc, vc,
+                               torch.tensor([0]), "auto", 1.0, 1.0, True)  # fmt: skip

@@ -1,8 +1,19 @@
 """vLLM-compatible entry points: same names, argument order, dtypes and in-place semantics
-as vLLM's custom ops (``vllm._custom_ops``) and its fused-MoE layer functions, backed by
-topg kernels. A fork switches ``from vllm import _custom_ops as ops`` to
-``from torch_topg.compat import vllm as ops`` for the ops listed here (see
-``docs/integrations.md`` for the table and what is not covered).
+as vLLM's custom ops (``vllm._custom_ops``) and its fused-MoE functions, backed by topg
+kernels. A fork switches ``from vllm import _custom_ops as ops`` to
+``from torch_topg.compat import vllm as ops`` for the ops listed here.
+
+Versions: where a name still exists in the current vLLM release (0.33.0) the function
+follows that release's signature (``topk_softmax`` with ``e_score_correction_bias`` and
+``is_padding``; ``fused_experts`` without the positional ``inplace``; ``rotary_embedding``
+with ``rope_dim_offset`` / ``inverse``; ``reshape_and_cache`` with ``interleaved_v``).
+Names vLLM has since removed from Python (``silu_and_mul`` / ``gelu_and_mul`` /
+``gelu_tanh_and_mul``: 0.6; ``paged_attention_v1/v2``: 0.24; ``fused_moe``: 0.14) keep
+the signature of the last release that had them, for forks that still call them.
+``docs/integrations.md`` lists, per function, the vLLM versions whose signature it
+matches (checked against each release's source). A vLLM deployment that runs vLLM's own
+layers needs none of this: the plugin :mod:`torch_topg.integrations.vllm_plugin` swaps
+topg kernels into them.
 
 Layouts: vLLM's ``paged_attention_v1/v2`` and ``reshape_and_cache`` use the *paged*
 cache layout (keys ``[num_blocks, num_kv_heads, head_size / x, block_size, x]`` with
@@ -17,7 +28,7 @@ copy.
 
 Not supported (raise ``NotImplementedError``): quantised KV caches (``kv_cache_dtype``
 other than ``"auto"``), ALiBi, block-sparse attention, quantised or expert-parallel MoE,
-grouped top-k routing.
+grouped top-k routing, ``rope_dim_offset != 0``, ``interleaved_v=True``.
 """
 
 from __future__ import annotations
@@ -58,16 +69,26 @@ def _check_kv_dtype(kv_cache_dtype: str) -> None:
 # --- norms, positions, activations -------------------------------------------------------
 
 
-def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
-    """``out = input / rms(input) * weight`` over the last dim (``out`` written in place)."""
-    out.copy_(topg.rms_norm(input, weight, epsilon))
+def _norm_weight(input: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """vLLM passes ``weight=None`` for a norm without a learned scale."""
+    if weight is None:
+        return torch.ones(input.shape[-1], dtype=input.dtype, device=input.device)
+    return weight
+
+
+def rms_norm(
+    out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor | None, epsilon: float
+) -> None:
+    """``out = input / rms(input) * weight`` over the last dim (``out`` written in place);
+    ``weight=None``: no scale."""
+    out.copy_(topg.rms_norm(input, _norm_weight(input, weight), epsilon))
 
 
 def fused_add_rms_norm(
-    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float
 ) -> None:
     """In place: ``residual += input``; ``input = rms_norm(residual) * weight``."""
-    topg.fused_add_rms_norm(input, residual, weight, epsilon)
+    topg.fused_add_rms_norm(input, residual, _norm_weight(input, weight), epsilon)
 
 
 def rotary_embedding(
@@ -77,24 +98,36 @@ def rotary_embedding(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
+    rope_dim_offset: int = 0,
+    inverse: bool = False,
 ) -> None:
-    """In place on ``query`` / ``key`` (``[T, H * head_size]``); same signature as vLLM."""
+    """In place on ``query`` / ``key`` (``[T, H * head_size]``); ``inverse=True`` rotates
+    by ``-position`` (undoes the rotation)."""
+    if rope_dim_offset != 0:
+        raise _unsupported(f"rope_dim_offset={rope_dim_offset}")
+    if inverse:
+        cos, sin = cos_sin_cache.chunk(2, dim=-1)
+        cos_sin_cache = torch.cat([cos, -sin], dim=-1)
     topg.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
-def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
-    """``out = silu(input[..., :d]) * input[..., d:]``."""
-    out.copy_(topg.silu_and_mul(input))
+# silu_and_mul / gelu_and_mul / gelu_tanh_and_mul: vLLM's Python wrappers until 0.6
+# (later releases call torch.ops._C directly); the signature of those releases.
 
 
-def gelu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
-    """``out = gelu(input[..., :d]) * input[..., d:]`` (exact erf GELU)."""
-    out.copy_(topg.gelu_and_mul(input, "none"))
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = silu(x[..., :d]) * x[..., d:]``."""
+    out.copy_(topg.silu_and_mul(x))
 
 
-def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
-    """``out = gelu_tanh(input[..., :d]) * input[..., d:]``."""
-    out.copy_(topg.gelu_and_mul(input, "tanh"))
+def gelu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = gelu(x[..., :d]) * x[..., d:]`` (exact erf GELU)."""
+    out.copy_(topg.gelu_and_mul(x, "none"))
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = gelu_tanh(x[..., :d]) * x[..., d:]``."""
+    out.copy_(topg.gelu_and_mul(x, "tanh"))
 
 
 # --- KV cache and paged attention ------------------------------------------------------
@@ -109,6 +142,7 @@ def reshape_and_cache(
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
+    interleaved_v: bool = False,
 ) -> None:
     """Write ``key`` / ``value`` ``[T, Hkv, D]`` into vLLM's paged layout, in place.
 
@@ -117,6 +151,8 @@ def reshape_and_cache(
     ``slot % block_size``; a negative slot is skipped (padding).
     """
     _check_kv_dtype(kv_cache_dtype)
+    if interleaved_v:
+        raise _unsupported("interleaved_v=True")
     num_blocks, hkv, d_x, block_size, x = key_cache.shape
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
@@ -261,17 +297,32 @@ def paged_attention_v2(
 
 def topk_softmax(
     topk_weights: torch.Tensor,
-    topk_indices: torch.Tensor,
+    topk_ids: torch.Tensor,
     token_expert_indices: torch.Tensor,
     gating_output: torch.Tensor,
     renormalize: bool = False,
+    e_score_correction_bias: torch.Tensor | None = None,
+    is_padding: torch.Tensor | None = None,
 ) -> None:
-    """In place: softmax top-k of ``gating_output [T, E]``; ``topk_weights [T, k]`` fp32,
-    ``topk_indices [T, k]`` int32, ``token_expert_indices[t, j] = j * T + t``."""
+    """In place: softmax top-k of ``gating_output [T, E]``.
+
+    ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]`` int32 (or int64),
+    ``token_expert_indices[t, j] = j * T + t``. ``e_score_correction_bias [E]`` is added to
+    the scores for the choice only (weights stay the softmax scores); ``is_padding [T]``
+    bool marks padding rows, whose ids are set to -1 (routed to no expert).
+    """
     num_tokens, k = topk_weights.shape
-    w, ids = topg.moe_topk(gating_output, k, scoring="softmax", renormalize=renormalize)
+    w, ids = topg.moe_topk(
+        gating_output,
+        k,
+        scoring="softmax",
+        renormalize=renormalize,
+        correction_bias=e_score_correction_bias,
+    )
     topk_weights.copy_(w)
-    topk_indices.copy_(ids)
+    if is_padding is not None:
+        ids = ids.masked_fill(is_padding.to(torch.bool).view(-1, 1), -1)
+    topk_ids.copy_(ids)
     rows = torch.arange(k * num_tokens, device=gating_output.device, dtype=torch.int32)
     token_expert_indices.copy_(rows.view(k, num_tokens).t())
 
@@ -281,17 +332,30 @@ def fused_topk(
     gating_output: torch.Tensor,
     topk: int,
     renormalize: bool,
+    indices_type: torch.dtype | None = None,
+    scoring_func: str = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's ``fused_topk``: ``(topk_weights fp32, topk_ids int32, token_expert_indices)``."""
+    """vLLM's ``fused_topk``: ``(topk_weights fp32, topk_ids, token_expert_indices)``;
+    ``topk_ids`` int32 unless ``indices_type``; ``scoring_func`` softmax or sigmoid."""
     t = gating_output.shape[0]
-    w = torch.empty(t, topk, dtype=torch.float32, device=gating_output.device)
-    ids = torch.empty(t, topk, dtype=torch.int32, device=gating_output.device)
-    rows = torch.empty_like(ids)
-    topk_softmax(w, ids, rows, gating_output, renormalize)
-    return w, ids, rows
+    w, ids = topg.moe_topk(gating_output, topk, scoring=scoring_func, renormalize=renormalize)
+    rows = torch.arange(topk * t, device=gating_output.device, dtype=torch.int32)
+    return w, ids.to(indices_type or torch.int32), rows.view(topk, t).t().contiguous()
 
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+
+
+def _activation_name(activation: object) -> str:
+    if isinstance(activation, bool):  # fused_experts(..., topk_ids, True): vLLM <= 0.23
+        raise TypeError(
+            "torch_topg.compat.vllm.fused_experts: argument 6 is 'activation' (vLLM >= 0.24 "
+            f"has no positional 'inplace'), got {activation!r}; pass inplace=... by keyword"
+        )
+    name = getattr(activation, "value", activation)  # vLLM's MoEActivation enum or a str
+    if name not in _ACTIVATIONS:
+        raise _unsupported(f"activation={name!r}")
+    return _ACTIVATIONS[str(name)]
 
 
 def fused_experts(
@@ -300,28 +364,37 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    inplace: bool = False,
-    activation: str = "silu",
+    activation: object = "silu",
     apply_router_weight_on_input: bool = False,
     global_num_experts: int = -1,
     expert_map: torch.Tensor | None = None,
+    quant_config: object | None = None,
+    *,
+    inplace: bool = False,
     **quant_kwargs: object,
 ) -> torch.Tensor:
     """MoE MLP: ``w1 [E, 2I, H]`` (gate rows first, then up: vLLM's ``w13``), ``w2 [E, H, I]``.
 
-    ``inplace=True`` writes the result into ``hidden_states`` and returns it.
+    vLLM 0.33's signature; ``activation`` is a string or vLLM's ``MoEActivation``. A
+    negative id in ``topk_ids`` (a padding row, see :func:`topk_softmax`) contributes
+    nothing. ``inplace=True`` (keyword only; positional in vLLM <= 0.23) writes the result
+    into ``hidden_states`` and returns it; old quantisation keywords (``use_fp8_w8a8``,
+    ...) are accepted when false.
     """
+    act = _activation_name(activation)
     if apply_router_weight_on_input:
         raise _unsupported("apply_router_weight_on_input=True")
     if expert_map is not None:
         raise _unsupported("expert_map (expert parallelism)")
+    for attr in ("quant_dtype", "weight_quant_dtype", "w1_bias", "w2_bias"):
+        if getattr(quant_config, attr, None) is not None:
+            raise _unsupported(f"quant_config with {attr} (quantised or biased experts)")
     if any(bool(v) for k, v in quant_kwargs.items() if k.startswith("use_")):
         raise _unsupported("quantised MoE weights")
-    if activation not in _ACTIVATIONS:
-        raise _unsupported(f"activation={activation!r}")
-    out = topg.fused_moe(
-        hidden_states, w1, w2, topk_weights, topk_ids, activation=_ACTIVATIONS[activation]
-    )
+    unrouted = topk_ids < 0
+    ids = topk_ids.clamp(min=0)
+    weights = topk_weights.masked_fill(unrouted, 0)
+    out = topg.fused_moe(hidden_states, w1, w2, weights, ids, activation=act)
     if inplace:
         hidden_states.copy_(out)
         return hidden_states
@@ -345,7 +418,8 @@ def fused_moe(
     e_score_correction_bias: torch.Tensor | None = None,
     **kwargs: object,
 ) -> torch.Tensor:
-    """Routing (softmax or sigmoid top-k) then :func:`fused_experts`."""
+    """Routing (softmax or sigmoid top-k) then :func:`fused_experts`: vLLM's ``fused_moe``
+    function of the releases that had it (see ``docs/integrations.md``)."""
     if use_grouped_topk:
         raise _unsupported("use_grouped_topk=True")
     if custom_routing_function is not None:

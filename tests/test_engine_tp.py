@@ -74,7 +74,13 @@ def test_tp2_equals_tp1_token_for_token(llama3kv):
                 streams.append(iter(handles[-1]))
                 next(streams[-1])  # its first token is out (keep the stream: no abort)
             got = [h.result(timeout=120).token_ids for h in handles]
+            # n = 2 forks from a prompt that ends inside a block (the partial block is
+            # copied on every rank), and a repeated prompt reuses its cached blocks
+            two = eng.generate(ps[0], n=2, max_new_tokens=16, **GREEDY)[0]
+            again = eng.generate(ps[3], max_new_tokens=16, **GREEDY)[0]
         assert got == want
+        assert [o.token_ids for o in two.outputs] == [want[0], want[0]]
+        assert again.token_ids == want[3] and again.cached_prompt_tokens == 36
         st = eng.stats()
         assert st["compile"]["compilations"] >= 1 and st["compile"]["while_serving"] == 0
         assert max(st["steps"]["batch_sizes"]) > 1

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from torch_topg.engine.model_runner import ModelRunner, PackedBatch
 
-CMD_STEP, CMD_STOP = 1, 2
-HEADER = 5  # [command, T, S, max_blocks, R]
+CMD_STEP, CMD_STOP, CMD_COPY = 1, 2, 3
+HEADER = 5  # [command, T, S, max_blocks, R]; CMD_COPY: [command, pairs, 0, 0, 0]
 #: the command group's timeout: how long a follower waits for rank 0's next command
 IDLE_TIMEOUT = timedelta(days=365)
 #: the tensor-parallel engine of this process (at most one: it uses the default group)
@@ -252,6 +252,22 @@ class TPModelRunner(ModelRunner):
             except Exception as e:
                 raise g.failure(e, "a step") from e
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Every rank copies its own shard of the blocks (a fork's partial last block)."""
+        if not pairs:
+            return
+        g = self.group
+        with g.lock:
+            if g.broken is not None:
+                raise RuntimeError(g.broken)
+            header = torch.tensor([CMD_COPY, len(pairs), 0, 0, 0], dtype=torch.long)
+            payload = torch.tensor([x for p in pairs for x in p], dtype=torch.long)
+            try:
+                g.send(header, payload)
+            except Exception as e:
+                raise g.failure(e, "a block copy") from e
+            super().copy_blocks(pairs)
+
 
 # --- followers ---------------------------------------------------------------------------
 def _dtype(name: str) -> torch.dtype:
@@ -335,6 +351,11 @@ def _follow(spec: Spec, cmd: Any, device: torch.device) -> None:
             code = int(header[0])
             if code == CMD_STOP:
                 return
+            if code == CMD_COPY:
+                pairs = torch.empty(2 * int(header[1]), dtype=torch.long)
+                dist.broadcast(pairs, 0, group=cmd)
+                runner.copy_blocks([tuple(p) for p in pairs.view(-1, 2).tolist()])
+                continue
             if code != CMD_STEP:
                 raise RuntimeError(f"follow: unknown command {code} from rank 0")
             payload = torch.empty(payload_size(header), dtype=torch.long)

@@ -89,17 +89,23 @@ def test_multi_turn_conversation_reuses_its_history(model):
 
 
 def tiered(model, tmp_path, device_blocks, host_blocks=6, disk_blocks=40, **kw):
-    per = ModelRunner.bytes_per_block(model.config, BS, next(model.parameters()).dtype)
+    per = ModelRunner.bytes_per_block(
+        model.config, BS, next(model.parameters()).dtype,
+        kv_cache_dtype=kw.get("kv_cache_dtype", "auto"),
+    )  # fmt: skip
     return engine(
         model, kv_cache_memory=device_blocks * per, host_kv_memory=host_blocks * per,
         disk_kv_path=tmp_path, disk_kv_memory=disk_blocks * per, **kw,
     )  # fmt: skip
 
 
-def test_demoted_blocks_come_back_from_host_and_disk(model, tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_demoted_blocks_come_back_from_host_and_disk(model, tmp_path, kv_dtype):
+    """Records hold every cache tensor of a block (an int8 cache's scales too)."""
     reqs = prompts(5, [17, 21, 14, 19, 23, 18])
-    want = reference(model, reqs)
-    with tiered(model, tmp_path, device_blocks=10) as eng, whole_pool(eng):
+    with engine(model, prefix_caching=False, kv_cache_dtype=kv_dtype) as ref:
+        want = outputs(ref, reqs)
+    with tiered(model, tmp_path, 10, kv_cache_dtype=kv_dtype) as eng, whole_pool(eng):
         assert outputs(eng, reqs) == want  # each one evicts the ones before
         again = eng.generate(reqs, **GREEDY)
         assert [o.outputs[0].token_ids for o in again] == want

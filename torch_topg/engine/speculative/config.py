@@ -124,3 +124,32 @@ def check_num_layers(cfg: SpeculativeConfig, target_layers: int) -> None:
             f"speculative: num_layers must be in [1, {target_layers - 1}] for a target of "
             f"{target_layers} layers, got {cfg.num_layers}"
         )
+
+
+def resolve_speculative(
+    spec: Any, model: Any, tokenizer: Any, device: Any, dtype: Any
+) -> SpeculativeConfig | None:
+    """``speculative=`` of ``from_pretrained`` checked against the target: ``self``'s depth,
+    and for ``draft`` the model loaded (a path or Hub id through the engine's loader, or
+    an ``nn.Module``) on ``device`` / ``dtype`` with the target's tokenizer checked."""
+    import dataclasses
+
+    import torch
+
+    cfg = parse_speculative(spec)
+    if cfg is None:
+        return None
+    check_num_layers(cfg, model.config.get_text_config().num_hidden_layers)
+    if cfg.method != "draft":
+        return cfg
+    from torch_topg.engine.loading import check_supported, load
+    from torch_topg.engine.speculative.draft import check_same_vocabulary
+
+    if isinstance(cfg.model, torch.nn.Module):
+        draft, draft_tok = cfg.model, None
+        check_supported(draft.config)
+        draft = draft.to(device=device, dtype=dtype).eval()
+    else:
+        draft, draft_tok, _ = load(cfg.model, dtype, device)
+    check_same_vocabulary(model, tokenizer, draft, draft_tok)
+    return dataclasses.replace(cfg, model=draft)

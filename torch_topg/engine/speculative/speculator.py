@@ -1,0 +1,233 @@
+"""The engine's side of speculation: plan, propose, roll back, count.
+
+Per step (``Engine._step``):
+
+1. :meth:`Speculator.plan` before scheduling: for each decoding sequence that may
+   speculate (a running sequence with one token left to compute, past its first
+   output token, ``speculative`` not turned off on its request, room left under
+   ``max_tokens`` and the context), the cap on its proposals (prompt lookup: the
+   proposal found); the adaptive rule picks ``seq.num_spec``. The scheduler then counts
+   ``1 + num_spec`` tokens for it against the step's budget (and may cut ``num_spec``).
+2. :meth:`Speculator.propose` after scheduling (the blocks for every verified position
+   exist): ``seq.spec_tokens`` (prompt lookup: already known; a draft: its steps run).
+3. The runner computes ``[last token, proposals]`` and returns the logits of all
+   ``1 + num_spec`` rows; the engine's sampler draws every row with the key of its
+   position (``rejection.py``), and :func:`accepted` counts the leading matches.
+4. :meth:`Speculator.rollback` before the tokens are appended: ``num_computed`` back to
+   the committed positions, blocks that hold only rejected positions returned to the
+   pool, statistics; the KV of rejected positions in the kept blocks is overwritten by
+   later steps (attention never reads past ``num_computed``). The prefix cache hashes
+   only blocks below ``num_computed`` after this, so it never sees a rejected token.
+5. :meth:`Speculator.observe_step`: the step's time by its token count (the cost curve).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_topg.engine.speculative.adaptive import AdaptiveController, CostModel
+from torch_topg.engine.speculative.config import SpeculativeConfig
+from torch_topg.engine.speculative.draft import DraftProposer
+from torch_topg.engine.speculative.ngram import NgramIndex
+from torch_topg.engine.speculative.stats import SpecStats
+
+if TYPE_CHECKING:
+    from torch_topg.engine.model_runner import ModelRunner
+    from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
+    from torch_topg.engine.sequence import Sequence
+
+
+def accepted(tokens: Seq[int], proposals: Seq[int]) -> int:
+    """Leading proposals equal to the drawn tokens (the coupled rule, one sequence)."""
+    a = 0
+    while a < len(proposals) and tokens[a] == proposals[a]:
+        a += 1
+    return a
+
+
+class Speculator:
+    """Speculation state of one engine (see the module docstring)."""
+
+    def __init__(self, cfg: SpeculativeConfig, runner: ModelRunner, *, max_model_len: int,
+                 compile: bool) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.draft: DraftProposer | None = None
+        if cfg.method != "ngram":
+            self.draft = DraftProposer(
+                runner, method=cfg.method, model=cfg.model if cfg.method == "draft" else None,
+                num_layers=cfg.num_layers, compile=compile,
+            )  # fmt: skip
+        self.ctl = AdaptiveController(
+            k_max=cfg.k,
+            cost=CostModel(),
+            draft_cost=self.draft.cost if self.draft else None,
+            adaptive=cfg.adaptive,
+            disable_by_batch_size=cfg.disable_by_batch_size,
+            probe_every=0 if cfg.method == "ngram" else 32,
+        )
+        self.runner = runner
+        self.stats = SpecStats()
+        self._seq_stats: dict[Sequence, SpecStats] = {}
+        self._ngram: dict[Sequence, NgramIndex] = {}
+        self._pending: dict[Sequence, list[int]] = {}  # prompt lookup: found before scheduling
+        self._steps = 0
+        self.time = {"draft_s": 0.0, "profile_s": 0.0}
+
+    # --- start-up ------------------------------------------------------------------
+    def warmup(self, profile: bool = True) -> None:
+        """Compile the draft; seed the cost curve with a few timed steps of 1 sequence."""
+        if self.draft is not None:
+            self.draft.warmup()
+        if profile:
+            t0 = time.perf_counter()
+            for T, s in profile_steps(self.runner, self.cfg.k + 1).items():
+                self.ctl.cost.observe(T, s)
+            self.time["profile_s"] = time.perf_counter() - t0
+
+    # --- 1. plan -------------------------------------------------------------------
+    def plan(self, scheduler: Scheduler) -> None:
+        cands: list[tuple[Sequence, int]] = []
+        base = 0
+        for seq in scheduler.running:
+            seq.num_spec, seq.spec_tokens = 0, []
+            base += seq.remaining
+            if not self._eligible(seq):
+                continue
+            req = seq.request
+            cap = min(self.cfg.k, req.max_tokens - len(seq.out.token_ids) - 1,
+                      self.max_model_len - seq.num_tokens - 1)  # fmt: skip
+            if cap <= 0:
+                continue
+            if self.cfg.method == "ngram":
+                idx = self._ngram.get(seq)
+                if idx is None:
+                    idx = self._ngram[seq] = NgramIndex(
+                        self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
+                    )
+                self.ctl.check_shadow(seq, seq.token_ids)
+                prop = idx.propose(seq.token_ids, cap)
+                self._pending[seq] = prop
+                cap = len(prop)
+            cands.append((seq, cap))
+        base = min(base, scheduler.max_num_batched_tokens)
+        ks = self.ctl.plan(cands, base) if cands else []
+        for (seq, _), k in zip(cands, ks, strict=True):
+            seq.num_spec = k
+            if self.cfg.method == "ngram":
+                prop = self._pending.pop(seq)
+                if k:
+                    seq.spec_tokens = prop[:k]
+                elif prop:
+                    self.ctl.set_shadow(seq, prop, seq.num_tokens)
+            if k == 0:
+                self._stats_of(seq).record(0, 0)
+                self.stats.skipped += 1
+
+    def _eligible(self, seq: Sequence) -> bool:
+        req = seq.request
+        return (
+            seq.remaining == 1
+            and seq.num_tokens > seq.prompt_len
+            and req.params.speculative
+            and (req.params.n == 1 or req.forked)
+        )
+
+    # --- 2. propose ----------------------------------------------------------------
+    def propose(self, out: SchedulerOutput) -> None:
+        work = [(s.seq, s.num_spec) for s in out.scheduled if s.num_spec > 0]
+        if self.cfg.method == "ngram" or not work:
+            for s in out.scheduled:
+                s.seq.spec_tokens = s.seq.spec_tokens[: s.num_spec]
+            return
+        assert self.draft is not None
+        t0 = time.perf_counter()
+        props = self.draft.propose(work)
+        self.time["draft_s"] += time.perf_counter() - t0
+        for seq, _ in work:
+            seq.spec_tokens = props[seq]
+
+    # --- 4. roll back --------------------------------------------------------------
+    def rollback(self, scheduler: Scheduler, seq: Sequence, num_accepted: int) -> None:
+        """After a verify step of ``seq`` (before its tokens are appended)."""
+        k = len(seq.spec_tokens)
+        committed = seq.num_tokens  # before the appends: the verified rows start here
+        scheduler.rollback(seq, committed + num_accepted)
+        self.ctl.observe(seq, k, num_accepted)
+        self.stats.record(k, num_accepted)
+        st = self._stats_of(seq)
+        st.record(k, num_accepted)
+        seq.out.speculative = st.as_dict()
+        if self.draft is not None:
+            self.draft.verified(seq, num_accepted, k, committed)
+        seq.spec_tokens, seq.num_spec = [], 0
+
+    def _stats_of(self, seq: Sequence) -> SpecStats:
+        st = self._seq_stats.get(seq)
+        if st is None:
+            st = self._seq_stats[seq] = SpecStats()
+        return st
+
+    # --- 5. measure ----------------------------------------------------------------
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        self.ctl.cost.observe(out.num_tokens, seconds)
+        self._steps += 1
+        if self._steps % 64 == 0:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget finished sequences."""
+        for table in (self._seq_stats, self._ngram):
+            for seq in [s for s in table if s.finished]:
+                del table[seq]
+                self.ctl.forget(seq)
+                if self.draft is not None:
+                    self.draft.forget(seq)
+
+    def summary(self) -> dict[str, Any]:
+        """``engine.stats()["speculative"]``."""
+        return {
+            "method": self.cfg.method,
+            "num_speculative_tokens": self.cfg.k,
+            "adaptive": self.cfg.adaptive,
+            **self.stats.as_dict(),
+            "acceptance_estimate": self.ctl.global_acceptance,
+            "cost_curve_s": self.ctl.cost.points(),
+            "draft_cost_s": self.draft.cost.points() if self.draft else {},
+            "time": dict(self.time),
+        }
+
+
+def profile_steps(runner: ModelRunner, max_tokens: int, repeats: int = 3) -> dict[int, float]:
+    """Seconds of a one-sequence step of ``T = 1 .. max_tokens`` tokens (best of
+    ``repeats``), on blocks 0.. of the pool (before serving: nothing lives there)."""
+    bs = runner.block_size
+    out: dict[int, float] = {}
+    ctx = 8  # a short context before the new tokens
+    for T in range(1, max_tokens + 1):
+        n_blocks = -(-(ctx + T) // bs)
+        if n_blocks > runner.num_blocks:
+            break
+        items = [(list(range(1, ctx + T + 1)), ctx, T, list(range(n_blocks)))]
+        batch = runner.pack(items, [T])
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.execute(batch)
+            best = min(best, time.perf_counter() - t0)
+        out[T] = best
+    return out
+
+
+def rows_of(logits: torch.Tensor, samples: Seq[int]) -> list[torch.Tensor | None]:
+    """The runner's logits split per sequence: None, one row ``[V]``, or ``[m, V]``."""
+    rows: list[torch.Tensor | None] = []
+    r = 0
+    for m in samples:
+        rows.append(None if m == 0 else logits[r] if m == 1 else logits[r : r + m])
+        r += m
+    return rows

@@ -12,6 +12,7 @@ import torch
 from torch_topg.engine.config import EngineConfig, kv_budget
 from torch_topg.engine.loading import check_supported, load
 from torch_topg.engine.model_runner import ModelRunner
+from torch_topg.engine.speculative.config import resolve_speculative
 
 
 def _device(device: Any) -> torch.device:
@@ -66,6 +67,7 @@ def make_config(
     disk_kv_memory: int | str | None = None,
     session_ttl: float = 600.0,
     session_kv_share: float = 0.5,
+    speculative: Any = None,
 ) -> EngineConfig:
     _positive("tp_size", tp_size)
     _positive("max_batch_size", max_batch_size)
@@ -99,6 +101,8 @@ def make_config(
     per_block = ModelRunner.bytes_per_block(
         model_config, block_size, dtype, kv_heads, kv_cache_dtype
     )
+    if speculative is not None and speculative.method == "draft":  # its own KV per block
+        per_block += ModelRunner.bytes_per_block(speculative.model.config, block_size, dtype)
     wanted = per_block * max_batch_size * -(-max_model_len // block_size)
     budget = kv_budget(kv_cache_memory, device, wanted)
     num_blocks = budget // per_block
@@ -117,7 +121,8 @@ def make_config(
         max_num_batched_tokens=max_num_batched_tokens, max_queue=max_queue,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
         kv_cache_dtype=kv_cache_dtype,
-        seed=seed, deterministic=deterministic, compile=compile, **tiers,
+        seed=seed, deterministic=deterministic, compile=compile, speculative=speculative,
+        **tiers,
     )  # fmt: skip
 
 
@@ -216,7 +221,7 @@ _OPTIONS = {
     "device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
     "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size", "max_model_len",
     "seed", "deterministic", "compile", "kv_cache_dtype", "prefix_caching", "host_kv_memory", "disk_kv_path",
-    "disk_kv_memory", "session_ttl", "session_kv_share",
+    "disk_kv_memory", "session_ttl", "session_kv_share", "speculative",
 }  # fmt: skip
 
 
@@ -244,7 +249,8 @@ def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **optio
     device = _device(options.pop("device", None) or next(model.parameters()).device)
     dtype = _dtype(options.pop("dtype", None) or next(model.parameters()).dtype, device)
     model = model.to(device=device, dtype=dtype).eval()
-    cfg = make_config(model.config, device=device, dtype=dtype, **options)
+    spec = resolve_speculative(options.pop("speculative", None), model, tokenizer, device, dtype)
+    cfg = make_config(model.config, device=device, dtype=dtype, speculative=spec, **options)
     return cls(model, tokenizer, cfg)
 
 
@@ -283,11 +289,16 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"``: int8 K/V with a
             float32 scale per token and kv head, counted in ``kv_cache_memory``
             (docs/engine.md, "int8 KV cache").
+        speculative: speculative decoding, vLLM's ``speculative_config`` keys, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4}``, ``{"method": "draft",
+            "model": ...}``, ``{"method": "self", "num_layers": 8}`` (docs/speculative.md).
     """
     _check_options(options)
     device = _device(options.pop("device", None))
     dtype = _dtype(options.pop("dtype", None), device)
     tp_size = options.get("tp_size", 1)
+    if tp_size != 1 and options.get("speculative") is not None:
+        raise ValueError("speculative: not supported with tp_size > 1 yet")
     if tp_size != 1:
         from torch_topg.engine.tp import start_tp_engine
 
@@ -304,5 +315,6 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
             m, device=device, source=str(folder) if folder else "disk", prefetch_depth=depth
         )
         cleanup.append(handle.close)
-    cfg = make_config(m.config, device=device, dtype=dtype, **options)
+    spec = resolve_speculative(options.pop("speculative", None), m, tok, device, dtype)
+    cfg = make_config(m.config, device=device, dtype=dtype, speculative=spec, **options)
     return cls(m, tok, cfg, on_shutdown=cleanup)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ class EngineConfig:
     disk_kv_blocks: int = 0
     session_ttl: float = 600.0
     session_kv_share: float = 0.5
+    # speculative decoding (engine/speculative): a SpeculativeConfig, None: off
+    speculative: Any = None
 
 
 def available_memory(device: torch.device) -> int:

@@ -137,13 +137,14 @@ class ModelRunner:
 
     # --- packing -----------------------------------------------------------------------
     def pack(
-        self, items: list[tuple[list[int], int, int, list[int]]], samples: list[bool]
+        self, items: list[tuple[list[int], int, int, list[int]]], samples: list[bool] | list[int]
     ) -> PackedBatch:
         """Pack ``(token_ids, start, num_new, blocks)`` per sequence into a step batch.
 
-        Tokens ``token_ids[start : start + num_new]`` are computed; the last row of each
-        sequence with ``samples[i]`` is in ``logits_indices`` (at least one row, so the
-        step's shape class never has an empty LM head).
+        Tokens ``token_ids[start : start + num_new]`` are computed; the last ``samples[i]``
+        rows of each sequence (True: 1; a speculative verify step: 1 + proposals) are in
+        ``logits_indices`` (at least one row, so the step's shape class never has an empty
+        LM head).
         """
         bs = self.block_size
         ids: list[int] = []
@@ -163,7 +164,9 @@ class ModelRunner:
             if blocks:
                 table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         dev = self.device
-        last = [c - 1 for c, f in zip(cu[1:], samples, strict=True) if f] or [cu[-1] - 1]
+        last = [
+            c - j for c, f in zip(cu[1:], samples, strict=True) for j in range(int(f), 0, -1)
+        ] or [cu[-1] - 1]
         if len(ids) > 1:
             # Two shape classes only (see warmup): a multi-token step always has S >= 2
             # (an empty sequence: no tokens, no keys, no blocks) and R >= 2 (the last

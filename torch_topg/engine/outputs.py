@@ -30,6 +30,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     # Seconds from the request's arrival to each token (the first one is the TTFT).
     token_times: list[float] = field(default_factory=list)
+    # Speculative decoding's figures for this sample (SpecStats.as_dict), when it ran.
+    speculative: dict[str, Any] | None = None
 
 
 @dataclass

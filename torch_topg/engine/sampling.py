@@ -134,6 +134,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None  # None: the engine draws one
     logprobs: int | None = None  # None: none; k: the sampled token's and the top-k's
+    speculative: bool = True  # False: no speculative proposals for this request
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -226,6 +227,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of ints >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "a bool")
 
 
 def _is_int(v: object) -> bool:

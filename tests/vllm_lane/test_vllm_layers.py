@@ -42,10 +42,12 @@ def plugins_loaded(request):
     load_general_plugins()  # vLLM's loader: entry points of group vllm.general_plugins
     yield
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and COUNTS["run"]:
-        reporter.write_line(
-            f"\nvLLM forward_native comparisons: {COUNTS['run']} run, {COUNTS['passed']} passed"
-        )
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None and COUNTS["run"]:
+        with capture.global_and_fixture_disabled():  # teardown output is captured otherwise
+            reporter.write_line(
+                f"\nvLLM forward_native comparisons: {COUNTS['run']} run, {COUNTS['passed']} passed"
+            )
 
 
 @pytest.fixture
@@ -140,6 +142,24 @@ def test_follows_vllm_custom_ops(monkeypatch, custom_ops, mode, topg):
         layer = RMSNorm(32)
     assert type(layer).__name__ == "TopgRMSNorm"
     assert (layer._forward_method == layer._topg_forward) is topg
+
+
+@native
+def test_traces_in_one_graph(config):
+    """vLLM compiles its models with dynamo: the topg path must trace without breaks."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    norm, act = RMSNorm(64), SiluAndMul()
+
+    def step(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        y, r = norm(x, r)
+        return act(torch.cat([y, r], -1))
+
+    x, r = torch.randn(3, 64, generator=_gen(5)), torch.randn(3, 64, generator=_gen(6))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x.clone(), r.clone()), step(x.clone(), r.clone()))
 
 
 # --- RMSNorm ------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ Versions: where a name still exists in the current vLLM release (0.33.0) the fun
 follows that release's signature (``topk_softmax`` with ``e_score_correction_bias`` and
 ``is_padding``; ``fused_experts`` without the positional ``inplace``; ``rotary_embedding``
 with ``rope_dim_offset`` / ``inverse``; ``reshape_and_cache`` with ``interleaved_v``).
-Names vLLM has since removed from Python (``silu_and_mul`` / ``gelu_and_mul`` /
-``gelu_tanh_and_mul``: 0.6; ``paged_attention_v1/v2``: 0.24; ``fused_moe``: 0.14) keep
-the signature of the last release that had them, for forks that still call them.
+Names vLLM has since removed from its Python API keep the signature of the last
+releases that had them, for forks that still call them: ``silu_and_mul`` /
+``gelu_and_mul`` / ``gelu_tanh_and_mul`` (last checked in 0.6.6), ``paged_attention_v1/v2``
+(0.24.0), ``fused_moe`` (0.10.2).
 ``docs/integrations.md`` lists, per function, the vLLM versions whose signature it
 matches (checked against each release's source). A vLLM deployment that runs vLLM's own
 layers needs none of this: the plugin :mod:`torch_topg.integrations.vllm_plugin` swaps
@@ -111,7 +112,7 @@ def rotary_embedding(
     topg.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
-# silu_and_mul / gelu_and_mul / gelu_tanh_and_mul: vLLM's Python wrappers until 0.6
+# silu_and_mul / gelu_and_mul / gelu_tanh_and_mul: vLLM's Python wrappers up to 0.6.6
 # (later releases call torch.ops._C directly); the signature of those releases.
 
 

@@ -24,21 +24,36 @@ from torch_topg.integrations import vllm_plugin
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_OPS = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "rotary_embedding",
+    "fused_moe",
+)
 _kernel_reasons: dict[tuple[str, str], str | None] = {}
 
 
 def _kernel_reason(op: str, t: torch.Tensor) -> str | None:
-    """Why topg cannot run ``op`` on ``t``'s device (None: a native kernel is there)."""
+    """Why topg cannot run ``op`` on ``t``'s device (None: a native kernel is there).
+
+    A lookup in a table filled at registration (``_fill_kernel_reasons``): no dispatcher
+    query on the hot path, and nothing dynamo cannot trace when vLLM compiles the model.
+    """
     key = _DEVICE_KEYS.get(t.device.type)
     if key is None:
         return f"tensors on '{t.device.type}' (topg has CPU and CUDA kernels)"
-    cached = (op, key)
-    if cached not in _kernel_reasons:
-        reason = None
-        if not _native.is_loaded() or not _native.has_kernel(op, key):
-            reason = f"no native topg kernel for {key}: {_native.missing_reason(t.device.type)}"
-        _kernel_reasons[cached] = reason
-    return _kernel_reasons[cached]
+    return _kernel_reasons.get((op, key), f"topg::{op} is not a topg op")
+
+
+def _fill_kernel_reasons() -> None:
+    for op in _OPS:
+        for device, key in _DEVICE_KEYS.items():
+            reason = None
+            if not _native.is_loaded() or not _native.has_kernel(op, key):
+                reason = f"no native topg kernel for {key}: {_native.missing_reason(device)}"
+            _kernel_reasons[(op, key)] = reason
 
 
 def _dtype_reason(name: str, t: torch.Tensor) -> str | None:
@@ -78,10 +93,14 @@ class _TopgOp:
         enabled = bool(getattr(self, "_enforce_enable", False)) or base.enabled()
         config = get_cached_compilation_config()
         (config.enabled_custom_ops if enabled else config.disabled_custom_ops).update([base.name])
+        if enabled:
+            self._topg_vllm_forward = _platform_forward(self)
+            return self._topg_forward
+        # Disabled: vLLM would run forward_native (compiled inside opaque custom ops).
         native = self.maybe_compile(self.forward_native, enable=compile_native)
-        if not enabled and vllm_plugin.mode() != "all":
+        if vllm_plugin.mode() != "all":
             return native
-        self._topg_vllm_forward = _platform_forward(self) if enabled else native
+        self._topg_vllm_forward = native
         return self._topg_forward
 
     def _topg_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -365,6 +384,7 @@ def _register(base: type, mixin: type, registered: dict[str, str], skipped: dict
 
 def register_all(registered: dict[str, str], skipped: dict[str, str]) -> None:
     """Register every family whose vLLM module imports (see ``FAMILIES``)."""
+    _fill_kernel_reasons()
     for module, class_name, mixin in FAMILIES:
         try:
             base = getattr(importlib.import_module(module), class_name)

@@ -309,16 +309,22 @@ def test_rejection_sample_refuses_bad_shapes():
 # --------------------------------------------------------------------------- adaptive
 
 
-def test_cost_model_interpolates_and_extrapolates():
-    c = CostModel()
+def test_cost_model_interpolates_extrapolates_and_ignores_bursts():
+    c = CostModel(window=8)
     assert c(5) == 1.0  # unmeasured: flat
     c.observe(1, 0.010)
     c.observe(3, 0.014)
     assert c(1) == 0.010 and c(2) == pytest.approx(0.012)
     assert c(5) == pytest.approx(0.018)  # the last segment's slope
-    c.observe(3, 0.024)  # a moving average
-    assert 0.014 < c(3) < 0.024
-    assert list(c.points()) == [1, 3]
+    for _ in range(3):
+        c.observe(3, 0.050)  # a neighbour's burst: the lower quartile stays
+    assert c(3) == 0.014
+    for _ in range(8):
+        c.observe(3, 0.024)  # a lasting change moves it within a window
+    assert c(3) == 0.024
+    c.observe(2, 0.005)  # never cheaper with more tokens
+    assert c(2) == 0.010
+    assert list(c.points()) == [1, 2, 3]
 
 
 def _flat(t1=0.02, slope=0.0):

@@ -37,49 +37,65 @@ from dataclasses import dataclass, field
 class CostModel:
     """Seconds of a step by the number of tokens it computes, ``t(T)``, measured.
 
-    One exponential moving average per token count; between measured counts ``t`` is
-    interpolated linearly, beyond the largest extrapolated along the last segment
-    (never decreasing), below the smallest held at it. Unmeasured: ``t(T) = 1`` (a
-    memory-bound step, whose cost does not grow with ``T``).
+    Per token count, the lower quartile of the last ``window`` measurements: a step
+    slowed by a neighbour's burst of work (a shared CPU) does not move it, while a
+    lasting change does within a window. The curve is made non-decreasing (a step never
+    gets cheaper with more tokens: noise would otherwise make a longer verify step look
+    free); between measured counts it is interpolated linearly, beyond the largest
+    extrapolated along the last segment, below the smallest held at it. Unmeasured:
+    ``t(T) = 1`` (a memory-bound step, whose cost does not grow with ``T``).
     """
 
-    def __init__(self, decay: float = 0.1) -> None:
-        self.decay = decay
+    def __init__(self, window: int = 16) -> None:
+        self.window = window
+        self._obs: dict[int, list[float]] = {}
         self._ts: list[int] = []
-        self._t: dict[int, float] = {}
+        self._v: list[float] = []  # the monotone curve at _ts
+        self._dirty = False
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1 or not seconds > 0:
             return
-        old = self._t.get(tokens)
-        if old is None:
-            bisect.insort(self._ts, tokens)
-            self._t[tokens] = seconds
-        else:
-            self._t[tokens] = old + self.decay * (seconds - old)
+        obs = self._obs.get(tokens)
+        if obs is None:
+            obs = self._obs[tokens] = []
+        obs.append(seconds)
+        if len(obs) > self.window:
+            del obs[0]
+        self._dirty = True
+
+    def _curve(self) -> tuple[list[int], list[float]]:
+        if self._dirty:
+            self._ts = sorted(self._obs)
+            v, top = [], 0.0
+            for t in self._ts:
+                o = sorted(self._obs[t])
+                top = max(top, o[(len(o) - 1) // 4])
+                v.append(top)
+            self._v, self._dirty = v, False
+        return self._ts, self._v
 
     def __call__(self, tokens: int) -> float:
-        ts = self._ts
+        ts, v = self._curve()
         if not ts:
             return 1.0
-        if tokens in self._t:
-            return self._t[tokens]
         i = bisect.bisect_left(ts, tokens)
+        if i < len(ts) and ts[i] == tokens:
+            return v[i]
         if i == 0:
-            return self._t[ts[0]]
+            return v[0]
         if i == len(ts):
             if len(ts) == 1:
-                return self._t[ts[-1]] * max(1.0, tokens / ts[-1]) if ts[-1] > 1 else self._t[1]
-            a, b = ts[-2], ts[-1]
-            slope = max(0.0, (self._t[b] - self._t[a]) / (b - a))
-            return self._t[b] + slope * (tokens - b)
-        a, b = ts[i - 1], ts[i]
-        w = (tokens - a) / (b - a)
-        return self._t[a] + w * (self._t[b] - self._t[a])
+                return v[0] * max(1.0, tokens / ts[0]) if ts[0] > 1 else v[0]
+            slope = (v[-1] - v[-2]) / (ts[-1] - ts[-2])
+            return v[-1] + slope * (tokens - ts[-1])
+        w = (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+        return v[i - 1] + w * (v[i] - v[i - 1])
 
     def points(self) -> dict[int, float]:
-        """The measured ``{tokens: seconds}``."""
-        return {t: self._t[t] for t in self._ts}
+        """The curve at the measured token counts ``{tokens: seconds}``."""
+        ts, v = self._curve()
+        return dict(zip(ts, v, strict=True))
 
 
 @dataclass

@@ -128,14 +128,15 @@ $(VLLM_VENV)/.deps: constraints-vllm.txt Makefile
 
 vllm-venv: $(VLLM_VENV)/.deps
 
-# torch_topg into the vLLM venv; rebuilt when the native sources or the metadata change.
-$(VLLM_VENV)/.topg: $(VLLM_VENV)/.deps pyproject.toml setup.py CMakeLists.txt $(shell git ls-files csrc cmake)
+# torch_topg into the vLLM venv; redone when the native sources or the metadata change,
+# the venv is new, or the build folder is gone (the stamp lives in it).
+$(VLLM_BUILD)/.installed: $(VLLM_VENV)/.deps pyproject.toml setup.py CMakeLists.txt $(shell git ls-files csrc cmake)
 	TOPG_BUILD_DIR=$(abspath $(VLLM_BUILD)) TOPG_CUDA=OFF \
 	  $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps .
 	touch $@
 
 # The sources of this checkout (PYTHONPATH), the kernels of VLLM_BUILD (TOPG_NATIVE_DIR).
-vllm-test: $(VLLM_VENV)/.topg
+vllm-test: $(VLLM_BUILD)/.installed
 	PYTHONPATH=$(CURDIR) TOPG_NATIVE_DIR=$(abspath $(VLLM_BUILD))/out TOPG_REQUIRE_NATIVE=1 \
 	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_lane tests/test_vllm_plugin.py
 

@@ -4,8 +4,9 @@ file descriptors 3 and 4; no WebSocket library, no Node, no Playwright). The tes
 the page served on a loopback port by the tiny chat engine, types a message and presses
 Enter, sees the answer grow chunk by chunk, and checks the finished answer (the
 non-streamed greedy one) and its stats line (TTFT, tokens, tokens/s, prompt and cached
-tokens); it saves a screenshot. Skips, saying so, where no Chromium is installed
-(``.ci/run`` installs Debian's ``chromium``).
+tokens); a second turn reads the first from the prefix cache; it saves a screenshot.
+Skips, saying so, where no Chromium is installed (``.ci/run`` installs Debian's
+``chromium``).
 
 The committed ``docs/serve-playground.png`` is the same page on the real SmolLM2:
 

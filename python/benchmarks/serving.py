@@ -10,7 +10,9 @@ prompt cache on: it reuses a slot's prefix, which ``shared-prefix`` rewards). Re
 are streamed chat completions sent by ``torch_topg.serve.loadgen`` (the ``bench serve``
 load generator): greedy, ``ignore_eos``, ``--max-tokens`` each, at each concurrency level
 on the ``chat`` and ``shared-prefix`` datasets; per level output tokens/s and TTFT / TPOT
-/ ITL / e2e percentiles on the client's clock.
+/ ITL / e2e percentiles on the client's clock. Both servers are up side by side and each
+level goes to topg, then at once to llama-server, so both meet the machine in the same
+state (a shared machine's load moves over minutes); the load average is recorded per level.
 
     python python/benchmarks/serving.py [--dtype fp32,bf16] [--datasets chat,shared-prefix]
         [--concurrency 1,4,16] [--requests 6,16,32] [--max-tokens 64] [--prefix-len 128]
@@ -104,7 +106,9 @@ def llama_cmd(binary: Path, gguf: Path, port: int, parallel: int) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--jinja"]  # fmt: skip
 
 
-def measure(url: str, dataset: str, concurrency: int, n: int, args: argparse.Namespace) -> dict:
+def measure(
+    system: str, url: str, dataset: str, concurrency: int, n: int, args: argparse.Namespace
+) -> dict:
     """One level: ``n`` requests of ``dataset`` with ``concurrency`` in flight."""
     reqs = make_requests(dataset, n, seed=0, prefix_len=args.prefix_len)
     extra = {"temperature": 0, "ignore_eos": True}
@@ -114,7 +118,7 @@ def measure(url: str, dataset: str, concurrency: int, n: int, args: argparse.Nam
     lv["load_avg_1min_before"] = load
     lat = lv["latency_ms"]
     p = lambda k, q: "-" if lat[k] is None else f"{lat[k][q]:.0f}"  # noqa: E731
-    print(f"  {dataset:13s} c={concurrency:<3d} {lv['completed']}/{lv['requests']} ok  "
+    print(f"  {system:5s} {dataset:13s} c={concurrency:<3d} {lv['completed']}/{lv['requests']} ok  "
           f"{lv['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p90 {p('ttft', 'p50')}/"
           f"{p('ttft', 'p90')} ms  TPOT p50/p90 {p('tpot', 'p50')}/{p('tpot', 'p90')} ms  "
           f"(load {load:.1f})", flush=True)  # fmt: skip
@@ -129,37 +133,60 @@ def warm_up(url: str, args: argparse.Namespace) -> None:
     asyncio.run(run_level(url, served_model(url), reqs, 2, 8, extra))
 
 
-def run_system(system: str, dtype: str, args: argparse.Namespace, bins: dict | None) -> list[dict]:
-    """Every (dataset, concurrency) level of one system in one dtype; rows of the record."""
-    rows = []
-    levels = list(zip(args.concurrency, args.requests, strict=True))
+def run_dtype(
+    dtype: str, args: argparse.Namespace, bins: dict | None, notes: list[str]
+) -> list[dict]:
+    """Every (concurrency, dataset) level of both systems in one dtype, interleaved: the
+    topg server stays up; per level a llama-server with ``--parallel`` = concurrency
+    starts, then each dataset is sent to topg, then to llama-server, so that both see
+    the machine in the same state (it is shared). Rows of the record."""
+    rows: list[dict] = []
     log_dir = Path(args.out)
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    def row(lv: dict, dataset: str, cmd: list[str]) -> dict:
+    def row(system: str, lv: dict, dataset: str, cmd: list[str]) -> dict:
         key = f"{system} | {dtype} | {dataset} | c={lv['concurrency']}"
         return {**level_row(lv, key), "system": system, "dtype": dtype, "dataset": dataset,
                 "max_tokens": args.max_tokens, "cmd": shlex.join(cmd)}  # fmt: skip
 
-    if system == "topg":
-        port = free_port()
-        cmd = topg_cmd(dtype, port, max(args.concurrency))
-        env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-        with server(cmd, port, log_dir / f"serving-topg-{dtype}.log", env) as url:
-            warm_up(url, args)
-            for dataset in args.datasets:
-                for c, n in levels:
-                    rows.append(row(measure(url, dataset, c, n, args), dataset, cmd))
-        return rows
-    assert bins is not None
-    gguf = gguf_for(dtype, bins["llama-quantize"])
-    for c, n in levels:  # --parallel equal to the concurrency: one server per level
-        port = free_port()
-        cmd = llama_cmd(bins["llama-server"], gguf, port, c)
-        with server(cmd, port, log_dir / f"serving-llama-{dtype}-c{c}.log") as url:
-            warm_up(url, args)
-            for dataset in args.datasets:
-                rows.append(row(measure(url, dataset, c, n, args), dataset, cmd))
+    def start(stack: contextlib.ExitStack, name: str, cmd: list[str], port: int, log: Path,
+              env: dict[str, str] | None = None) -> str | None:  # fmt: skip
+        try:
+            url = stack.enter_context(server(cmd, port, log, env))
+        except Exception as e:  # a server that fails: say so, measure the other
+            notes.append(f"{name} {dtype} failed: {e}")
+            print(f"  {name} failed: {e}", flush=True)
+            return None
+        warm_up(url, args)
+        return url
+
+    with contextlib.ExitStack() as outer:
+        topg = None
+        if "topg" in args.systems:
+            port = free_port()
+            tcmd = topg_cmd(dtype, port, max(args.concurrency))
+            env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+            topg = start(outer, "topg", tcmd, port, log_dir / f"serving-topg-{dtype}.log", env)
+        gguf = gguf_for(dtype, bins["llama-quantize"]) if bins is not None else None
+        for c, n in zip(args.concurrency, args.requests, strict=True):
+            with contextlib.ExitStack() as inner:
+                llama = None
+                if gguf is not None and bins is not None:
+                    port = free_port()
+                    lcmd = llama_cmd(bins["llama-server"], gguf, port, c)
+                    log = log_dir / f"serving-llama-{dtype}-c{c}.log"
+                    llama = start(inner, "llama-server", lcmd, port, log)
+                for dataset in args.datasets:
+                    if topg is not None:
+                        rows.append(
+                            row("topg", measure("topg", topg, dataset, c, n, args), dataset, tcmd)
+                        )
+                    if llama is not None:
+                        rows.append(
+                            row(
+                                "llama", measure("llama", llama, dataset, c, n, args), dataset, lcmd
+                            )
+                        )
     return rows
 
 
@@ -268,18 +295,18 @@ def main(argv: list[str] | None = None) -> int:
             args.systems = [s for s in args.systems if s != "llama"]
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    for dtype in args.dtype:
-        for system in args.systems:
-            print(f"{system} {dtype}", flush=True)
-            try:
-                rows += run_system(system, dtype, args, bins)
-            except Exception as e:  # a server that fails: say so, measure the rest
-                notes.append(f"{system} {dtype} failed: {e}")
-                print(f"  failed: {e}", flush=True)
-    notes.append(f"wall time {time.monotonic() - t0:.0f} s")
-    rec = validate(new_record("serving", rows, machine, quick=args.quick, notes=notes,
-                              argv=["python", "python/benchmarks/serving.py", *(argv or sys.argv[1:])]))  # fmt: skip
-    path = write_record(rec, args.out)
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    argv_ = ["python", "python/benchmarks/serving.py", *(argv or sys.argv[1:])]
+    for i, dtype in enumerate(args.dtype):
+        print(dtype, flush=True)
+        rows += run_dtype(dtype, args, bins, notes)
+        done = i + 1 == len(args.dtype)
+        tail = [f"wall time {time.monotonic() - t0:.0f} s" + ("" if done else " (so far)")]
+        # written after each dtype (the same file): a run stopped later keeps what it measured
+        rec = new_record("serving", rows, machine, quick=args.quick, notes=notes + tail,
+                         argv=argv_, date=date)  # fmt: skip
+        path = write_record(validate(rec), args.out)
+    notes.append(tail[0])
     text = report(rows, args, notes)
     print("\n" + text + f"\nrecord: {path}")
     if args.md:

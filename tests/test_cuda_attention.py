@@ -251,3 +251,37 @@ def test_cuda_decode_step_compiles_and_captures():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, expected)
+
+
+@requires_cuda_kernel("paged_attention")
+@given(
+    lens=st.lists(st.sampled_from([0, 1, 17, 257, 700, 2049]), min_size=1, max_size=4),
+    heads=st.sampled_from([(1, 1), (9, 3), (8, 2), (12, 1)]),
+    d=st.sampled_from([20, 64, 128, 256]),
+    block_size=st.sampled_from([1, 16]),
+    dtype=st.sampled_from(DTYPES),
+    window=st.sampled_from([-1, 10]),
+    ragged=st.booleans(),
+)
+@example([2049, 17, 0], (9, 3), 64, 16, torch.bfloat16, -1, False)  # SmolLM2's heads
+def test_cuda_paged_attention_int8(lens, heads, d, block_size, dtype, window, ragged):
+    # An int8 cache written by the CUDA reshape_and_cache (bit for bit the reference's),
+    # read by the CUDA paged_attention (against the reference on the same int8 cache).
+    hq, hkv = heads
+    q, kf, vf, bt, sl = _paged(lens, hq, hkv, d, block_size, dtype)
+    kq, vq = torch.zeros_like(kf, dtype=torch.int8), torch.zeros_like(vf, dtype=torch.int8)
+    ks, vs = (torch.zeros(kf.shape[:3], device=DEV) for _ in range(2))
+    slots = torch.arange(kf.shape[0] * block_size, device=DEV)
+    torch_topg.ops.reshape_and_cache(
+        kf.flatten(0, 1), vf.flatten(0, 1), kq, vq, slots, key_scale=ks, value_scale=vs
+    )
+    (rk, rks), (rv, rvs) = reference.quantize_kv(kf), reference.quantize_kv(vf)
+    assert torch.equal(kq, rk) and torch.equal(vq, rv)
+    assert torch.equal(ks, rks) and torch.equal(vs, rvs)
+    kw = dict(window_left=window, key_scale=ks, value_scale=vs)
+    if ragged:  # the last min(n, 3) tokens of each sequence
+        q_lens = [min(n, 3) for n in lens]
+        q = Gen(DEV, seed=3).randn(sum(q_lens), hq, d, dtype=dtype)
+        kw["cu_seqlens_q"] = torch.tensor([0, *itertools.accumulate(q_lens)], device=DEV).int()
+    out = torch_topg.ops.paged_attention(q, kq, vq, bt, sl, **kw)
+    assert_close(out, reference.paged_attention(q, kq, vq, bt, sl, **kw))

@@ -27,6 +27,8 @@ struct DenseKV {
   int64_t k_ss, v_ss;
   __device__ const T* kptr(int64_t j) const { return k + j * k_ss; }
   __device__ const T* vptr(int64_t j) const { return v + j * v_ss; }
+  __device__ float kscale(int64_t) const { return 1.f; }
+  __device__ float vscale(int64_t) const { return 1.f; }
 };
 
 template <typename T, int MAXND>

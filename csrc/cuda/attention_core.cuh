@@ -73,7 +73,9 @@ __device__ __forceinline__ float transform(float dot, const Params& p) {
 }
 
 // Block result per row: m (max), l (sum of exp) and acc / l in `o` (fp32), or zeros and
-// l = 0 when the row saw no key. Loader: kptr(j) / vptr(j) give key j's K / V row.
+// l = 0 when the row saw no key. Loader: kptr(j) / vptr(j) give key j's K / V row (in T,
+// or int8 for a quantised cache), kscale(j) / vscale(j) their scales (1 unless int8): a
+// score is kscale(j) * (q . k_j), a V row is read as vscale(j) * v_j.
 // vec: K rows may be read with 16-byte loads (D % 8 == 0, aligned rows); a run-time,
 // block-uniform flag (one variant less to compile per dtype and width).
 template <typename T, int MAXND, typename Loader, typename Out>
@@ -109,7 +111,7 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
 #pragma unroll
     for (int r = 0; r < kRows; ++r) s[r] = 0.f;
     if (j < k1) {
-      const T* krow = kv.kptr(j);
+      const auto* krow = kv.kptr(j);
       if (vec) {
 #pragma unroll 4
         for (int c = 0; c < d; c += kVec) {
@@ -138,7 +140,7 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
       if (r >= nrows) break;  // block-uniform, so the warp reductions below stay converged
       float v = -INFINITY;
       if (j < k1 && j >= rows.lo[r] && j <= rows.hi[r]) {
-        v = transform(s[r], p);
+        v = transform(s[r] * kv.kscale(j), p);
         if (rows.mask[r]) v += mask_at(rows.mask[r], j, p);
       }
       // online softmax update for this chunk (all lanes take part in the reductions); a
@@ -159,12 +161,13 @@ __device__ void attend_block(const T* __restrict__ q, const Rows& rows, const Pa
     const int nk = int(k1 - c0 < kChunk ? k1 - c0 : kChunk);
 #pragma unroll 8
     for (int jj = 0; jj < nk; ++jj) {
-      const T* vrow = kv.vptr(c0 + jj);
+      const auto* vrow = kv.vptr(c0 + jj);
+      const float vscale = kv.vscale(c0 + jj);
       float vv[MAXND];
 #pragma unroll
       for (int i = 0; i < MAXND; ++i) {
         const int c = lane + 32 * i;
-        vv[i] = c < d ? to_float(vrow[c]) : 0.f;
+        vv[i] = c < d ? to_float(vrow[c]) * vscale : 0.f;
       }
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {

@@ -33,6 +33,7 @@ inline constexpr bool is_half_v = std::is_same_v<T, bf16> || std::is_same_v<T, f
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(fp16 x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(int8_t x) { return float(x); }  // int8 KV cache
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
@@ -49,7 +50,7 @@ __device__ __forceinline__ fp16 from_float<fp16>(float x) {
   return __float2half_rn(x);
 }
 
-// --- 8-element vectors: one 16-byte access for bf16/fp16, two for fp32 -----------------
+// --- 8-element vectors: one 16-byte access for bf16/fp16, two for fp32, 8 bytes for int8 -
 // The callers check alignment (16 bytes) and that element offsets are multiples of 8.
 constexpr int kVec = 8;
 
@@ -60,6 +61,11 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[kVec]) {
     const float4 b = reinterpret_cast<const float4*>(p)[1];
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
     v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const int8_t* b = reinterpret_cast<const int8_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = float(b[i]);
   } else {
     const uint4 raw = *reinterpret_cast<const uint4*>(p);
     const T* h = reinterpret_cast<const T*>(&raw);

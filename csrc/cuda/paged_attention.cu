@@ -53,19 +53,26 @@ struct PagedArgs {
   float* po;                           // [launch rows, hq, parts, d] partition output (normalised)
 };
 
-template <typename T>
+// C: the cache's element type (the query's, or int8_t with ks / vs: the scales of this kv
+// head, [num_blocks * block_size] with stride hkv).
+template <typename C>
 struct PagedKV {
-  const T* kc;
-  const T* vc;
+  const C* kc;
+  const C* vc;
   const int32_t* table;                 // this sequence's row of block_tables
   int64_t block_size, num_blocks, row;  // row = Hkv * D (elements per cache token)
-  __device__ int64_t token(int64_t j) const {
+  const float* ks;                      // int8 caches only (else null)
+  const float* vs;
+  int64_t hkv;
+  __device__ int64_t slot(int64_t j) const {
     int64_t id = table[j / block_size];
     id = id < 0 ? 0 : (id >= num_blocks ? num_blocks - 1 : id);  // only with checks off
-    return (id * block_size + j % block_size) * row;
+    return id * block_size + j % block_size;
   }
-  __device__ const T* kptr(int64_t j) const { return kc + token(j); }
-  __device__ const T* vptr(int64_t j) const { return vc + token(j); }
+  __device__ const C* kptr(int64_t j) const { return kc + slot(j) * row; }
+  __device__ const C* vptr(int64_t j) const { return vc + slot(j) * row; }
+  __device__ float kscale(int64_t j) const { return ks ? ks[slot(j) * hkv] : 1.f; }
+  __device__ float vscale(int64_t j) const { return vs ? vs[slot(j) * hkv] : 1.f; }
 };
 
 // Row r: its sequence s and the keys [lo, n) it sees. Every value is clamped, so bad
@@ -95,10 +102,11 @@ __device__ __forceinline__ void row_range(const PagedArgs& a, int64_t r, int64_t
   lo = lo < 0 ? 0 : lo;
 }
 
-template <typename T, int MAXND>
+template <typename T, typename C, int MAXND>
 __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
-    paged_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
-                 T* __restrict__ o, PagedArgs a, attn::Params p, bool vec) {
+    paged_kernel(const T* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
+                 const float* __restrict__ ks, const float* __restrict__ vs, T* __restrict__ o,
+                 PagedArgs a, attn::Params p, bool vec) {
   const int hk = blockIdx.x / a.gchunks, g0 = (blockIdx.x % a.gchunks) * attn::kRows;
   const int64_t lr = blockIdx.y, r = a.row0 + lr, part = blockIdx.z;
   int64_t s, lo, n;
@@ -115,8 +123,9 @@ __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
     rows.lo[i] = lo, rows.hi[i] = n - 1;
     rows.mask[i] = nullptr;
   }
-  const PagedKV<T> kv{kc + int64_t(hk) * p.d, vc + int64_t(hk) * p.d, a.bt + s * a.bt_ss,
-                      a.block_size,           a.num_blocks,           int64_t(a.hkv) * p.d};
+  const PagedKV<C> kv{kc + int64_t(hk) * p.d, vc + int64_t(hk) * p.d, a.bt + s * a.bt_ss,
+                      a.block_size,           a.num_blocks,           int64_t(a.hkv) * p.d,
+                      ks ? ks + hk : nullptr, vs ? vs + hk : nullptr, a.hkv};
   const int64_t k1 = t1 > t0 ? t1 : t0;
   // One output functor (one instantiation of attend_block and of its shared memory).
   attn::attend_block<T, MAXND>(q, rows, p, kv, t0, k1, vec,
@@ -194,10 +203,12 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
                                 const at::Tensor& value_cache, const at::Tensor& block_tables_,
                                 const at::Tensor& seq_lens_,
                                 const std::optional<at::Tensor>& cu_seqlens_q_,
-                                std::optional<double> scale, int64_t window_left, double softcap) {
-  const checks::PagedSizes sz =
-      checks::paged_attention(query, key_cache, value_cache, block_tables_, seq_lens_,
-                              cu_seqlens_q_, window_left, softcap, at::kCUDA);
+                                std::optional<double> scale, int64_t window_left, double softcap,
+                                const std::optional<at::Tensor>& key_scale,
+                                const std::optional<at::Tensor>& value_scale) {
+  const checks::PagedSizes sz = checks::paged_attention(
+      query, key_cache, value_cache, block_tables_, seq_lens_, cu_seqlens_q_, window_left, softcap,
+      key_scale, value_scale, at::kCUDA);
   const c10::cuda::CUDAGuard guard(query.device());
   const at::Tensor block_tables = block_tables_.contiguous(), seq_lens = seq_lens_.contiguous();
   const at::Tensor cu = cu_seqlens_q_.has_value() ? cu_seqlens_q_->contiguous() : at::Tensor();
@@ -242,6 +253,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
   p.d = int(d);
   p.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
   p.softcap = float(softcap);
+  const float* ks = sz.quant ? key_scale->const_data_ptr<float>() : nullptr;
+  const float* vs = sz.quant ? value_scale->const_data_ptr<float>() : nullptr;
   TOPG_CUDA_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
     // Cache rows start at multiples of D elements: 16-byte K loads need D % 8 == 0.
     const bool vec = d % kVec == 0 && aligned16(key_cache.const_data_ptr());
@@ -250,8 +263,14 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
       a.row0 = r0;
       const dim3 grid(unsigned(hkv * a.gchunks), unsigned(nr), unsigned(parts));
       auto launch = [&]<int MAXND>() {
-        paged_kernel<T, MAXND><<<grid, attn::kWarps * 32, 0, current_stream()>>>(
-            cdptr<T>(query), cdptr<T>(key_cache), cdptr<T>(value_cache), dptr<T>(out), a, p, vec);
+        if (sz.quant)  // int8 cache: C = int8_t, scales per token and kv head
+          paged_kernel<T, int8_t, MAXND><<<grid, attn::kWarps * 32, 0, current_stream()>>>(
+              cdptr<T>(query), cdptr<int8_t>(key_cache), cdptr<int8_t>(value_cache), ks, vs,
+              dptr<T>(out), a, p, vec);
+        else
+          paged_kernel<T, T, MAXND><<<grid, attn::kWarps * 32, 0, current_stream()>>>(
+              cdptr<T>(query), cdptr<T>(key_cache), cdptr<T>(value_cache), nullptr, nullptr,
+              dptr<T>(out), a, p, vec);
         TOPG_CUDA_LAUNCH_CHECK();
       };
       if (d <= 128)

@@ -3,7 +3,9 @@ embedded default) on this machine.
 
 1. streams an answer to one chat prompt as it is generated;
 2. serves 8 concurrent chat requests with continuous batching and prints total output
-   tokens/s, time to first token per request, and the batch sizes the engine ran.
+   tokens/s, time to first token per request, and the batch sizes the engine ran;
+3. sends a second turn of the first conversation (the whole history, as chat clients
+   do): its prompt is read from the prefix cache, not recomputed.
 
     python python/examples/engine_demo.py [--dtype bfloat16] [--tokens 64] [--no-compile]
 """
@@ -55,10 +57,13 @@ def main() -> None:
         print(f"> {PROMPT}")
         t0 = time.perf_counter()
         n = 0
+        answer = ""
         for delta in engine.submit(
-            [{"role": "user", "content": PROMPT}], max_new_tokens=args.tokens, temperature=0
-        ):
+            [{"role": "user", "content": PROMPT}], max_new_tokens=args.tokens, temperature=0,
+            session_id="demo",
+        ):  # fmt: skip
             print(delta.text, end="", flush=True)
+            answer += delta.text
             n += len(delta.token_ids)
         dt = time.perf_counter() - t0
         print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s, one stream]\n")
@@ -89,6 +94,19 @@ def main() -> None:
         )
         print(f"batch sizes run (size: steps): {dict(sorted(sizes.items()))}")
         print(f"compilations while serving: {engine.stats()['compile']['while_serving']}")
+
+        follow = "Name two museums there."
+        chat = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": follow}]  # fmt: skip
+        print(f"\nsecond turn, the whole history re-sent:\n> {follow}")
+        out = engine.generate(chat, max_new_tokens=args.tokens, temperature=0, session_id="demo")[0]
+        print(out.text)
+        kv = engine.stats()["kv"]
+        print(
+            f"[TTFT {out.ttft * 1e3:.0f} ms: {out.cached_prompt_tokens} of "
+            f"{out.prompt_tokens} prompt tokens from the prefix cache; engine hit rate "
+            f"{kv['hit_rate']:.0%} of {kv['query_tokens']} looked-up tokens]"
+        )
 
 
 if __name__ == "__main__":

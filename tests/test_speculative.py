@@ -309,22 +309,26 @@ def test_rejection_sample_refuses_bad_shapes():
 # --------------------------------------------------------------------------- adaptive
 
 
-def test_cost_model_interpolates_extrapolates_and_ignores_bursts():
+def test_cost_model_fits_a_line_and_ignores_bursts():
     c = CostModel(window=8)
     assert c(5) == 1.0  # unmeasured: flat
     c.observe(1, 0.010)
+    assert c(1) == c(9) == 0.010  # one count: flat
     c.observe(3, 0.014)
-    assert c(1) == 0.010 and c(2) == pytest.approx(0.012)
-    assert c(5) == pytest.approx(0.018)  # the last segment's slope
+    assert c(2) == pytest.approx(0.012) and c(5) == pytest.approx(0.018)
     for _ in range(3):
         c.observe(3, 0.050)  # a neighbour's burst: the lower quartile stays
-    assert c(3) == 0.014
+    assert c(3) == pytest.approx(0.014)
     for _ in range(8):
         c.observe(3, 0.024)  # a lasting change moves it within a window
-    assert c(3) == 0.024
-    c.observe(2, 0.005)  # never cheaper with more tokens
-    assert c(2) == 0.010
-    assert list(c.points()) == [1, 2, 3]
+    assert c.points()[3] == 0.024
+    d = CostModel()
+    for _ in range(10):
+        d.observe(1, 0.020)
+    d.observe(2, 0.012)  # a noisy cheap point: never a negative slope
+    a, b = d.line()
+    assert b == 0.0 and d(8) == pytest.approx(a)
+    assert list(d.points()) == [1, 2]
 
 
 def _flat(t1=0.02, slope=0.0):

@@ -29,73 +29,69 @@ pseudo-trials of it, so a new sequence starts from what the method achieves over
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
 class CostModel:
-    """Seconds of a step by the number of tokens it computes, ``t(T)``, measured.
+    """Seconds of a step by the number of tokens it computes: ``t(T) = a + b T``, measured.
 
-    Per token count, the lower quartile of the last ``window`` measurements: a step
-    slowed by a neighbour's burst of work (a shared CPU) does not move it, while a
-    lasting change does within a window. The curve is made non-decreasing (a step never
-    gets cheaper with more tokens: noise would otherwise make a longer verify step look
-    free); between measured counts it is interpolated linearly, beyond the largest
-    extrapolated along the last segment, below the smallest held at it. Unmeasured:
-    ``t(T) = 1`` (a memory-bound step, whose cost does not grow with ``T``).
+    Per token count, the lower quartile of the last ``window`` measurements (a step
+    slowed by a neighbour's burst of work on a shared CPU does not move it; a lasting
+    change does within a window); ``a`` and ``b >= 0`` are the least-squares line
+    through those points, each weighted by its number of measurements. A line, not the
+    points themselves: the token counts a rule compares (``T0`` and ``T0 + k``) are
+    rarely both measured often, and a noisy point would make a longer step look free or
+    ruinous. An affine cost is what a step is on this engine (reading the weights and
+    the Python around them once, plus work per token) until the batch is large.
+    One measured count: flat. Unmeasured: ``t(T) = 1``.
     """
 
     def __init__(self, window: int = 16) -> None:
         self.window = window
         self._obs: dict[int, list[float]] = {}
-        self._ts: list[int] = []
-        self._v: list[float] = []  # the monotone curve at _ts
-        self._dirty = False
+        self._fit: tuple[float, float] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1 or not seconds > 0:
             return
-        obs = self._obs.get(tokens)
-        if obs is None:
-            obs = self._obs[tokens] = []
+        obs = self._obs.setdefault(tokens, [])
         obs.append(seconds)
         if len(obs) > self.window:
             del obs[0]
-        self._dirty = True
+        self._fit = None
 
-    def _curve(self) -> tuple[list[int], list[float]]:
-        if self._dirty:
-            self._ts = sorted(self._obs)
-            v, top = [], 0.0
-            for t in self._ts:
-                o = sorted(self._obs[t])
-                top = max(top, o[(len(o) - 1) // 4])
-                v.append(top)
-            self._v, self._dirty = v, False
-        return self._ts, self._v
+    def _points(self) -> list[tuple[int, float, int]]:
+        out = []
+        for t in sorted(self._obs):
+            o = sorted(self._obs[t])
+            out.append((t, o[(len(o) - 1) // 4], len(o)))
+        return out
+
+    def line(self) -> tuple[float, float]:
+        """``(a, b)`` of ``t(T) = a + b T``."""
+        if self._fit is None:
+            pts = self._points()
+            if not pts:
+                self._fit = (1.0, 0.0)
+            else:
+                w = sum(n for _, _, n in pts)
+                mt = sum(n * t for t, _, n in pts) / w
+                mv = sum(n * v for _, v, n in pts) / w
+                var = sum(n * (t - mt) ** 2 for t, _, n in pts)
+                b = sum(n * (t - mt) * (v - mv) for t, v, n in pts) / var if var else 0.0
+                b = max(0.0, b)
+                a = max(mv - b * mt, 1e-3 * mv)
+                self._fit = (a, b)
+        return self._fit
 
     def __call__(self, tokens: int) -> float:
-        ts, v = self._curve()
-        if not ts:
-            return 1.0
-        i = bisect.bisect_left(ts, tokens)
-        if i < len(ts) and ts[i] == tokens:
-            return v[i]
-        if i == 0:
-            return v[0]
-        if i == len(ts):
-            if len(ts) == 1:
-                return v[0] * max(1.0, tokens / ts[0]) if ts[0] > 1 else v[0]
-            slope = (v[-1] - v[-2]) / (ts[-1] - ts[-2])
-            return v[-1] + slope * (tokens - ts[-1])
-        w = (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
-        return v[i - 1] + w * (v[i] - v[i - 1])
+        a, b = self.line()
+        return a + b * tokens
 
     def points(self) -> dict[int, float]:
-        """The curve at the measured token counts ``{tokens: seconds}``."""
-        ts, v = self._curve()
-        return dict(zip(ts, v, strict=True))
+        """The measured ``{tokens: seconds}`` (lower quartiles)."""
+        return {t: v for t, v, _ in self._points()}
 
 
 @dataclass

@@ -1,0 +1,29 @@
+"""Weight-only quantisation: packed formats, their de-quantisers and quantisers.
+
+* :mod:`~torch_topg.quant.formats`: the formats of ``topg::linear_q`` (GGUF q8_0, q4_0,
+  q4_1, q4_k, q6_k as stored in the file; groupwise ``int4_g{32,64,128}``; per-channel
+  ``int8``) and :func:`dequantize`, bit-exact against gguf-py's de-quantiser;
+* :mod:`~torch_topg.quant.packing`: :func:`quantize_weight`, float -> packed.
+
+docs/quantization.md describes the layouts.
+"""
+
+from torch_topg.quant.formats import (
+    FORMATS,
+    GGUF_FORMATS,
+    OWN_FORMATS,
+    QuantFormat,
+    dequantize,
+    get_format,
+)
+from torch_topg.quant.packing import quantize_weight
+
+__all__ = [
+    "FORMATS",
+    "GGUF_FORMATS",
+    "OWN_FORMATS",
+    "QuantFormat",
+    "dequantize",
+    "get_format",
+    "quantize_weight",
+]

@@ -170,7 +170,7 @@ def compare(engine, name, prompts, new, repeats, label, dtype, rows, spec_key="s
 
 
 def cost_curve(engine: Engine, dtype: str, rows: list, repeats: int) -> None:
-    samples = [profile_steps(engine.runner, 9, repeats=3) for _ in range(repeats)]
+    samples = [profile_steps(engine.runner, range(1, 10), repeats=3) for _ in range(repeats)]
     one = [s[1] for s in samples]
     for T in range(2, 10):
         ratio = [s[T] / s[1] for s in samples]

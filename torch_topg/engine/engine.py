@@ -112,7 +112,7 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.warmup()
         if self.spec is not None:
-            self.spec.warmup()
+            self.spec.warmup(config.max_batch_size, config.max_num_batched_tokens)
         self._stats.time["warmup_s"] = time.perf_counter() - t0
         self._compiles_at_ready = self.runner.compilations
         self._thread = threading.Thread(target=self._loop, name="topg-engine", daemon=True)

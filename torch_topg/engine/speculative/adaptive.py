@@ -29,28 +29,29 @@ pseudo-trials of it, so a new sequence starts from what the method achieves over
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
 class CostModel:
-    """Seconds of a step by the number of tokens it computes: ``t(T) = a + b T``, measured.
+    """Seconds of a step by the number of tokens it computes, ``t(T)``, measured.
 
     Per token count, the lower quartile of the last ``window`` measurements (a step
     slowed by a neighbour's burst of work on a shared CPU does not move it; a lasting
-    change does within a window); ``a`` and ``b >= 0`` are the least-squares line
-    through those points, each weighted by its number of measurements. A line, not the
-    points themselves: the token counts a rule compares (``T0`` and ``T0 + k``) are
-    rarely both measured often, and a noisy point would make a longer step look free or
-    ruinous. An affine cost is what a step is on this engine (reading the weights and
-    the Python around them once, plus work per token) until the batch is large.
-    One measured count: flat. Unmeasured: ``t(T) = 1``.
+    change does within a window). Through those points: the best non-decreasing fit
+    (pool-adjacent-violators, each point weighted by its number of measurements: a step
+    never gets cheaper with more tokens, and a noisy point is averaged with its
+    neighbours instead of bending the curve), interpolated linearly, extrapolated along
+    the last segment, held below the smallest count. The engine seeds it with a start-up
+    profile (one sequence, ``T`` up to the largest verify step of a full batch) and every
+    step refines it. Unmeasured: ``t(T) = 1`` (a memory-bound step).
     """
 
     def __init__(self, window: int = 16) -> None:
         self.window = window
         self._obs: dict[int, list[float]] = {}
-        self._fit: tuple[float, float] | None = None
+        self._curve: tuple[list[int], list[float]] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1 or not seconds > 0:
@@ -59,39 +60,44 @@ class CostModel:
         obs.append(seconds)
         if len(obs) > self.window:
             del obs[0]
-        self._fit = None
+        self._curve = None
 
-    def _points(self) -> list[tuple[int, float, int]]:
-        out = []
-        for t in sorted(self._obs):
-            o = sorted(self._obs[t])
-            out.append((t, o[(len(o) - 1) // 4], len(o)))
-        return out
-
-    def line(self) -> tuple[float, float]:
-        """``(a, b)`` of ``t(T) = a + b T``."""
-        if self._fit is None:
-            pts = self._points()
-            if not pts:
-                self._fit = (1.0, 0.0)
-            else:
-                w = sum(n for _, _, n in pts)
-                mt = sum(n * t for t, _, n in pts) / w
-                mv = sum(n * v for _, v, n in pts) / w
-                var = sum(n * (t - mt) ** 2 for t, _, n in pts)
-                b = sum(n * (t - mt) * (v - mv) for t, v, n in pts) / var if var else 0.0
-                b = max(0.0, b)
-                a = max(mv - b * mt, 1e-3 * mv)
-                self._fit = (a, b)
-        return self._fit
+    def _fit(self) -> tuple[list[int], list[float]]:
+        if self._curve is None:
+            ts = sorted(self._obs)
+            blocks: list[list[float]] = []  # [value, weight, count of points]
+            for t in ts:
+                o = sorted(self._obs[t])
+                blocks.append([o[(len(o) - 1) // 4], float(len(o)), 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    v2, w2, c2 = blocks.pop()
+                    v1, w1, c1 = blocks[-1]
+                    blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+            vs = [v for v, _, c in blocks for _ in range(int(c))]
+            self._curve = (ts, vs)
+        return self._curve
 
     def __call__(self, tokens: int) -> float:
-        a, b = self.line()
-        return a + b * tokens
+        ts, v = self._fit()
+        if not ts:
+            return 1.0
+        i = bisect.bisect_left(ts, tokens)
+        if i < len(ts) and ts[i] == tokens:
+            return v[i]
+        if i == 0:
+            return v[0]
+        if i == len(ts):
+            if len(ts) == 1:
+                return v[0]
+            slope = (v[-1] - v[-2]) / (ts[-1] - ts[-2])
+            return v[-1] + slope * (tokens - ts[-1])
+        w = (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+        return v[i - 1] + w * (v[i] - v[i - 1])
 
     def points(self) -> dict[int, float]:
-        """The measured ``{tokens: seconds}`` (lower quartiles)."""
-        return {t: v for t, v, _ in self._points()}
+        """The fitted curve at the measured token counts ``{tokens: seconds}``."""
+        ts, v = self._fit()
+        return dict(zip(ts, v, strict=True))
 
 
 @dataclass

@@ -79,13 +79,23 @@ class Speculator:
         self.time = {"draft_s": 0.0, "profile_s": 0.0}
 
     # --- start-up ------------------------------------------------------------------
-    def warmup(self, profile: bool = True) -> None:
-        """Compile the draft; seed the cost curve with a few timed steps of 1 sequence."""
+    def warmup(self, max_batch_size: int, max_tokens: int, profile: bool = True) -> None:
+        """Compile the draft; seed the cost curve with timed steps of one sequence of
+        ``T = 1 .. k + 1`` tokens, and of the sizes of batches of 2, 4, 8 .. sequences
+        without and with ``k`` proposals each (at most ``max_tokens``)."""
         if self.draft is not None:
             self.draft.warmup()
         if profile:
             t0 = time.perf_counter()
-            for T, s in profile_steps(self.runner, self.cfg.k + 1).items():
+            k1 = self.cfg.k + 1
+            sizes = set(range(1, k1 + 1))
+            b = 2
+            while b <= max_batch_size:
+                sizes |= {b, b * (1 + self.cfg.k // 2), b * k1}
+                b *= 2
+            for T, s in profile_steps(
+                self.runner, sorted(t for t in sizes if t <= max_tokens)
+            ).items():
                 self.ctl.cost.observe(T, s)
             self.time["profile_s"] = time.perf_counter() - t0
 
@@ -202,13 +212,13 @@ class Speculator:
         }
 
 
-def profile_steps(runner: ModelRunner, max_tokens: int, repeats: int = 3) -> dict[int, float]:
-    """Seconds of a one-sequence step of ``T = 1 .. max_tokens`` tokens (best of
+def profile_steps(runner: ModelRunner, sizes: Seq[int], repeats: int = 3) -> dict[int, float]:
+    """Seconds of a one-sequence step of ``T`` tokens for each of ``sizes`` (best of
     ``repeats``), on blocks 0.. of the pool (before serving: nothing lives there)."""
     bs = runner.block_size
     out: dict[int, float] = {}
     ctx = 8  # a short context before the new tokens
-    for T in range(1, max_tokens + 1):
+    for T in sizes:
         n_blocks = -(-(ctx + T) // bs)
         if n_blocks > runner.num_blocks:
             break

@@ -322,6 +322,53 @@ def _linear(g: Gen) -> list[Sample]:
     return out  # fmt: skip
 
 
+def packed_weight(g: Gen, fmt: str, n: int, k: int) -> torch.Tensor:
+    """A weight ``[n, k]`` packed in ``fmt`` (``torch_topg.quant``): quantised from a
+    seeded float weight, or for the K-quants (read from files only) seeded bytes whose
+    half scales are set to 2^-10 (q6_k) / 2^-7 and 2^-9 (q4_k: d, dmin)."""
+    from torch_topg.quant import FORMATS, quantize_weight
+
+    f = FORMATS[fmt]
+    if fmt not in ("q4_k", "q6_k"):
+        return quantize_weight(g.randn(n, k, scale=max(k, 1) ** -0.5), fmt).to(g.device)
+    raw = torch.randint(0, 256, (n * (k // f.block), f.block_bytes), generator=g.g)
+    raw = raw.to(torch.uint8)
+    half = lambda v: torch.tensor([v], dtype=torch.float16).view(torch.uint8)  # noqa: E731
+    if fmt == "q6_k":
+        raw[:, 208:210] = half(2.0**-10)
+    else:
+        raw[:, 0:2], raw[:, 2:4] = half(2.0**-7), half(2.0**-9)
+    return raw.reshape(n, f.row_bytes(k)).to(g.device)
+
+
+def _linear_q(g: Gen) -> list[Sample]:
+    out = []
+    cases = [
+        ("q8_0", 64),
+        ("q4_0", 96),
+        ("q4_1", 64),
+        ("q4_k", 256),
+        ("q6_k", 256),
+        ("int8", 45),
+        ("int4_g32", 40),
+        ("int4_g64", 70),
+        ("int4_g128", 130),
+    ]
+    for dt in DTYPES:
+        for fmt, k in cases:
+            w = packed_weight(g, fmt, 11, k)
+            out.append(
+                Sample(f"{dt} {fmt} gemv", (g.randn(1, k, dtype=dt), w, fmt), dtype=dt, scale=2)
+            )
+        w = packed_weight(g, "int4_g64", 9, 70)
+        x, b = g.randn(2, 5, 70, dtype=dt), g.randn(9, dtype=dt)
+        out.append(Sample(f"{dt} int4_g64 bias", (x, w, "int4_g64", b), dtype=dt, scale=2))
+        xs = g.randn(64, 7, dtype=dt).t()  # rows with stride 1, columns with stride 7
+        w = packed_weight(g, "q8_0", 9, 64)
+        out.append(Sample(f"{dt} q8_0 strided", (xs, w, "q8_0"), dtype=dt, scale=2))
+    return out  # fmt: skip
+
+
 def _all_reduce(g: Gen) -> list[Sample]:
     return [Sample(f"{dt}", (g.randn(3, 17, dtype=dt), group_name()), dtype=dt) for dt in DTYPES]
 
@@ -345,6 +392,7 @@ SAMPLES: dict[str, Callable[[Gen], list[Sample]]] = {
     "moe_topk": _moe_topk,
     "fused_moe": _fused_moe,
     "linear": _linear,
+    "linear_q": _linear_q,
     "all_reduce": _all_reduce,
     "fused_all_reduce_add_rms_norm": _fused_all_reduce,
 }

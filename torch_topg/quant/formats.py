@@ -212,6 +212,8 @@ def dequantize(packed: torch.Tensor, format: str, k: int | None = None) -> torch
             f"(expected {f.row_bytes(k)} bytes" + (f"; K must be {problem})" if problem else ")")
         )
     lead = packed.shape[:-1]
+    if k == 0:
+        return torch.zeros(*lead, 0, device=packed.device)
     rows = packed.reshape(-1, rb)
     if f.block == 0:  # int8: float32 scale, then K int8
         s = _as(rows[:, :4], torch.float32)

@@ -95,6 +95,8 @@ def quantize_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
     if problem is not None:
         raise ValueError(f"quantize_weight: K = {k} must be {problem}")
     lead = weight.shape[:-1]
+    if k == 0 or weight.numel() == 0:  # no weights: scales of zero (int8) or no blocks
+        return torch.zeros(*lead, f.row_bytes(k), dtype=torch.uint8, device=weight.device)
     w = weight.detach().reshape(-1, k).float()
     if not torch.isfinite(w).all():
         raise ValueError("quantize_weight: the weight holds NaN or inf")

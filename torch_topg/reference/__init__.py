@@ -15,6 +15,7 @@ from torch_topg.reference.attention import (
 from torch_topg.reference.collectives import all_reduce, fused_all_reduce_add_rms_norm
 from torch_topg.reference.fused_moe import fused_moe
 from torch_topg.reference.linear import linear
+from torch_topg.reference.linear_q import linear_q
 from torch_topg.reference.moe_topk import moe_topk
 from torch_topg.reference.norm import fused_add_rms_norm, rms_norm
 from torch_topg.reference.rotary import rotary_embedding
@@ -28,6 +29,7 @@ __all__ = [
     "fused_moe",
     "gelu_and_mul",
     "linear",
+    "linear_q",
     "moe_topk",
     "paged_attention",
     "quantize_kv",

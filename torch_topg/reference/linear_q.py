@@ -1,0 +1,16 @@
+"""Reference semantics of ``linear_q``: de-quantise the packed weight, multiply in fp32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from torch_topg.quant.formats import dequantize
+
+
+def linear_q(
+    input: torch.Tensor, weight: torch.Tensor, format: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    w = dequantize(weight, format, input.shape[-1])  # float32 [N, K]
+    b = None if bias is None else bias.float()
+    return F.linear(input.float(), w, b).to(input.dtype)

@@ -73,6 +73,7 @@ struct PagedArgs {
 struct Workspace {
   std::vector<float> q, s, acc, pb;
   std::vector<float> ksc, vsc;  // int8 caches: [hkv, ps] scales of the partition's tokens
+  std::vector<int64_t> slots;   // int8 caches: the tokens' cache slots
   std::vector<int64_t> rows;
   // Per token of the K (V) pass: the row start to prefetch meanwhile, or null.
   std::vector<const char*> pfk, pfv;
@@ -101,6 +102,14 @@ inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* row
     Vec8 acc[HG * TT];
     for (Vec8& x : acc) x = Vec8::zero();
     int64_t e = 0;
+    if constexpr (HG == 3) {  // 12 accumulators: one K vector live at a time, q from L1
+      for (; e + 8 <= d; e += 8)
+        for (int j = 0; j < TT; ++j) {
+          const Vec8 kv = Vec8::load(k[j] + e);
+          for (int g = 0; g < HG; ++g)
+            acc[g * TT + j] = Vec8::fma(Vec8::load(q + g * dp + e), kv, acc[g * TT + j]);
+        }
+    }
     for (; e + 8 <= d; e += 8) {
       Vec8 kv[TT];
       for (int j = 0; j < TT; ++j) kv[j] = Vec8::load(k[j] + e);
@@ -219,10 +228,7 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
   ws.pb.resize(TOKEN_TILE * 4 * 8);
   ws.rows.resize(n);
   const bool quant = a.ks != nullptr;
-  if (quant) {  // zero past n: pad lanes stay finite (they are masked to -inf after)
-    ws.ksc.assign(a.hkv * ps, 0.f);
-    ws.vsc.assign(a.hkv * ps, 0.f);
-  }
+  if (quant) ws.slots.resize(n);
   {  // token row offsets, walking the block table (no division per token)
     const int32_t* blocks = a.bt + int64_t(a.row_seq[rp[0].row]) * a.bt_ss;
     int64_t blk = t0 / a.block_size, off = t0 % a.block_size;
@@ -230,11 +236,14 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
     for (int64_t t = 0; t < n; ++t) {
       const int64_t slot = int64_t(blocks[blk]) * a.block_size + off;
       ws.rows[t] = slot * row;
-      if (quant)
-        for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
-          ws.ksc[kvh * ps + t] = a.ks[slot * a.hkv + kvh];
-          ws.vsc[kvh * ps + t] = a.vs[slot * a.hkv + kvh];
+      if (quant) {
+        ws.slots[t] = slot;
+        if (t == 0 || off == 0) {  // this block's scales: read after the QK pass
+          const int64_t bytes = std::min(a.block_size - off, n - t) * a.hkv * 4;
+          prefetch_bytes(reinterpret_cast<const char*>(a.ks + slot * a.hkv), 0, bytes);
+          prefetch_bytes(reinterpret_cast<const char*>(a.vs + slot * a.hkv), 0, bytes);
         }
+      }
       if (++off == a.block_size) off = 0, ++blk;
     }
   }
@@ -278,6 +287,16 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
                          h == kvh * VG ? ws.pfk.data() + t + u : nullptr, kvh * rsz);
     }
   });
+
+  if (quant) {  // the scales, prefetched above: [hkv, ps], zero past n (finite pad lanes)
+    ws.ksc.assign(a.hkv * ps, 0.f);
+    ws.vsc.assign(a.hkv * ps, 0.f);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
+        ws.ksc[kvh * ps + t] = a.ks[ws.slots[t] * a.hkv + kvh];
+        ws.vsc[kvh * ps + t] = a.vs[ws.slots[t] * a.hkv + kvh];
+      }
+  }
 
   // Softmax over the partition, per virtual head (softcap first; keys the row does not
   // see and pad lanes are -inf).

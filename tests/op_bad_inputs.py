@@ -337,6 +337,27 @@ def _bad_linear_q(g: Gen, other: str) -> list[BadInput]:
     ]  # fmt: skip
 
 
+ID_PAST_ROWS = re.escape("argument 'input' holds an id outside [0, 8) (the rows of 'weight')")
+
+
+def _bad_embedding_q(g: Gen, other: str) -> list[BadInput]:
+    w, ids = packed_weight(g, "q8_0", 8, 64), g.ints([0, 7, 3], torch.int64)
+    known = ", ".join(f"'{f}'" for f in FORMATS)
+    return [
+        BadInput("float ids", (ids.float(), w, "q8_0", 64, F32), match=_arg("input", INDEX)),
+        BadInput("unknown format", (ids, w, "q2_k", 64, F32), match=re.escape(f"format 'q2_k' is not one of {known}")),
+        BadInput("int dtype", (ids, w, "q8_0", 64, torch.int32), match=re.escape("dtype int32 is not one of float32, bfloat16, float16")),
+        BadInput("negative dim", (ids, w, "int8", -1, F32), match=re.escape("embedding_dim -1 is negative")),
+        BadInput("dim not a multiple of the block", (ids, w, "q8_0", 60, F32), match=re.escape("embedding_dim 60 is not a multiple of 32 (the block of q8_0)")),
+        BadInput("weight dtype", (ids, w.view(torch.int8), "q8_0", 64, F32), match=_arg("weight", "dtype uint8")),
+        BadInput("weight device", (ids, w.to(other), "q8_0", 64, F32), match=_arg("weight", f"device {ids.device} (the device of 'input')"), crashes_native=CRASH_DEVICE),
+        BadInput("row bytes", (ids, w, "q8_0", 96, F32), match=_arg("weight", "size 102 at dim 1 (the bytes of a q8_0 row of 96 weights)")),
+        BadInput("strided weight", (ids, packed_weight(g, "q8_0", 8, 128)[:, ::2], "q8_0", 64, F32), match=_arg("weight", CONTIG)),
+        BadInput("id past the rows", (g.ints([0, 8]), w, "q8_0", 64, F32), match=ID_PAST_ROWS, value_check=True),
+        BadInput("negative id", (g.ints([-1, 2]), w, "q8_0", 64, F32), match=ID_PAST_ROWS, value_check=True),
+    ]  # fmt: skip
+
+
 def _bad_all_reduce(g: Gen, other: str) -> list[BadInput]:
     return [
         BadInput("int input", (g.randn(3, 8).int(), "0"), match=_arg("input", FLOAT)),
@@ -366,6 +387,7 @@ BAD_INPUTS: dict[str, Callable[[Gen, str], list[BadInput]]] = {
     "fused_moe": _bad_fused_moe,
     "linear": _bad_linear,
     "linear_q": _bad_linear_q,
+    "embedding_q": _bad_embedding_q,
     "all_reduce": _bad_all_reduce,
     "fused_all_reduce_add_rms_norm": _bad_fused_all_reduce,
 }
@@ -516,6 +538,17 @@ def _special_linear_q(g: Gen) -> list[Special]:
     ]
 
 
+def _special_embedding_q(g: Gen) -> list[Special]:
+    w = packed_weight(g, "q8_0", 6, 64)
+    nan_scale = w.clone()
+    nan_scale[4, 0:2] = torch.tensor([NAN], dtype=torch.float16).view(torch.uint8)
+    return [
+        Special("nan scale: its row's first block", (g.ints([4, 1]), nan_scale, "q8_0", 64, F32)),
+        Special("no ids", (g.ints([], torch.int64), w, "q8_0", 64, F32)),
+        Special("D = 0", (g.ints([1, 2]), packed_weight(g, "int8", 6, 0), "int8", 0, F32)),
+    ]
+
+
 def _special_all_reduce(g: Gen) -> list[Special]:
     return [
         Special("nan", (_put(g.randn(3, 8), (0, 0), NAN), group_name())),
@@ -544,6 +577,7 @@ SPECIAL_INPUTS: dict[str, Callable[[Gen], list[Special]]] = {
     "fused_moe": _special_fused_moe,
     "linear": _special_linear,
     "linear_q": _special_linear_q,
+    "embedding_q": _special_embedding_q,
     "all_reduce": _special_all_reduce,
     "fused_all_reduce_add_rms_norm": _special_fused_all_reduce,
 }

@@ -369,6 +369,19 @@ def _linear_q(g: Gen) -> list[Sample]:
     return out  # fmt: skip
 
 
+def _embedding_q(g: Gen) -> list[Sample]:
+    out = []
+    for dt, (fmt, d) in zip(DTYPES, [("q8_0", 64), ("q6_k", 256), ("int4_g64", 70)], strict=True):
+        w = packed_weight(g, fmt, 13, d)
+        ids = g.randint(13, 3, 5)
+        out.append(Sample(f"{dt} {fmt}", (ids, w, fmt, d, dt), dtype=dt))
+        out.append(Sample(f"{dt} {fmt} int32 ids", (ids[0].int(), w, fmt, d, dt), dtype=dt))
+    for fmt, d in [("q4_0", 32), ("q4_1", 64), ("q4_k", 256), ("int8", 45), ("int4_g32", 40)]:
+        w = packed_weight(g, fmt, 7, d)
+        out.append(Sample(f"float32 {fmt}", (g.randint(7, 4), w, fmt, d, F32)))
+    return out
+
+
 def _all_reduce(g: Gen) -> list[Sample]:
     return [Sample(f"{dt}", (g.randn(3, 17, dtype=dt), group_name()), dtype=dt) for dt in DTYPES]
 
@@ -393,6 +406,7 @@ SAMPLES: dict[str, Callable[[Gen], list[Sample]]] = {
     "fused_moe": _fused_moe,
     "linear": _linear,
     "linear_q": _linear_q,
+    "embedding_q": _embedding_q,
     "all_reduce": _all_reduce,
     "fused_all_reduce_add_rms_norm": _fused_all_reduce,
 }

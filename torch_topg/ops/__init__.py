@@ -8,6 +8,7 @@ from torch_topg.ops._registry import OPS, OpSpec
 from torch_topg.ops.activation import gelu_and_mul, silu_and_mul
 from torch_topg.ops.attention import attention, paged_attention, reshape_and_cache
 from torch_topg.ops.collectives import all_reduce, fused_all_reduce_add_rms_norm
+from torch_topg.ops.embedding_q import embedding_q
 from torch_topg.ops.fused_moe import fused_moe
 from torch_topg.ops.linear import linear
 from torch_topg.ops.linear_q import linear_q
@@ -20,6 +21,7 @@ __all__ = [
     "OpSpec",
     "all_reduce",
     "attention",
+    "embedding_q",
     "fused_add_rms_norm",
     "fused_all_reduce_add_rms_norm",
     "fused_moe",

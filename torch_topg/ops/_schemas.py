@@ -64,6 +64,10 @@ SCHEMAS: dict[str, str] = {
     "linear": "linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
     # weight: uint8 [N, row bytes], K weights per row packed in `format` (torch_topg.quant)
     "linear_q": "linear_q(Tensor input, Tensor weight, str format, Tensor? bias=None) -> Tensor",
+    "embedding_q": (
+        "embedding_q(Tensor input, Tensor weight, str format, int embedding_dim, "
+        "ScalarType dtype=float) -> Tensor"
+    ),
     # --- collectives (torch.distributed; group_name is a c10d group name) ----------
     "all_reduce": "all_reduce(Tensor input, str group_name) -> Tensor",
     "fused_all_reduce_add_rms_norm": (

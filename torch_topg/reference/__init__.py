@@ -13,6 +13,7 @@ from torch_topg.reference.attention import (
     reshape_and_cache,
 )
 from torch_topg.reference.collectives import all_reduce, fused_all_reduce_add_rms_norm
+from torch_topg.reference.embedding_q import embedding_q
 from torch_topg.reference.fused_moe import fused_moe
 from torch_topg.reference.linear import linear
 from torch_topg.reference.linear_q import linear_q
@@ -24,6 +25,7 @@ __all__ = [
     "all_reduce",
     "attention",
     "dequantize_kv",
+    "embedding_q",
     "fused_add_rms_norm",
     "fused_all_reduce_add_rms_norm",
     "fused_moe",

@@ -3,7 +3,10 @@
 * :mod:`~torch_topg.quant.formats`: the formats of ``topg::linear_q`` (GGUF q8_0, q4_0,
   q4_1, q4_k, q6_k as stored in the file; groupwise ``int4_g{32,64,128}``; per-channel
   ``int8``) and :func:`dequantize`, bit-exact against gguf-py's de-quantiser;
-* :mod:`~torch_topg.quant.packing`: :func:`quantize_weight`, float -> packed.
+* :mod:`~torch_topg.quant.packing`: :func:`quantize_weight`, float -> packed;
+* :mod:`~torch_topg.quant.modules`: :func:`quantize` (a model's linears in place, also
+  ``torch_topg.quantize``), :class:`QuantizedLinear`, :func:`save_quantized`,
+  :func:`load_quantized`.
 
 docs/quantization.md describes the layouts.
 """
@@ -16,6 +19,12 @@ from torch_topg.quant.formats import (
     dequantize,
     get_format,
 )
+from torch_topg.quant.modules import (
+    QuantizedLinear,
+    load_quantized,
+    quantize,
+    save_quantized,
+)
 from torch_topg.quant.packing import quantize_weight
 
 __all__ = [
@@ -23,7 +32,11 @@ __all__ = [
     "GGUF_FORMATS",
     "OWN_FORMATS",
     "QuantFormat",
+    "QuantizedLinear",
     "dequantize",
     "get_format",
+    "load_quantized",
+    "quantize",
     "quantize_weight",
+    "save_quantized",
 ]

@@ -383,6 +383,8 @@ def test_probe_and_shadow_update_a_switched_off_sequence():
         ctl.observe("s", 4, 0)
     plans = [ctl.plan([("s", 4)], 1)[0] for _ in range(6)]
     assert plans == [0, 0, 1, 0, 0, 1]
+    ctl.probe_k = 0  # prompt lookup: the whole match
+    assert [ctl.plan([("s", 3)], 1)[0] for _ in range(3)] == [0, 0, 3]
     before = ctl.acceptance("s")
     tokens = [5, 6, 7, 8, 9]
     ctl.set_shadow("s", [7, 8, 9], start=2)

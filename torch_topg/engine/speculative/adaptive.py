@@ -15,8 +15,10 @@ order of expected gain ``a_i^j`` (highest first) and keeps the prefix ``N`` that
 and speculates only when that ratio exceeds ``1 + min_gain``. So a sequence whose
 acceptance is low gets k = 0 (speculation off for it), and a batch large enough that a
 step's time grows with its tokens (compute-bound) gets k = 0 everywhere. A sequence
-left at 0 is re-probed with one proposal every ``probe_every`` steps (its estimate
-would otherwise never change); prompt lookup instead scores its unused proposals
+left at 0 for ``probe_every`` steps is probed once (``probe_k`` proposals): otherwise
+neither its acceptance nor the cost of a longer step would ever be measured again, and
+one pessimistic measurement (a neighbour's burst during the start-up profile) would
+switch speculation off for good. Prompt lookup also scores its unused proposals
 against the tokens that follow (:meth:`AdaptiveController.set_shadow`), at no cost:
 with coupled verification, a proposal is accepted exactly when the tokens that follow
 equal it.
@@ -118,7 +120,8 @@ class AdaptiveController:
     adaptive: bool = True
     disable_by_batch_size: int | None = None
     min_gain: float = 0.02
-    probe_every: int = 32  # 0: never (prompt lookup scores unused proposals instead)
+    probe_every: int = 16  # a sequence left at k = 0 this many steps is probed once
+    probe_k: int = 1  # proposals of a probe (0: its cap, e.g. prompt lookup's whole match)
     prior_weight: float = 2.0
     discount: float = 0.95
     _seqs: dict[Hashable, _Seq] = field(default_factory=dict)
@@ -213,7 +216,7 @@ class AdaptiveController:
                 continue
             s.idle += 1
             if self.probe_every and s.idle >= self.probe_every and caps[i] > 0:
-                ks[i], s.idle = 1, 0
+                ks[i], s.idle = min(caps[i], self.probe_k or caps[i]), 0
         return ks
 
     def expected_speedup(self, acceptance: float, k: int, base_tokens: int = 1) -> float:

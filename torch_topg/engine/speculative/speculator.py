@@ -68,7 +68,7 @@ class Speculator:
             draft_cost=self.draft.cost if self.draft else None,
             adaptive=cfg.adaptive,
             disable_by_batch_size=cfg.disable_by_batch_size,
-            probe_every=0 if cfg.method == "ngram" else 32,
+            probe_k=0 if cfg.method == "ngram" else 1,  # a found match costs nothing to try
         )
         self.runner = runner
         self.stats = SpecStats()

@@ -36,6 +36,13 @@ def main() -> None:
         bt = torch.randperm(7, device=dev)[:6].view(2, 3).int()
         sl = torch.tensor([33, 0], device=dev, dtype=torch.int32)
         ops.paged_attention(r(2, 6, 80), kc, vc, bt, sl, window_left=20)
+        kq, vq = (torch.zeros(7, 16, 2, 80, dtype=torch.int8, device=dev) for _ in range(2))
+        ks, vs = (torch.zeros(7, 16, 2, device=dev) for _ in range(2))
+        s8 = {"key_scale": ks, "value_scale": vs}  # the int8 KV cache
+        ops.reshape_and_cache(
+            r(3, 2, 80), r(3, 2, 80), kq, vq, torch.tensor([0, -1, 111], device=dev), **s8
+        )
+        ops.paged_attention(r(2, 6, 80), kq, vq, bt, sl, window_left=20, **s8)
         kc2, vc2 = r(40, 16, 1, 128), r(40, 16, 1, 128)
         bt2 = torch.randperm(40, device=dev).view(1, 40).int()
         ops.paged_attention(

@@ -13,6 +13,7 @@ from torch_topg.engine.config import EngineConfig, kv_budget
 from torch_topg.engine.loading import check_supported, load
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.speculative.config import resolve_speculative
+from torch_topg.quant.loading import apply_quantization, check_quantization, gguf_file
 
 
 def _device(device: Any) -> torch.device:
@@ -221,7 +222,7 @@ _OPTIONS = {
     "device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
     "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size", "max_model_len",
     "seed", "deterministic", "compile", "kv_cache_dtype", "prefix_caching", "host_kv_memory", "disk_kv_path",
-    "disk_kv_memory", "session_ttl", "session_kv_share", "speculative",
+    "disk_kv_memory", "session_ttl", "session_kv_share", "speculative", "quantization",
 }  # fmt: skip
 
 
@@ -246,9 +247,13 @@ def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **optio
         raise ValueError(
             "from_model: tp_size and prefetch_depth need from_pretrained (a checkpoint)"
         )
+    quantization = options.pop("quantization", None)
+    if quantization == "gguf":
+        raise ValueError("from_model: quantization='gguf' needs from_pretrained (a GGUF file)")
     device = _device(options.pop("device", None) or next(model.parameters()).device)
     dtype = _dtype(options.pop("dtype", None) or next(model.parameters()).dtype, device)
     model = model.to(device=device, dtype=dtype).eval()
+    model = apply_quantization(model, quantization)  # issue 21: None leaves it as it is
     spec = resolve_speculative(options.pop("speculative", None), model, tokenizer, device, dtype)
     cfg = make_config(model.config, device=device, dtype=dtype, speculative=spec, **options)
     return cls(model, tokenizer, cfg)
@@ -292,8 +297,16 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         speculative: speculative decoding, vLLM's ``speculative_config`` keys, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4}``, ``{"method": "draft",
             "model": ...}``, ``{"method": "self", "num_layers": 8}`` (docs/speculative.md).
+        quantization: None (weights in ``dtype``, a GGUF file de-quantised), ``"gguf"``
+            (a GGUF file's quantised tensors run packed through ``linear_q`` /
+            ``embedding_q``), ``"int8"`` / ``"int4"`` (linears quantised at load, int4 in
+            groups of 64); docs/quantization.md. Not with tp_size > 1 or prefetch_depth.
     """
     _check_options(options)
+    quantization = options.pop("quantization", None)
+    check_quantization(quantization)
+    if quantization and (options.get("tp_size", 1) != 1 or options.get("prefetch_depth", 0)):
+        raise ValueError("quantization: not supported with tp_size > 1 or prefetch_depth yet")
     device = _device(options.pop("device", None))
     dtype = _dtype(options.pop("dtype", None), device)
     tp_size = options.get("tp_size", 1)
@@ -306,7 +319,12 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     depth = options.get("prefetch_depth", 0)
     # Offloaded: the weights stay on the host; offload() moves the resident parts (and
     # streams the layers) to `device`, so a model larger than the GPU can load.
-    m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
+    if quantization == "gguf":  # matched against the file in float32, then converted
+        m, tok, folder = load(model, torch.float32, torch.device("cpu"))
+        m = apply_quantization(m, "gguf", gguf_file(model)).to(device=device, dtype=dtype)
+    else:
+        m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
+        m = apply_quantization(m, quantization)
     cleanup = []
     if depth:
         import torch_topg

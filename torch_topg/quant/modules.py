@@ -92,6 +92,31 @@ class QuantizedLinear(torch.nn.Module):
         )
 
 
+class QuantizedEmbedding(torch.nn.Module):
+    """``nn.Embedding`` with packed rows: ``forward(ids) = embedding_q(ids, qweight, ...)``.
+
+    The output dtype follows ``model.to(dtype)`` (an empty float buffer carries it).
+    ``qweight`` may be the very buffer of a tied :class:`QuantizedLinear` LM head.
+    """
+
+    def __init__(self, qweight: torch.Tensor, format: str, embedding_dim: int) -> None:
+        super().__init__()
+        self.format, self.embedding_dim = format, embedding_dim
+        self.num_embeddings = qweight.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("dtype_ref", torch.empty(0, device=qweight.device), persistent=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        from torch_topg.ops.embedding_q import embedding_q
+
+        return embedding_q(
+            input, self.qweight, self.format, self.embedding_dim, self.dtype_ref.dtype
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format}"
+
+
 def resolve_format(method: str, group_size: int = 64) -> str:
     """``"int8"`` -> ``int8``; ``"int4"`` -> ``int4_g<group_size>``; a format name as is."""
     if method == "int4":

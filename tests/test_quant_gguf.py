@@ -1,0 +1,91 @@
+"""GGUF weights run as they are (``quantization="gguf"``) and the engine's quantization
+option: the shipped SmolLM2 Q4_1 file's tensors swapped in packed (q8_0 embedding tied
+to the LM head, q4_1 linears) give the float model's logits bit for bit through the
+reference, and the engine's greedy text equals the float engine's; option errors."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from engine_utils import hf_greedy, prompts, tiny
+
+import torch_topg
+from torch_topg.engine import Engine
+from torch_topg.models import load_smollm2, smollm2_available
+from torch_topg.models.hf import gguf_path
+from torch_topg.quant import QuantizedLinear
+from torch_topg.quant.modules import QuantizedEmbedding
+
+pytest.importorskip("gguf")
+SMOLLM2 = pytest.mark.skipif(smollm2_available() is not None, reason=str(smollm2_available()))
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fallback():
+    with warnings.catch_warnings():  # the reference fallback's warning (no CPU kernel yet)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+@SMOLLM2
+def test_smollm2_gguf_weights_packed_same_logits():
+    from torch_topg.quant.gguf_model import use_gguf_weights
+
+    model, tok = load_smollm2(torch.float32)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        want = model(ids).logits
+    replaced = use_gguf_weights(model, gguf_path())
+    layers = model.config.num_hidden_layers
+    assert len(replaced) == 7 * layers + 2, len(replaced)
+    assert replaced["model.embed_tokens"] == "token_embd.weight (q8_0)"
+    assert replaced["model.layers.0.self_attn.q_proj"] == "blk.0.attn_q.weight (q4_1)"
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "q8_0"
+    assert model.lm_head.qweight is model.model.embed_tokens.qweight  # tied: one buffer
+    assert not any(p.dim() == 2 for p in model.parameters()), "a float matrix remains"
+    with torch.inference_mode():
+        got = model(ids).logits
+    assert torch.equal(got, want)
+
+
+@SMOLLM2
+@pytest.mark.skipif(
+    not torch_topg.native_available(), reason="SmolLM2 decode through the fallback is slow"
+)
+def test_engine_gguf_greedy_equals_float_engine():
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with Engine.from_pretrained(seed=0) as eng:
+        want = eng.generate(question, max_new_tokens=12, **GREEDY)[0].token_ids
+    with Engine.from_pretrained(quantization="gguf", seed=0) as eng:
+        assert isinstance(eng.model.model.layers[3].mlp.down_proj, QuantizedLinear)
+        got = eng.generate(question, max_new_tokens=12, **GREEDY)[0].token_ids
+    assert got == want
+
+
+def test_engine_from_model_int8():
+    model = tiny("llama-tiny")
+    ref = torch_topg.quantize(copy.deepcopy(model), "int8")
+    ps = prompts(5, [7, 15])
+    want = [hf_greedy(ref, p, 6) for p in ps]
+    with Engine.from_model(model, quantization="int8", block_size=4) as eng:
+        assert isinstance(eng.model.model.layers[0].self_attn.o_proj, QuantizedLinear)
+        got = [o.token_ids for o in eng.generate(ps, max_new_tokens=6, **GREEDY)]
+    assert got == want
+
+
+def test_quantization_option_errors():
+    with pytest.raises(ValueError, match="quantization 'fp8' is not one of None, 'gguf'"):
+        Engine.from_pretrained("/nonexistent", quantization="fp8")
+    with pytest.raises(ValueError, match="not supported with tp_size > 1"):
+        Engine.from_pretrained("/nonexistent", quantization="int8", tp_size=2)
+    with pytest.raises(ValueError, match="from_model: quantization='gguf' needs from_pretrained"):
+        Engine.from_model(tiny("llama-tiny"), quantization="gguf")
+    from torch_topg.quant.loading import gguf_file
+
+    with pytest.raises(ValueError, match="needs a .gguf file or None"):
+        gguf_file("some/folder")

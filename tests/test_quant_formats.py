@@ -116,6 +116,15 @@ def test_codes_and_padding_layout():
     torch.testing.assert_close(dequantize(packed, "int4_g64", 70), w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_no_rows_and_no_weights(fmt):
+    f = FORMATS[fmt]
+    k = f.block or 5
+    assert dequantize(torch.zeros(0, f.row_bytes(k), dtype=torch.uint8), fmt, k).shape == (0, k)
+    if fmt not in ("q4_k", "q6_k"):  # (read from files only)
+        assert quantize_weight(torch.zeros(0, k), fmt).shape == (0, f.row_bytes(k))
+
+
 def test_int8_row_layout():
     w = torch.tensor([[127.0, -63.5, 0.0, 1.0]])
     packed = quantize_weight(w, "int8")

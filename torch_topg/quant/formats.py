@@ -219,5 +219,5 @@ def dequantize(packed: torch.Tensor, format: str, k: int | None = None) -> torch
         s = _as(rows[:, :4], torch.float32)
         return (_as(rows[:, 4:], torch.int8).float() * s).reshape(*lead, k)
     blocks = rows.reshape(-1, f.block_bytes)
-    out = _DEQUANT[format](blocks).reshape(rows.shape[0], -1)[:, :k]
+    out = _DEQUANT[format](blocks).reshape(rows.shape[0], f.blocks(k) * f.block)[:, :k]
     return out.reshape(*lead, k)

@@ -13,6 +13,7 @@ import torch
 
 import torch_topg
 from torch_topg import _native
+from torch_topg.ops._registry import pending
 from torch_topg.ops._schemas import SCHEMAS
 
 
@@ -29,7 +30,17 @@ def test_every_op_has_wrapper_reference_fake(name):
 @pytest.mark.skipif(not _native.is_loaded(), reason=f"native: {_native.missing_reason('cpu')}")
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_native_cpu_kernel_registered(name):
-    assert _native.has_kernel(name, "CPU"), f"topg::{name} has no CPU kernel"
+    _check_kernel(name, "CPU")
+
+
+def _check_kernel(name: str, key: str) -> None:
+    why = pending(name, key)
+    if why is not None:
+        assert not _native.has_kernel(name, key), (
+            f"topg::{name} has a {key} kernel now: remove it from PENDING_KERNELS"
+        )
+        pytest.skip(f"topg::{name}: no {key} kernel yet ({why}); the reference runs")
+    assert _native.has_kernel(name, key), f"topg::{name} has no {key} kernel"
 
 
 def test_build_info_names_the_torch_it_was_built_for():
@@ -80,7 +91,7 @@ def test_reference_fallback_without_native_extension():
 @pytest.mark.skipif(not _native.cuda_built(), reason="the native extension has no CUDA kernels")
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_native_cuda_kernel_registered(name):
-    assert _native.has_kernel(name, "CUDA"), f"topg::{name} has no CUDA kernel"
+    _check_kernel(name, "CUDA")
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only build of torch")

@@ -96,6 +96,26 @@ class OpSpec:
 #: Every registered op by name, in registration order.
 OPS: dict[str, OpSpec] = {}
 
+#: Device kernels not written yet: op -> {dispatch key: why}. Such an op runs its
+#: reference fallback on that device; tests/test_library.py and the CUDA lane's check
+#: skip it there, naming the reason, and fail once the kernel exists and the entry is
+#: stale. docs/ops.md shows the same.
+PENDING_KERNELS: dict[str, dict[str, str]] = {
+    "linear_q": {
+        "CPU": "issue 21: the CPU kernel is the next step",
+        "CUDA": "issue 21: CUDA GEMV / de-quantise-into-shared-memory kernels not written",
+    },
+    "embedding_q": {
+        "CPU": "issue 21: the reference (a row gather and de-quantise) is all it has",
+        "CUDA": "issue 21: not written",
+    },
+}
+
+
+def pending(name: str, dispatch_key: str) -> str | None:
+    """Why ``topg::<name>`` has no kernel at ``dispatch_key`` yet (None: it must have one)."""
+    return PENDING_KERNELS.get(name, {}).get(dispatch_key)
+
 
 def add(spec: OpSpec) -> None:
     """Record ``spec`` (``_library.register`` calls this); an op is registered once."""

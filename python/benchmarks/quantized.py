@@ -1,0 +1,94 @@
+"""Weight-only quantisation on SmolLM2-135M: perplexity per format, and decode ms/token.
+
+Perplexity: a fixed English text (Python's own LICENSE.txt, shipped with every CPython,
+so no download) in chunks of 512 tokens; like ``llama-perplexity -c 512`` only the second
+half of each chunk is scored (each scored token sees at least 256 tokens of context).
+Formats: the float model (the shipped Q4_1 file de-quantised: its weights *are* q4_1,
+so ``gguf`` gives the same numbers through the reference), and the float weights
+quantised again with ``torch_topg.quantize`` (q8_0, int8, int4 in groups of 32 / 64 /
+128; a second quantisation of weights that already sit on a q4_1 grid).
+
+Decode: ``Engine.from_pretrained(quantization=...)``, greedy, ms per output token after
+the first, 2 threads.
+
+    python python/benchmarks/quantized.py [--chunks 2] [--decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import torch_topg
+from torch_topg.models import load_smollm2
+
+FORMATS = [None, "q8_0", "int8", "int4_g32", "int4_g64", "int4_g128"]
+
+
+def text_ids(tok, chunks: int, ctx: int = 512) -> torch.Tensor:
+    path = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    text = (path / "LICENSE.txt").read_text()
+    ids = tok(text, return_tensors="pt").input_ids[0]
+    n = min(chunks, len(ids) // ctx)
+    return ids[: n * ctx].view(n, ctx)
+
+
+def perplexity(model, ids: torch.Tensor) -> float:
+    nll, count = 0.0, 0
+    half = ids.shape[1] // 2
+    with torch.inference_mode():
+        for row in ids:
+            logits = model(row[None]).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1)
+            tgt = row[1:]
+            picked = lp.gather(-1, tgt[:, None])[:, 0][half - 1 :]
+            nll -= picked.sum().item()
+            count += picked.numel()
+    return math.exp(nll / count)
+
+
+def decode_ms(quantization: str | None, tokens: int = 64) -> float:
+    from torch_topg.engine import Engine
+
+    with Engine.from_pretrained(quantization=quantization, seed=0) as eng:
+        prompt = [{"role": "user", "content": "Tell me about the history of Paris."}]
+        eng.generate(prompt, max_new_tokens=4, temperature=0)  # warm-up
+        t0 = time.perf_counter()
+        out = eng.generate(prompt, max_new_tokens=tokens, temperature=0, ignore_eos=True)[0]
+        first = time.perf_counter() - t0
+        return first * 1e3 / len(out.token_ids)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=2)
+    ap.add_argument("--decode", action="store_true")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore", RuntimeWarning)  # the reference fallback's notice
+    torch.set_num_threads(2)
+    base, tok = load_smollm2(torch.float32)
+    ids = text_ids(tok, args.chunks)
+    print(f"text: {ids.numel()} tokens in {ids.shape[0]} chunks of {ids.shape[1]}")
+    ref = None
+    for fmt in FORMATS:
+        model = base if fmt is None else torch_topg.quantize(copy.deepcopy(base), fmt)
+        t0 = time.perf_counter()
+        ppl = perplexity(model, ids)
+        ref = ppl if ref is None else ref
+        name = fmt or "fp32 (= q4_1 file)"
+        print(f"{name:20s} ppl {ppl:8.4f}  {100 * (ppl / ref - 1):+6.2f}%  "
+              f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    if args.decode:
+        for q in (None, "gguf", "int8", "int4"):
+            print(f"decode {q or 'fp32'}: {decode_ms(q):.1f} ms/token")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ from engine_utils import whole_pool
 import torch_topg
 from torch_topg.engine import Engine
 from torch_topg.models import smollm2_available
+from torch_topg.models.hf import smollm2_folder
 
 pytestmark = [
     pytest.mark.skipif(smollm2_available() is not None, reason=str(smollm2_available())),
@@ -34,6 +35,13 @@ KW = dict(max_batch_size=8, max_model_len=1024, seed=0, compile=False)
 SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "self": {"method": "self", "num_layers": 8, "num_speculative_tokens": 3, "adaptive": False},
+    # a draft loaded from a folder (the target's own checkpoint: every proposal accepted)
+    "draft": lambda: {
+        "method": "draft",
+        "model": str(smollm2_folder()),
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+    },
 }
 
 
@@ -45,7 +53,8 @@ def want():
 
 @pytest.fixture(scope="module", params=list(SPECS))
 def engine(request):
-    with Engine.from_pretrained(speculative=SPECS[request.param], **KW) as eng:
+    spec = SPECS[request.param]
+    with Engine.from_pretrained(speculative=spec() if callable(spec) else spec, **KW) as eng:
         yield eng
 
 
@@ -64,6 +73,8 @@ def test_greedy_text_identical_in_a_mixed_batch(engine, want):
     assert sp["proposals"] > 0, sp
     if engine.spec.cfg.method == "ngram":  # the repeated sentence is found in the prompt
         assert got[1].outputs[0].speculative["mean_accepted_length"] > 1.5
+    if engine.spec.cfg.method == "draft":
+        assert sp["acceptance_rate"] == 1.0
 
 
 def test_stop_strings_inside_accepted_runs(engine, want):

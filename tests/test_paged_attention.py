@@ -174,12 +174,22 @@ def test_paged_attention_batch_invariant(dtype):
             assert torch.equal(ragged[i : i + 1], step)
         # The 1000 new tokens of the last sequence (positions 1048..2047, rows processed
         # in groups that share K/V reads): some rows against their own decode step.
+        # Runs of 16+ rows take the dense prefill kernel (other rounding: close, not
+        # equal), except in batch-invariant mode, where they stay paged (bitwise).
         r0 = sum(q_lens[:-1])
+        prev = torch.ops.topg._set_batch_invariant.default(True)
+        try:
+            invariant = torch_topg.ops.paged_attention(
+                rq, kc, vc, bt, sl, cu_seqlens_q=_cu(q_lens), **kw
+            )
+        finally:
+            torch.ops.topg._set_batch_invariant.default(prev)
         for i in (0, 1, 15, 16, 17, 31, 500, 999):
             step = torch_topg.ops.paged_attention(
                 rq[r0 + i : r0 + i + 1], kc, vc, bt[-1:], torch.tensor([1049 + i]).int(), **kw
             )
-            assert torch.equal(ragged[r0 + i : r0 + i + 1], step)
+            assert torch.equal(invariant[r0 + i : r0 + i + 1], step)
+            assert_close(ragged[r0 + i : r0 + i + 1], step)
 
 
 @requires_kernel("reshape_and_cache")

@@ -357,15 +357,18 @@ def _linear_q(g: Gen) -> list[Sample]:
     for dt in DTYPES:
         for fmt, k in cases:
             w = packed_weight(g, fmt, 11, k)
-            out.append(
-                Sample(f"{dt} {fmt} gemv", (g.randn(1, k, dtype=dt), w, fmt), dtype=dt, scale=2)
-            )
+            x = g.randn(1, k, dtype=dt)
+            out.append(Sample(f"{dt} {fmt} gemv", (x, w, fmt), dtype=dt, scale=2))
+            act = {"int8_activations": True}
+            out.append(Sample(f"{dt} {fmt} gemv int8 act", (x, w, fmt), act, dtype=dt, scale=2))
         w = packed_weight(g, "int4_g64", 9, 70)
         x, b = g.randn(2, 5, 70, dtype=dt), g.randn(9, dtype=dt)
         out.append(Sample(f"{dt} int4_g64 bias", (x, w, "int4_g64", b), dtype=dt, scale=2))
         xs = g.randn(64, 7, dtype=dt).t()  # rows with stride 1, columns with stride 7
         w = packed_weight(g, "q8_0", 9, 64)
         out.append(Sample(f"{dt} q8_0 strided", (xs, w, "q8_0"), dtype=dt, scale=2))
+        kw = {"int8_activations": True}
+        out.append(Sample(f"{dt} q8_0 gemm int8 act", (xs, w, "q8_0"), kw, dtype=dt, scale=2))
     return out  # fmt: skip
 
 

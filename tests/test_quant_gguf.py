@@ -58,13 +58,16 @@ def test_smollm2_gguf_weights_packed_same_logits():
     not torch_topg.native_available(), reason="SmolLM2 decode through the fallback is slow"
 )
 def test_engine_gguf_greedy_equals_float_engine():
+    """The packed q4_1 model (exact fp32 path: int8_activations off) gives the float
+    engine's greedy tokens: the same weights, the same math up to summation order."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
     with Engine.from_pretrained(seed=0) as eng:
-        want = eng.generate(question, max_new_tokens=12, **GREEDY)[0].token_ids
+        want = eng.generate(question, max_new_tokens=12, **GREEDY)[0]
     with Engine.from_pretrained(quantization="gguf", seed=0) as eng:
         assert isinstance(eng.model.model.layers[3].mlp.down_proj, QuantizedLinear)
-        got = eng.generate(question, max_new_tokens=12, **GREEDY)[0].token_ids
-    assert got == want
+        got = eng.generate(question, max_new_tokens=12, **GREEDY)[0]
+    assert "Paris" in got.text, got.text
+    assert got.token_ids == want.token_ids
 
 
 def test_engine_from_model_int8():

@@ -1,6 +1,8 @@
 """``linear_q``: the reference against gguf-py's de-quantiser and float64 math, and the
 native kernel (where one is registered) against the reference over hypothesis shapes:
-M from 1 to 512, K not a multiple of the int4 group, every format."""
+M from 1 to 512 (the CPU GEMV at M <= 4, the GEMM path above), K not a multiple of the
+int4 group, every format, with and without ``int8_activations`` (the reference rounds
+the activations as the kernel does: the comparison stays at fp32 tolerance)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from op_samples import Gen, packed_weight
 import torch_topg
 from torch_topg import reference
 from torch_topg.quant import FORMATS, GGUF_FORMATS
+from torch_topg.quant.formats import quantize_activations
 
 gguf = pytest.importorskip("gguf")
 
@@ -29,6 +32,17 @@ def test_reference_is_gguf_dequantised_weight(fmt):
     dense = torch.from_numpy(gguf.quants.dequantize(w.numpy(), FORMATS[fmt].gguf_type))
     expected = (x.double() @ dense.double().T + b.double()).float()
     torch.testing.assert_close(reference.linear_q(x, w, fmt, b), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_quantize_activations_model():
+    """Per block of 32: scale amax / 127, round half to even; zero blocks stay zero."""
+    x = torch.zeros(2, 40)
+    x[0, :32] = torch.linspace(-1, 1, 32) * 127
+    x[0, 5] = 2.5  # 2.5 / 1 rounds to 2 (half to even)
+    x[1, 33] = 3.0  # the second block of row 1: alone, it is its own amax
+    q = quantize_activations(x)
+    assert q[0, 5].item() == 2.0 and q[0, 0].item() == -127.0
+    assert q[1, 33].item() == 3.0 and (q[1, :33] == 0).all() and q.shape == (2, 40)
 
 
 def test_reference_rounds_once():
@@ -47,21 +61,73 @@ def test_reference_rounds_once():
 @requires_kernel("linear_q")
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @given(
-    m=st.sampled_from([1, 2, 3, 7, 16, 33, 512]),
+    m=st.sampled_from([1, 2, 3, 4, 5, 16, 33, 512]),
     n=st.integers(1, 40),
     blocks=st.integers(1, 4),
     tail=st.integers(0, 31),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    int8_act=st.booleans(),
     seed=st.integers(0, 2**31),
 )
-def test_native_matches_reference(fmt, m, n, blocks, tail, dtype, seed):
+def test_native_matches_reference(fmt, m, n, blocks, tail, dtype, int8_act, seed):
     f = FORMATS[fmt]
     k = blocks * (f.block or 32) + (tail if f.pads else 0)
     g = Gen("cpu", seed=seed)
     w = packed_weight(g, fmt, n, k)
     x = g.randn(m, k, dtype=dtype)
-    got = torch_topg.ops.linear_q(x, w, fmt)
-    expected = reference.linear_q(x, w, fmt)
+    got = torch_topg.ops.linear_q(x, w, fmt, int8_activations=int8_act)
+    expected = reference.linear_q(x, w, fmt, int8_activations=int8_act)
     atol, rtol = TOL[dtype]
     scale = max(1.0, float(np.sqrt(k / 64)))
     torch.testing.assert_close(got, expected, atol=atol * scale, rtol=rtol * scale)
+
+
+@requires_kernel("embedding_q")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_native_embedding_bit_exact(fmt):
+    """The native rows are the reference's floats, bit for bit (same float ops)."""
+    f = FORMATS[fmt]
+    d = 2 * (f.block or 40) + (7 if f.pads else 0)
+    g = Gen("cpu", seed=5)
+    w = packed_weight(g, fmt, 50, d)
+    ids = g.randint(50, 3, 40)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch_topg.ops.embedding_q(ids, w, fmt, d, dtype)
+        assert torch.equal(got, reference.embedding_q(ids, w, fmt, d, dtype)), dtype
+
+
+@requires_kernel("linear_q")
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q6_k", "int4_g64"])
+def test_native_batch_invariant(fmt):
+    """In batch-invariant mode (the engine's deterministic=True) a row's output does not
+    depend on how many rows come with it; outside it M > 4 takes the GEMM path."""
+    f = FORMATS[fmt]
+    k = 2 * (f.block or 32)
+    g = Gen("cpu", seed=6)
+    w, x = packed_weight(g, fmt, 33, k), g.randn(37, k)
+    previous = torch.ops.topg._set_batch_invariant(True)
+    try:
+        for act in (False, True):
+            full = torch_topg.ops.linear_q(x, w, fmt, int8_activations=act)
+            for i in (0, 5, 36):
+                one = torch_topg.ops.linear_q(x[i : i + 1], w, fmt, int8_activations=act)
+                assert torch.equal(full[i : i + 1], one), (act, i)
+    finally:
+        torch.ops.topg._set_batch_invariant(previous)
+
+
+@requires_kernel("linear_q")
+@pytest.mark.parametrize("fmt", ["q8_0", "int8", "int4_g128"])
+def test_native_gemv_nan_and_inf_rows(fmt):
+    """int8 activations: a NaN or an inf in a row makes that row's outputs NaN (its block
+    scale is NaN), in the GEMV and in the GEMM path; the other rows are as the reference."""
+    g = Gen("cpu", seed=7)
+    w = packed_weight(g, fmt, 9, 100 if fmt != "q8_0" else 96)
+    for m in (3, 9):
+        x = g.randn(m, 100 if fmt != "q8_0" else 96)
+        x[1, 50], x[2, 3] = float("nan"), float("inf")
+        got = torch_topg.ops.linear_q(x, w, fmt, int8_activations=True)
+        assert got[1:3].isnan().all()
+        expected = reference.linear_q(x, w, fmt, int8_activations=True)
+        assert expected[1:3].isnan().all()
+        torch.testing.assert_close(got[::8], expected[::8], atol=2e-5, rtol=2e-5)

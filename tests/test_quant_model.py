@@ -131,3 +131,14 @@ def test_engine_greedy_equals_transformers_on_the_quantised_model(compile):
     with Engine.from_model(model, block_size=4, compile=compile) as eng:
         got = [o.token_ids for o in eng.generate(ps, max_new_tokens=8, **GREEDY)]
     assert got == want
+
+
+def test_int8_activations_option_skips_the_head():
+    model = torch_topg.quantize(tiny("llama-tiny"), "int4", lm_head=True, int8_activations=True)
+    assert model.model.layers[0].mlp.up_proj.int8_activations
+    assert isinstance(model.lm_head, QuantizedLinear) and not model.lm_head.int8_activations
+    exact = torch_topg.quantize(tiny("llama-tiny"), "int4", lm_head=True)
+    ids = torch.tensor([prompts(6, [10])[0]])
+    a, b = _logits(model, ids), _logits(exact, ids)
+    assert not torch.equal(a, b)  # the activations were rounded
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)

@@ -63,7 +63,10 @@ SCHEMAS: dict[str, str] = {
     # --- dense linear ------------------------------------------------------------
     "linear": "linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
     # weight: uint8 [N, row bytes], K weights per row packed in `format` (torch_topg.quant)
-    "linear_q": "linear_q(Tensor input, Tensor weight, str format, Tensor? bias=None) -> Tensor",
+    "linear_q": (
+        "linear_q(Tensor input, Tensor weight, str format, Tensor? bias=None, *, "
+        "bool int8_activations=False) -> Tensor"
+    ),
     "embedding_q": (
         "embedding_q(Tensor input, Tensor weight, str format, int embedding_dim, "
         "ScalarType dtype=float) -> Tensor"

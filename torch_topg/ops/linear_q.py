@@ -13,7 +13,12 @@ _linear_q = eager_entry("linear_q")
 
 
 def linear_q(
-    input: torch.Tensor, weight: torch.Tensor, format: str, bias: torch.Tensor | None = None
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    format: str,
+    bias: torch.Tensor | None = None,
+    *,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``input @ W.T + bias`` where ``W`` is ``weight`` de-quantised from ``format``.
 
@@ -26,18 +31,29 @@ def linear_q(
             ``"q4_k"``, ``"q6_k"`` (K a multiple of the block, 32 or 256), ``"int8"``,
             ``"int4_g32"``, ``"int4_g64"``, ``"int4_g128"`` (any K).
         bias: ``[N]`` in the dtype of ``input``, or None.
+        int8_activations: quantise ``input`` per block of 32 to int8 first
+            (``torch_topg.quant.quantize_activations``: scale ``amax / 127``, round to
+            nearest even), as llama.cpp does, so the CPU GEMV runs integer dot products;
+            about 1.7x faster on 4-bit weights in cache, ~0.5% off the exact product.
 
     Returns:
         ``[..., N]`` in the dtype of ``input``; the reference accumulates in fp32 over the
-        exactly de-quantised weights and rounds once.
+        exactly de-quantised weights (and the rounded activations) and rounds once.
     """
     if torch.compiler.is_compiling():
-        return torch.ops.topg.linear_q.default(input, weight, format, bias)
-    return _linear_q(input, weight, format, bias)
+        return torch.ops.topg.linear_q.default(
+            input, weight, format, bias, int8_activations=int8_activations
+        )
+    return _linear_q(input, weight, format, bias, int8_activations=int8_activations)
 
 
 def _check_linear_q(
-    input: torch.Tensor, weight: torch.Tensor, format: str, bias: torch.Tensor | None = None
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    format: str,
+    bias: torch.Tensor | None = None,
+    *,
+    int8_activations: bool = False,
 ) -> None:
     op = "linear_q"
     Arg(op, "input", input).min_dim(1).floating()
@@ -63,7 +79,12 @@ def _check_linear_q(
 
 
 def _fake_linear_q(
-    input: torch.Tensor, weight: torch.Tensor, format: str, bias: torch.Tensor | None = None
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    format: str,
+    bias: torch.Tensor | None = None,
+    *,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 

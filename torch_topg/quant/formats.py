@@ -221,3 +221,18 @@ def dequantize(packed: torch.Tensor, format: str, k: int | None = None) -> torch
     blocks = rows.reshape(-1, f.block_bytes)
     out = _DEQUANT[format](blocks).reshape(rows.shape[0], f.blocks(k) * f.block)[:, :k]
     return out.reshape(*lead, k)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``linear_q(..., int8_activations=True)``'s view of ``x`` ``[..., K]``: per block of 32 (zero
+    padded), ``d = amax / 127``, ``q = round_half_even(clamp(x / d, -127, 127))`` (with
+    ``1 / d`` in float32, 0 for an all-zero block); returns ``q * d`` (float32 ``[..., K]``).
+    A block holding NaN or inf becomes NaN."""
+    k = x.shape[-1]
+    xb = torch.nn.functional.pad(x.float(), (0, -k % 32)).reshape(*x.shape[:-1], -1, 32)
+    finite = torch.isfinite(xb).all(-1, keepdim=True)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.round((xb * inv).clamp(-127, 127))
+    out = torch.where(finite, q * d, torch.full_like(xb, float("nan")))
+    return out.reshape(*x.shape[:-1], -1)[..., :k]

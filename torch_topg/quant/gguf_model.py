@@ -63,10 +63,13 @@ def _file_tensors(path: str | os.PathLike[str]) -> list[_FileTensor]:
     return out
 
 
-def use_gguf_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> dict[str, str]:
+def use_gguf_weights(
+    model: torch.nn.Module, path: str | os.PathLike[str], int8_activations: bool = False
+) -> dict[str, str]:
     """Swap ``model``'s linears and input embedding for packed modules over the GGUF
     file's quantised tensors (see the module docstring). ``model`` must hold the
-    float32 weights transformers de-quantised from ``path``.
+    float32 weights transformers de-quantised from ``path``. ``int8_activations``: for
+    the linears other than the LM head (``linear_q``'s option).
 
     Returns:
         module name -> ``"<file tensor> (<format>)"`` for every module replaced.
@@ -93,6 +96,7 @@ def use_gguf_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> di
     replaced: dict[str, str] = {}
     by_weight: dict[int, torch.Tensor] = {}  # id(float weight) -> its packed buffer (ties)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, m in list(model.named_modules()):
         if isinstance(m, torch.nn.Linear) or (m is emb and isinstance(m, torch.nn.Embedding)):
             hit = match(m.weight)
@@ -103,7 +107,10 @@ def use_gguf_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> di
             if isinstance(m, torch.nn.Embedding):
                 new: torch.nn.Module = QuantizedEmbedding(packed, ft.format, ft.k)
             else:
-                new = QuantizedLinear(ft.k, m.out_features, ft.format, m.bias is not None)
+                act = int8_activations and m is not head
+                new = QuantizedLinear(
+                    ft.k, m.out_features, ft.format, m.bias is not None, int8_activations=act
+                )
                 new.qweight = packed  # the same buffer as a tied embedding
                 if m.bias is not None:
                     new.bias.data.copy_(m.bias.detach())

@@ -32,6 +32,8 @@ class QuantizedLinear(torch.nn.Module):
     Attributes:
         qweight: uint8 buffer ``[out_features, row_bytes(in_features)]``.
         bias: the float bias parameter (it follows ``model.to(dtype)``), or None.
+        int8_activations: ``linear_q``'s option: activations rounded to int8 per block
+            of 32 (integer dot products on the CPU, as llama.cpp; ~0.5% off).
     """
 
     def __init__(
@@ -42,8 +44,10 @@ class QuantizedLinear(torch.nn.Module):
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__()
+        self.int8_activations = int8_activations
         f = get_format(format)
         problem = f.k_problem(in_features)
         if problem is not None:
@@ -57,7 +61,9 @@ class QuantizedLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, format: str) -> QuantizedLinear:
+    def from_linear(
+        cls, linear: torch.nn.Linear, format: str, int8_activations: bool = False
+    ) -> QuantizedLinear:
         """Quantise ``linear``'s weight into ``format`` (its bias is kept in its dtype)."""
         w = linear.weight
         q = cls(
@@ -67,6 +73,7 @@ class QuantizedLinear(torch.nn.Module):
             bias=linear.bias is not None,
             device=w.device,
             dtype=w.dtype,
+            int8_activations=int8_activations,
         )
         q.qweight.copy_(quantize_weight(w.detach(), format))
         if linear.bias is not None:
@@ -83,12 +90,15 @@ class QuantizedLinear(torch.nn.Module):
         bias = self.bias
         if bias is not None and bias.dtype != input.dtype:
             bias = bias.to(input.dtype)
-        return linear_q(input, self.qweight, self.format, bias)
+        return linear_q(
+            input, self.qweight, self.format, bias, int8_activations=self.int8_activations
+        )
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format}, bias={self.bias is not None}"
+            f"format={self.format}, bias={self.bias is not None}, "
+            f"int8_activations={self.int8_activations}"
         )
 
 
@@ -152,6 +162,7 @@ def quantize(
     group_size: int = 64,
     lm_head: bool = False,
     skip: Iterable[str] = (),
+    int8_activations: bool = False,
 ) -> torch.nn.Module:
     """Replace ``model``'s ``nn.Linear`` modules in place by :class:`QuantizedLinear`.
 
@@ -163,6 +174,8 @@ def quantize(
         lm_head: also quantise the output embedding (``model.get_output_embeddings()``).
             It is skipped by default; a head tied to the input embedding stays tied.
         skip: module names (as in ``named_modules``) left unquantised.
+        int8_activations: the modules round their activations to int8 per block of 32
+            (``linear_q``'s option; faster CPU GEMV, ~0.5% off). Never on the LM head.
 
     Returns:
         ``model``. A linear whose ``in_features`` the format cannot pack (GGUF formats
@@ -176,9 +189,11 @@ def quantize(
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and name not in leave
     ]
+    heads = _lm_head_names(model)
     for name, m in todo:
         if f.k_problem(m.in_features) is None:
-            _set(model, name, QuantizedLinear.from_linear(m, fmt))
+            act = int8_activations and name not in heads
+            _set(model, name, QuantizedLinear.from_linear(m, fmt, act))
     return model
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_topg.quant.formats import dequantize
+from torch_topg.quant.formats import dequantize, quantize_activations
 
 
 def linear_q(
-    input: torch.Tensor, weight: torch.Tensor, format: str, bias: torch.Tensor | None = None
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    format: str,
+    bias: torch.Tensor | None = None,
+    *,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     w = dequantize(weight, format, input.shape[-1])  # float32 [N, K]
     b = None if bias is None else bias.float()
-    return F.linear(input.float(), w, b).to(input.dtype)
+    x = quantize_activations(input) if int8_activations else input.float()
+    return F.linear(x, w, b).to(input.dtype)

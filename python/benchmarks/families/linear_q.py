@@ -1,5 +1,6 @@
 """linear_q (packed weight-only quantised weights) vs topg's fp32 / bf16 ``linear`` on the
-same shape, and the physical limit: the packed bytes over the read bandwidth.
+same shape, and the physical limit: the packed bytes over the read bandwidth. "topg" is
+the default (fp32 activations), "topg int8 act" the ``int8_activations=True`` option.
 
 M = 1 rows are memory-bound and run cold (weights rotated through copies that together
 exceed ``DRAM_FACTOR x`` the LLC, as a model's layers follow one another): "limit" is
@@ -37,6 +38,9 @@ def _case(m: int, k: int, n: int, fmt: str, quick: bool) -> Row:
     xb = x.bfloat16()
     variants = {
         "topg": lambda: torch_topg.ops.linear_q(x, rot.next()[0], fmt),
+        "topg int8 act": lambda: torch_topg.ops.linear_q(
+            x, rot.next()[0], fmt, int8_activations=True
+        ),
         "linear fp32": lambda: torch_topg.ops.linear(x, rot32.next()[0]),
         "linear bf16": lambda: torch_topg.ops.linear(xb, rot16.next()[0]),
     }

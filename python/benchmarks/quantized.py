@@ -11,7 +11,7 @@ quantised again with ``torch_topg.quantize`` (q8_0, int8, int4 in groups of 32 /
 Decode: ``Engine.from_pretrained(quantization=...)``, greedy, ms per output token after
 the first, 2 threads.
 
-    python python/benchmarks/quantized.py [--chunks 2] [--decode]
+    python python/benchmarks/quantized.py [--chunks 2] [--decode]   (--chunks 0: no perplexity)
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main() -> None:
     ids = text_ids(tok, args.chunks)
     print(f"text: {ids.numel()} tokens in {ids.shape[0]} chunks of {ids.shape[1]}")
     ref = None
-    for fmt in FORMATS:
+    for fmt in FORMATS if args.chunks else []:
         model = base if fmt is None else torch_topg.quantize(copy.deepcopy(base), fmt)
         t0 = time.perf_counter()
         ppl = perplexity(model, ids)

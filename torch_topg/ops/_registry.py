@@ -102,11 +102,9 @@ OPS: dict[str, OpSpec] = {}
 #: stale. docs/ops.md shows the same.
 PENDING_KERNELS: dict[str, dict[str, str]] = {
     "linear_q": {
-        "CPU": "issue 21: the CPU kernel is the next step",
         "CUDA": "issue 21: CUDA GEMV / de-quantise-into-shared-memory kernels not written",
     },
     "embedding_q": {
-        "CPU": "issue 21: the reference (a row gather and de-quantise) is all it has",
         "CUDA": "issue 21: not written",
     },
 }

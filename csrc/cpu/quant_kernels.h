@@ -1,0 +1,396 @@
+// Weight-only quantised formats (torch_topg/quant/formats.py): block dequantisation and
+// the dot product of a float activation row with one packed weight row.
+//
+// Torch-free: raw pointers and the types of vec.h. Two dot products of a packed row:
+//   dot_row     fp32 activations, weights de-quantised in registers: per block
+//               d * sum(q * x) (+ m * sum(x) for the formats with a minimum), one FMA
+//               per weight (the default: results within fp32 rounding of the reference);
+//   dot_row_q8  int8 activations per block of 32 (linear_q's int8_activations, as
+//               llama.cpp): integer dot products (maddubs / madd), 1.5-2x faster while
+//               the weights are cached (docs/quantization.md has the measurement).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "vec.h"
+
+namespace topg::quant {
+
+enum class Fmt : int { q8_0, q4_0, q4_1, q4_k, q6_k, int8, int4 };
+
+struct Format {
+  Fmt fmt;
+  int64_t block;        // weights per block (0: the whole row, int8)
+  int64_t block_bytes;  // bytes per block (int8: the row's float32 scale)
+  // Blocks per row of k weights; the activations are padded with zeros to blocks * block.
+  int64_t blocks(int64_t k) const { return block == 0 ? 1 : (k + block - 1) / block; }
+  int64_t row_bytes(int64_t k) const {
+    return block == 0 ? block_bytes + k : blocks(k) * block_bytes;
+  }
+  // fp32 activations per row a kernel reads (a multiple of 32).
+  int64_t padded(int64_t k) const { return block == 0 ? (k + 31) / 32 * 32 : blocks(k) * block; }
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return to_float(fp16{h});
+}
+
+// --- exact de-quantisation (embedding_q, the GEMM path): the reference's float ops ----
+// 4-bit runs: byte i holds element i (low nibble) and element n + i (high nibble).
+inline void nibbles(const uint8_t* q, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = q[i] & 0x0F;
+    out[n + i] = q[i] >> 4;
+  }
+}
+
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+  }
+}
+
+// One block (or, for int8, the whole row of k weights) into out.
+inline void dequant_block(const Format& f, const uint8_t* b, int64_t k, float* out) {
+  uint8_t q[256];
+  switch (f.fmt) {
+    case Fmt::q8_0: {
+      const float d = half_at(b);
+      for (int i = 0; i < 32; ++i) out[i] = float(int8_t(b[2 + i])) * d;
+      break;
+    }
+    case Fmt::q4_0: {
+      const float d = half_at(b);
+      nibbles(b + 2, 16, q);
+      for (int i = 0; i < 32; ++i) out[i] = d * float(int(q[i]) - 8);
+      break;
+    }
+    case Fmt::q4_1:
+    case Fmt::int4: {
+      const float d = half_at(b), m = half_at(b + 2);
+      const int64_t g = f.block;
+      nibbles(b + 4, g / 2, q);
+      for (int64_t i = 0; i < g; ++i) {
+        const float t = d * float(q[i]);
+        out[i] = t + m;
+      }
+      break;
+    }
+    case Fmt::q4_k: {
+      const float d = half_at(b), dmin = half_at(b + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(b + 4, sc, mn);
+      for (int c = 0; c < 4; ++c) nibbles(b + 16 + 32 * c, 32, q + 64 * c);
+      for (int j = 0; j < 8; ++j) {
+        const float s = d * float(sc[j]), o = dmin * float(mn[j]);
+        for (int i = 0; i < 32; ++i) {
+          const float t = s * float(q[32 * j + i]);
+          out[32 * j + i] = t - o;
+        }
+      }
+      break;
+    }
+    case Fmt::q6_k: {
+      const float d = half_at(b + 208);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int i = 0; i < 32; ++i) {
+          const int v[4] = {(ql[i] & 0x0F) | (((qh[i] >> 0) & 3) << 4),
+                            (ql[32 + i] & 0x0F) | (((qh[i] >> 2) & 3) << 4),
+                            (ql[i] >> 4) | (((qh[i] >> 4) & 3) << 4),
+                            (ql[32 + i] >> 4) | (((qh[i] >> 6) & 3) << 4)};
+          for (int r = 0; r < 4; ++r) {
+            const int e = 128 * h + 32 * r + i;
+            out[e] = (d * float(int8_t(b[192 + e / 16]))) * float(v[r] - 32);
+          }
+        }
+      }
+      break;
+    }
+    case Fmt::int8: {
+      float s;
+      std::memcpy(&s, b, 4);
+      for (int64_t i = 0; i < k; ++i) out[i] = float(int8_t(b[4 + i])) * s;
+      break;
+    }
+  }
+}
+
+// A row of k weights into out[f.padded(k)] (the padding: zeros for int8; for int4 the
+// padded group's values, which the zero-padded activations cancel).
+inline void dequant_row(const Format& f, const uint8_t* row, int64_t k, float* out) {
+  if (f.block == 0) {
+    dequant_block(f, row, k, out);
+    for (int64_t i = k; i < f.padded(k); ++i) out[i] = 0.f;
+    return;
+  }
+  for (int64_t b = 0; b < f.blocks(k); ++b)
+    dequant_block(f, row + b * f.block_bytes, f.block, out + b * f.block);
+}
+
+// --- dot products: fp32 activations x [padded(k)] ------------------------------------
+#if TOPG_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// 16 bytes of nibbles -> 32 codes (low nibbles first), as int8 in a __m256i.
+inline __m256i unpack16(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+// 32 bytes of nibbles -> (low nibbles, high nibbles), 32 codes each.
+inline void unpack32(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(b, m);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+#endif
+
+#if TOPG_AVX2
+// acc[j] += (q[8j..8j+7] * d + m) * x[8j..8j+7] for j < 4: the weights of a 32-run made
+// fp32 in registers. Four independent accumulators: the FMA chains overlap (one chain
+// of dependent FMAs per block was latency-bound at ~1.5 weights per cycle).
+inline void fma32(__m256i q, __m256 d, __m256 m, const float* x, __m256 acc[4]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int j = 0; j < 4; ++j) {
+    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[j])), d, m);
+    acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * j), acc[j]);
+  }
+}
+inline float hsum4(const __m256 acc[4]) {
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+#endif
+
+// sum over the row's k weights of w * x (x: fp32, zero-padded to padded(k)).
+inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float* x) {
+  const int64_t nb = f.blocks(k);
+#if TOPG_AVX2
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  const __m256 zero = _mm256_setzero_ps();
+  switch (f.fmt) {
+    case Fmt::q8_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 34 * b;
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+        fma32(q, _mm256_set1_ps(half_at(p)), zero, x + 32 * b, acc);
+      }
+      return hsum4(acc);
+    case Fmt::q4_0: {
+      const __m256i eight = _mm256_set1_epi8(8);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 18 * b;
+        fma32(_mm256_sub_epi8(unpack16(p + 2), eight), _mm256_set1_ps(half_at(p)), zero, x + 32 * b,
+              acc);
+      }
+      return hsum4(acc);
+    }
+    case Fmt::q4_1:
+    case Fmt::int4: {
+      const int64_t g = f.block, bb = f.block_bytes, half = g / 2;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + bb * b;
+        const float* xb = x + g * b;
+        const __m256 d = _mm256_set1_ps(half_at(p)), m = _mm256_set1_ps(half_at(p + 2));
+        if (g == 32) {
+          fma32(unpack16(p + 4), d, m, xb, acc);
+          continue;
+        }
+        for (int64_t c = 0; c < half / 32; ++c) {  // low nibbles 32 c.., high half + 32 c..
+          __m256i lo, hi;
+          unpack32(p + 4 + 32 * c, lo, hi);
+          fma32(lo, d, m, xb + 32 * c, acc);
+          fma32(hi, d, m, xb + half + 32 * c, acc);
+        }
+      }
+      return hsum4(acc);
+    }
+    case Fmt::int8: {
+      float s;
+      std::memcpy(&s, row, 4);
+      const uint8_t* q = row + 4;
+      const __m256 one = _mm256_set1_ps(1.f);
+      int64_t i = 0;
+      for (; i + 32 <= k; i += 32)
+        fma32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i)), one, zero, x + i, acc);
+      float tail = 0.f;
+      for (; i < k; ++i) tail += float(int8_t(q[i])) * x[i];
+      return (hsum4(acc) + tail) * s;
+    }
+    default:
+      break;  // the K-quants: de-quantise a block at a time below
+  }
+#endif
+  float w[256];
+  float total = 0.f;
+  if (f.block == 0) {  // int8 without AVX2
+    float s;
+    std::memcpy(&s, row, 4);
+    for (int64_t i = 0; i < k; ++i) total += float(int8_t(row[4 + i])) * x[i];
+    return total * s;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    dequant_block(f, row + b * f.block_bytes, f.block, w);
+    const float* xb = x + b * f.block;
+#if TOPG_AVX2
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < f.block; i += 8)
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(xb + i), a);
+    total += hsum(a);
+#else
+    for (int64_t i = 0; i < f.block; ++i) total += w[i] * xb[i];
+#endif
+  }
+  return total;
+}
+
+// --- int8 activations (llama.cpp's approach): the M <= 4 path of the formats below ----
+// The activations of a row, padded with zeros to a multiple of 32, are quantised per block
+// of 32: d = amax / 127, q = round-to-nearest-even(x * (1 / d)) (0 when d = 0), and the
+// block's code sum. A block holding NaN or inf gets d = NaN, so its row's results are
+// NaN. Model in Python: torch_topg.quant.formats.quantize_activations.
+inline bool int8_dot(Fmt f) { return f != Fmt::q4_k && f != Fmt::q6_k; }
+
+inline void quantize_act(const float* x, int64_t kp, int8_t* q, float* d, float* qsum) {
+  for (int64_t b = 0; b < kp / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.f;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      finite = finite && std::isfinite(xb[i]);
+      amax = std::max(amax, std::fabs(xb[i]));
+    }
+    const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int v = finite ? int(std::nearbyint(std::min(127.f, std::max(-127.f, xb[i] * id)))) : 0;
+      q[32 * b + i] = int8_t(v);
+      sum += v;
+    }
+    d[b] = finite ? db : std::nanf("");
+    qsum[b] = float(sum);
+  }
+}
+
+#if TOPG_AVX2
+// sum over 32 of w[i] * x[i] as float, w unsigned 0..127 or 0..15 (maddubs takes the
+// first operand unsigned), x int8.
+inline __m256 udot(__m256i uw, __m256i sx) {
+  const __m256i p16 = _mm256_maddubs_epi16(uw, sx);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+// signed w x signed x: |w| times x with w's sign.
+inline __m256 sdot(__m256i w, __m256i x) {
+  return udot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+#endif
+
+// sum over the row's k weights of w * x, x given as int8 blocks (q, d, qsum per 32).
+inline float dot_row_q8(const Format& f, const uint8_t* row, int64_t k, const int8_t* xq,
+                        const float* xd, const float* xsum) {
+  const int64_t nb = f.blocks(k);
+#if TOPG_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  float extra = 0.f;  // the minimum's (or the -8 offset's) share, per block
+  switch (f.fmt) {
+    case Fmt::q8_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 34 * b;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(p) * xd[b]),
+                              sdot(load32(p + 2), load32(xq + 32 * b)), acc);
+      }
+      return hsum(acc);
+    case Fmt::q4_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 18 * b;
+        const float dd = half_at(p) * xd[b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dd), udot(unpack16(p + 2), load32(xq + 32 * b)), acc);
+        extra -= 8.f * dd * xsum[b];
+      }
+      return hsum(acc) + extra;
+    case Fmt::q4_1:
+    case Fmt::int4: {
+      const int64_t g = f.block, bb = f.block_bytes, sub = g / 32;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + bb * b;
+        const float dw = half_at(p), mw = half_at(p + 2);
+        const int64_t x0 = b * sub;  // first activation block of the group
+        if (g == 32) {
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[x0]),
+                                udot(unpack16(p + 4), load32(xq + 32 * x0)), acc);
+          extra += mw * xd[x0] * xsum[x0];
+          continue;
+        }
+        const int64_t half = sub / 2;  // runs of 32 bytes: low nibbles block c, high c + half
+        for (int64_t c = 0; c < half; ++c) {
+          __m256i lo, hi;
+          unpack32(p + 4 + 32 * c, lo, hi);
+          const int64_t bl = x0 + c, bh = x0 + half + c;
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[bl]), udot(lo, load32(xq + 32 * bl)), acc);
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[bh]), udot(hi, load32(xq + 32 * bh)), acc);
+        }
+        for (int64_t c = 0; c < sub; ++c) extra += mw * xd[x0 + c] * xsum[x0 + c];
+      }
+      return hsum(acc) + extra;
+    }
+    case Fmt::int8: {
+      float s;
+      std::memcpy(&s, row, 4);
+      const uint8_t* q = row + 4;
+      const int64_t full = k / 32;
+      for (int64_t b = 0; b < full; ++b)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(xd[b]), sdot(load32(q + 32 * b), load32(xq + 32 * b)),
+                              acc);
+      if (k % 32) {  // the row ends inside this block: no read past it
+        alignas(32) uint8_t tail[32] = {};
+        std::memcpy(tail, q + 32 * full, size_t(k % 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(xd[full]), sdot(load32(tail), load32(xq + 32 * full)),
+                              acc);
+      }
+      return hsum(acc) * s;
+    }
+    default:
+      break;
+  }
+#endif
+  // Without AVX2 (or a format without an integer path): de-quantise the activations.
+  (void)nb;
+  float x[256], total = 0.f;
+  if (f.block == 0) {
+    float s;
+    std::memcpy(&s, row, 4);
+    for (int64_t i = 0; i < k; ++i)
+      total += float(int8_t(row[4 + i])) * (float(xq[i]) * xd[i / 32]);
+    return total * s;
+  }
+  float w[256];
+  for (int64_t b = 0; b < f.blocks(k); ++b) {
+    dequant_block(f, row + b * f.block_bytes, f.block, w);
+    for (int64_t i = 0; i < f.block; ++i)
+      x[i] = float(xq[b * f.block + i]) * xd[(b * f.block + i) / 32];
+    (void)xsum;
+    for (int64_t i = 0; i < f.block; ++i) total += w[i] * x[i];
+  }
+  return total;
+}
+
+}  // namespace topg::quant

@@ -8,7 +8,7 @@ the fraction of the read bandwidth over the packed bytes. The issue's target at 
 at least 80% for q8_0 and int8. M = 64 is compute-bound (the packed GEMM path:
 de-quantise to fp32, then GEMM) and is compared with the fp32 linear.
 
-    python python/benchmarks/families/linear_q.py [--quick]
+    PYTHONPATH=python/benchmarks python python/benchmarks/families/linear_q.py [--quick]
 """
 
 from __future__ import annotations

@@ -110,7 +110,12 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # Back to the front of the queue, but behind a head whose cached prefix is being
+        # copied up: that head holds its blocks across steps, and a sequence put before
+        # it could wait forever for blocks only the head's admission releases (seen: an
+        # idle engine spinning on a head that never fit).
+        head_loading = bool(self.waiting) and self.waiting[0].kv_load is not None
+        self.waiting.insert(1 if head_loading else 0, seq)
         out.preempted.append(seq)
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
@@ -187,6 +192,11 @@ class Scheduler:
             if not self._grow(seq, n):
                 self._release(seq)  # its prefix hits stay cached for the next try
                 seq.num_computed = 0
+                if not self.running:  # nothing running will free blocks: take back what
+                    for w in list(self.waiting)[1:]:  # queued sequences hold (cached)
+                        if w.blocks or w.kv_load is not None:
+                            self._release(w)
+                            w.num_computed = 0
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -73,7 +73,6 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
   if (out.numel() == 0) return out;
 
   const int64_t hq = sz.hq, hkv = sz.hkv, d = sz.head_dim;
-  const int64_t group = hq / hkv, bq = attn::query_block(group);
   TOPG_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
     attn::PrefillArgs<T> a{};
     a.q = cptr<T>(query), a.k = cptr<T>(key), a.v = cptr<T>(value), a.out = ptr<T>(out);
@@ -91,34 +90,7 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
       a.m_sb = mask_f.stride(0), a.m_sh = mask_f.stride(1);
       a.m_si = mask_f.stride(2), a.m_sj = mask_f.stride(3);
     }
-    // Work items (sequence, kv head, query block), most keys first.
-    struct Item {
-      int64_t cost, b, h, i0, i1;
-    };
-    std::vector<Item> items;
-    for (int64_t b = 0; b < int64_t(sq.size()); ++b)
-      for (int64_t i0 = 0; i0 < sq[b]; i0 += bq) {
-        const int64_t i1 = std::min(sq[b], i0 + bq);
-        const int64_t keys = std::max<int64_t>(0, a.hi(b, i1 - 1) + 1 - a.lo(b, i0));
-        for (int64_t h = 0; h < hkv; ++h) items.push_back({keys * (i1 - i0) + 1, b, h, i0, i1});
-      }
-    std::stable_sort(items.begin(), items.end(),
-                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
-    // Decode-size calls (a few thousand multiply-adds per item) run on the calling
-    // thread: waking the pool costs more than the work, and on a loaded machine a
-    // descheduled worker can stall the call for a scheduler tick.
-    int64_t work = 0;
-    for (const Item& it : items) work += it.cost * d;
-    if (work < (int64_t(1) << 18)) {
-      attn::Workspace ws;
-      for (const Item& it : items) attn::prefill_block(a, it.b, it.h, it.i0, it.i1, ws);
-      return;
-    }
-    parallel_items_with<attn::Workspace>(int64_t(items.size()),
-                                         [&](int64_t n, attn::Workspace& ws) {
-                                           const Item& it = items[n];
-                                           attn::prefill_block(a, it.b, it.h, it.i0, it.i1, ws);
-                                         });
+    attn::run_prefill(a, int64_t(sq.size()));
   });
   return out;
 }

@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace topg::attn {
@@ -386,6 +387,38 @@ void prefill_block(const PrefillArgs<T>& a, int64_t b, int64_t kvh, int64_t i0, 
     for (; e + 8 <= d; e += 8) (Vec8::load(src + e) * Vec8(inv)).store(dst + e);
     for (; e < d; ++e) dst[e] = from_float<T>(src[e] * inv);
   }
+}
+
+// Every (sequence, kv head, query block) of `a`'s `num_seqs` sequences through
+// prefill_block, most keys first. Decode-size calls (a few thousand multiply-adds per
+// item) run on the calling thread: waking the pool costs more than the work, and on a
+// loaded machine a descheduled worker can stall the call for a scheduler tick.
+template <typename T>
+void run_prefill(const PrefillArgs<T>& a, int64_t num_seqs) {
+  struct Item {
+    int64_t cost, b, h, i0, i1;
+  };
+  std::vector<Item> items;
+  const int64_t bq = query_block(a.hq / a.hkv);
+  for (int64_t b = 0; b < num_seqs; ++b)
+    for (int64_t i0 = 0; i0 < a.sq[b]; i0 += bq) {
+      const int64_t i1 = std::min(a.sq[b], i0 + bq);
+      const int64_t keys = std::max<int64_t>(0, a.hi(b, i1 - 1) + 1 - a.lo(b, i0));
+      for (int64_t h = 0; h < a.hkv; ++h) items.push_back({keys * (i1 - i0) + 1, b, h, i0, i1});
+    }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  int64_t work = 0;
+  for (const Item& it : items) work += it.cost * a.d;
+  if (work < (int64_t(1) << 18)) {
+    Workspace ws;
+    for (const Item& it : items) prefill_block(a, it.b, it.h, it.i0, it.i1, ws);
+    return;
+  }
+  parallel_items_with<Workspace>(int64_t(items.size()), [&](int64_t n, Workspace& ws) {
+    const Item& it = items[n];
+    prefill_block(a, it.b, it.h, it.i0, it.i1, ws);
+  });
 }
 
 }  // namespace topg::attn

@@ -79,23 +79,7 @@ void dense_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::
   a.o_off = o_off.data(), a.sq = sq.data(), a.sk = sk.data();
   a.hq = sz.hq, a.hkv = hkv, a.d = d, a.scale = scale, a.softcap = softcap;
   a.causal = true, a.window = window_left;  // bottom-right aligned, as the paged rows
-  struct Item {
-    int64_t cost, b, h, i0, i1;
-  };
-  std::vector<Item> items;
-  const int64_t bq = attn::query_block(sz.hq / hkv);
-  for (int64_t b = 0; b < nd; ++b)
-    for (int64_t i0 = 0; i0 < sq[b]; i0 += bq) {
-      const int64_t i1 = std::min(sq[b], i0 + bq);
-      const int64_t n = std::max<int64_t>(0, a.hi(b, i1 - 1) + 1 - a.lo(b, i0));
-      for (int64_t h = 0; h < hkv; ++h) items.push_back({n * (i1 - i0) + 1, b, h, i0, i1});
-    }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  parallel_items_with<attn::Workspace>(int64_t(items.size()), [&](int64_t n, attn::Workspace& ws) {
-    const Item& it = items[n];
-    attn::prefill_block(a, it.b, it.h, it.i0, it.i1, ws);
-  });
+  attn::run_prefill(a, nd);
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,

@@ -60,6 +60,7 @@ def make_config(
     seed: int | None = None,
     deterministic: bool = False,
     compile: bool = True,
+    decode_plan: bool = True,
     kv_heads: int | None = None,
     kv_cache_dtype: str = "auto",
     prefix_caching: bool = True,
@@ -83,6 +84,8 @@ def make_config(
             "deterministic: needs compile=True (the compiled step runs every linear on topg "
             "kernels, whose batch-invariant mode it relies on)"
         )
+    if not isinstance(decode_plan, bool):
+        raise ValueError(f"decode_plan: expected a bool, got {decode_plan!r}")
     if batch_timeout < 0:
         raise ValueError(f"batch_timeout: expected >= 0 ms, got {batch_timeout!r}")
     text = model_config.get_text_config()
@@ -122,7 +125,8 @@ def make_config(
         max_num_batched_tokens=max_num_batched_tokens, max_queue=max_queue,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
         kv_cache_dtype=kv_cache_dtype,
-        seed=seed, deterministic=deterministic, compile=compile, speculative=speculative,
+        seed=seed, deterministic=deterministic, compile=compile, decode_plan=decode_plan,
+        speculative=speculative,
         **tiers,
     )  # fmt: skip
 
@@ -221,7 +225,7 @@ def _blocks(name: str, budget: int, per_block: int) -> int:
 _OPTIONS = {
     "device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
     "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size", "max_model_len",
-    "seed", "deterministic", "compile", "kv_cache_dtype", "prefix_caching", "host_kv_memory", "disk_kv_path",
+    "seed", "deterministic", "compile", "decode_plan", "kv_cache_dtype", "prefix_caching", "host_kv_memory", "disk_kv_path",
     "disk_kv_memory", "session_ttl", "session_kv_share", "speculative", "quantization",
 }  # fmt: skip
 

@@ -25,6 +25,7 @@ class EngineConfig:
     seed: int | None = None
     deterministic: bool = False
     compile: bool = True
+    decode_plan: bool = True  # decode batches as one native call (decode_plan.py)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (with scales)
     # the KV cache hierarchy (kv_cache.py)
     prefix_caching: bool = True

@@ -73,7 +73,10 @@ class Engine:
             max_blocks_per_seq=-(-config.max_model_len // config.block_size),
             compile=config.compile,
             kv_cache_dtype=config.kv_cache_dtype,
+            decode_plan=_decode_plan_wanted(config),
         )
+        if isinstance(why := _decode_plan_wanted(config), str):
+            self.runner.plan_reason = why
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVCacheManager(
             self.pool,
@@ -538,6 +541,11 @@ class Engine:
             },
             "time": dict(st.time),
             **({"speculative": self.spec.summary()} if self.spec is not None else {}),
+            "decode_plan": {
+                "active": self.runner.plan is not None,
+                "reason": self.runner.plan_reason,
+                "steps": self.runner.plan_steps,
+            },
             "compile": {
                 "enabled": self.runner.compiled,
                 "compilations": self.runner.compilations,
@@ -554,6 +562,21 @@ class _Stats:
         self.tokens_per_step = 0
         self.batch_sizes: Counter[int] = Counter()
         self.time: Counter[str] = Counter(schedule_s=0.0, model_s=0.0, sample_s=0.0)
+
+
+def _decode_plan_wanted(config: EngineConfig) -> bool | str:
+    """True, or why decode batches stay on the compiled graph (docs/decode-step.md)."""
+    if not config.decode_plan:
+        return "decode_plan=False"
+    if config.prefetch_depth > 0:
+        return "prefetch_depth > 0: offloaded layers stream their weights on the compiled graph"
+    if config.tp_size > 1:
+        return "tp_size > 1: each rank runs its shard on the compiled graph"
+    if config.deterministic:
+        return "deterministic=True: batch-invariant kernels run on the compiled graph"
+    if config.device.type != "cpu":
+        return f"device {config.device.type}: the plan is CPU-only (CUDA graphs: not yet)"
+    return True
 
 
 def _cache_salt(model: torch.nn.Module, caches: list[torch.Tensor], block_size: int) -> bytes:

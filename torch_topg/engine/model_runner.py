@@ -35,6 +35,7 @@ class PackedBatch:
     seq_lens: torch.Tensor  # int32 [S]: cached tokens after the step
     cu_seqlens_q: torch.Tensor  # int32 [S + 1]
     logits_indices: torch.Tensor  # int64 [R]: rows of the packed batch to sample
+    decode: bool = False  # every sequence one new token, each sampled: the plan's case
 
 
 def kv_layout(config: Any) -> tuple[int, int, int]:
@@ -58,6 +59,7 @@ class ModelRunner:
         kv_heads: int | None = None,
         compile: bool = True,
         kv_cache_dtype: str = "auto",
+        decode_plan: bool | str = False,
     ) -> None:
         register_attention()
         self.model = model
@@ -84,6 +86,12 @@ class ModelRunner:
         self._set_attention(model)
         self.compilations = 0
         self.compiled = compile
+        # The decode plan: True = lower after warm-up; a string = off, and why.
+        self._plan_wanted = decode_plan
+        self._plan_tried = False
+        self.plan: Any = None
+        self.plan_reason = "not lowered yet"
+        self.plan_steps = 0
         self._step = model_step
         if compile:
             # A code object of its own: dynamo's cache (and its size limit) is per code
@@ -99,6 +107,42 @@ class ModelRunner:
         tensors = _kv_tensors(1, block_size, kv_heads or kv, head_dim, dtype, kv_cache_dtype)
         per_layer = sum(torch.Size(s).numel() * t.itemsize for s, t in tensors)
         return layers * per_layer
+
+    # --- the decode plan (decode_plan.py) ------------------------------------------------
+    def relower(self) -> None:
+        """(Re)build the decode plan from the model's current tensors, or keep the reason
+        it does not lower in :attr:`plan_reason`."""
+        from torch_topg.engine.decode_plan import Unsupported, lower
+
+        self.plan, self._plan_tried = None, True
+        if self._plan_wanted is not True:
+            self.plan_reason = self._plan_wanted or "decode_plan=False"
+            return
+        try:
+            self.plan = lower(self.model, self.kv_caches, block_size=self.block_size,
+                              max_positions=self.max_blocks_per_seq * self.block_size)  # fmt: skip
+            self.plan_reason = ""
+        except Unsupported as e:
+            self.plan_reason = str(e)
+
+    def _run_plan(self, b: PackedBatch) -> torch.Tensor | None:
+        if not self._plan_tried:
+            self.relower()
+        if self.plan is None:
+            return None
+        args = (b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
+                b.logits_indices)  # fmt: skip
+        try:
+            logits = self.plan.run(*args)
+        except RuntimeError as e:
+            if "DecodePlan is stale" not in str(e):
+                raise
+            self.relower()  # weights converted or moved: lower again, or fall back
+            if self.plan is None:
+                return None
+            logits = self.plan.run(*args)
+        self.plan_steps += 1
+        return logits
 
     def _set_attention(self, model: torch.nn.Module) -> None:
         if hasattr(model, "set_attn_implementation"):
@@ -116,7 +160,16 @@ class ModelRunner:
         return backend
 
     def execute(self, b: PackedBatch) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[R, vocab]`` of the sampled rows."""
+        """Run one step; returns float32 logits ``[R, vocab]`` of the sampled rows.
+        A decode batch runs on the decode plan when there is one, else on the graph."""
+        if b.decode and self._plan_wanted is True:
+            logits = self._run_plan(b)
+            if logits is not None:
+                return logits
+        return self.execute_graph(b)
+
+    def execute_graph(self, b: PackedBatch) -> torch.Tensor:
+        """One step on the (compiled) model graph, whatever the batch."""
         args = (self.model, b.input_ids, b.positions, b.logits_indices, self.kv_caches, b.slot_mapping,
                 b.block_tables, b.seq_lens, b.cu_seqlens_q)  # fmt: skip
         if self.compiled:
@@ -164,6 +217,7 @@ class ModelRunner:
             if blocks:
                 table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         dev = self.device
+        decode = all(n == 1 for _, _, n, _ in items) and all(int(f) == 1 for f in samples)
         last = [
             c - j for c, f in zip(cu[1:], samples, strict=True) for j in range(int(f), 0, -1)
         ] or [cu[-1] - 1]
@@ -185,6 +239,7 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(last, dtype=torch.long, device=dev),
+            decode=decode,
         )
 
     def warmup(self) -> None:
@@ -206,7 +261,9 @@ class ModelRunner:
                 nxt += k
             if nxt > self.num_blocks:
                 return  # a pool this small is a test's; it compiles on first use
-            self.execute(self.pack(items, samples))
+            self.execute_graph(self.pack(items, samples))
+        if self._plan_wanted is True:
+            self.relower()  # after compiling: the passes may re-point weights
 
 
 def _kv_tensors(

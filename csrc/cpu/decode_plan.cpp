@@ -1,0 +1,519 @@
+// topg.DecodePlan (CPU): the whole decode step of a Llama-style decoder as one native
+// call, for the engine's decode batches (B sequences, one new token each).
+//
+// Built once from the model's tensors (torch_topg/engine/decode_plan.py lowers the model
+// and checks that it is the family this plan computes); run() then does the step without
+// Python or the dispatcher: the weights, KV caches and the rotary table are bound at
+// construction (read in place: in-place weight updates are seen; a replaced or converted
+// tensor makes run() refuse with "stale", and the engine lowers again), buffers persist
+// across steps, and one thread team (team.h) runs every op of the step, phase by phase:
+//
+//   per layer  1. norm (+ residual add) -> q/k/v GEMV by head -> rotary -> cache write
+//              2. paged attention, one item per (sequence, key partition), merged by
+//                 whichever member finishes a sequence's last partition
+//              3. o_proj GEMV
+//              4. residual add + norm -> gate/up GEMV -> SiLU(gate) * up
+//              5. down GEMV
+//   then       6. residual add + final norm -> LM head GEMV on the sampled rows
+//
+// Fusions: each member keeps its own copy of the residual stream and normalises it
+// itself (a few KiB; no barrier and no shared write between a GEMV's output and the
+// next GEMV's input); rotary and the cache write run on each q/k/v head as soon as its
+// GEMV item is done; the activation runs on each gate/up item. Every value is rounded
+// where the compiled graph rounds it (each op's output in the model dtype) and every
+// sum runs in the same order as the ops' kernels (the same dot-product blocks, the same
+// attention partitions and merge), so in fp32 the logits equal the compiled graph's.
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "activation_kernels.h"
+#include "dispatch.h"
+#include "gemm_kernels.h"
+#include "norm_kernels.h"
+#include "paged_kernels.h"
+#include "rotary_kernels.h"
+#include "team.h"
+
+namespace topg {
+namespace {
+
+enum Phase : int { kQKV, kAttn, kOProj, kGateUp, kDown, kHead, kPhases };
+constexpr int kLayerPhases = 5;
+
+struct Layer {
+  at::Tensor ln_in, wq, wk, wv, bq, bk, bv, wo, ln_post, wg, wu, wd, kc, vc;
+  int64_t window = -1;
+};
+
+// One member's private state: its copy of the residual stream, the normalised rows, the
+// A operand of the next GEMV (fp32, in the dot path's layout) and kernel scratch.
+struct Member {
+  std::vector<char> resid, x;
+  std::vector<float> a, cos, sin;
+  std::vector<const float*> ap;
+  paged::Workspace pw;
+};
+
+// The attention schedule of a step for one sliding-window value: per row its first key,
+// partition size, result slots, and the (row, partition) items, costliest first.
+struct AttnSched {
+  int64_t window = -1;
+  std::vector<int64_t> lo, size, first;
+  std::vector<std::pair<int64_t, int64_t>> items;
+};
+
+// Weight rows per GEMV work item: ~256 KiB. Measured (SmolLM2 fp32, batch 1, 2 threads,
+// ms per step, 3 alternating rounds): 128 KiB 22.2-24.2, 256 KiB 21.0-21.7, 512 KiB
+// 21.3-23.3; one static range per member 20.4-21.3 (no better within the noise, and it
+// cannot rebalance when a member is descheduled on a shared machine).
+int64_t rows_per_item(int64_t K, int64_t esize) {
+  return std::max<int64_t>(8, (int64_t(1) << 18) / std::max<int64_t>(K * esize, 1) / 8 * 8);
+}
+
+class DecodePlan : public torch::CustomClassHolder {
+ public:
+  // weights: embed, final_norm, lm_head, then per layer ln_in, wq, wk, wv, bq, bk, bv, wo,
+  // ln_post, wg, wu, wd (an empty tensor for a missing bias). kv_caches: [k_0, v_0, ...].
+  // dims: layers, hq, hkv, head_dim, block_size, then one window per layer (-1: none).
+  // params: rms eps, attention scale.
+  DecodePlan(std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor cos_sin,
+             std::vector<int64_t> dims, std::vector<double> params)
+      : cos_sin_(std::move(cos_sin)) {
+    TORCH_CHECK(dims.size() >= 5, "topg::DecodePlan: dims expected [layers, hq, hkv, head_dim, ",
+                "block_size, windows...], got ", dims.size(), " values");
+    L_ = dims[0], hq_ = dims[1], hkv_ = dims[2], d_ = dims[3], bs_ = dims[4];
+    TORCH_CHECK(L_ >= 1 && hq_ >= 1 && hkv_ >= 1 && hq_ % hkv_ == 0 && d_ % 2 == 0 && bs_ >= 1,
+                "topg::DecodePlan: bad dims layers=", L_, " hq=", hq_, " hkv=", hkv_,
+                " head_dim=", d_, " block_size=", bs_);
+    TORCH_CHECK(int64_t(dims.size()) == 5 + L_, "topg::DecodePlan: expected ", L_, " windows, got ",
+                dims.size() - 5);
+    TORCH_CHECK(int64_t(weights.size()) == 3 + 12 * L_, "topg::DecodePlan: expected ", 3 + 12 * L_,
+                " weight tensors, got ", weights.size());
+    TORCH_CHECK(int64_t(kv_caches.size()) == 2 * L_, "topg::DecodePlan: expected ", 2 * L_,
+                " KV cache tensors (K and V per layer), got ", kv_caches.size());
+    TORCH_CHECK(params.size() == 2, "topg::DecodePlan: params expected [eps, scale]");
+    eps_ = float(params[0]), scale_ = float(params[1]);
+    embed_ = weights[0], final_norm_ = weights[1], lm_head_ = weights[2];
+    dtype_ = embed_.scalar_type();
+    TORCH_CHECK(embed_.dim() == 2 && lm_head_.dim() == 2, "topg::DecodePlan: embed and lm_head ",
+                "must be 2-D, got ", embed_.sizes(), " and ", lm_head_.sizes());
+    H_ = embed_.size(1), V_ = lm_head_.size(0);
+    for (int64_t l = 0; l < L_; ++l) {
+      const at::Tensor* w = &weights[3 + 12 * l];
+      Layer y{w[0],
+              w[1],
+              w[2],
+              w[3],
+              w[4],
+              w[5],
+              w[6],
+              w[7],
+              w[8],
+              w[9],
+              w[10],
+              w[11],
+              kv_caches[2 * l],
+              kv_caches[2 * l + 1],
+              dims[5 + l]};
+      layers_.push_back(y);
+    }
+    I_ = layers_[0].wg.size(0);
+    expect(embed_, "embed", {-1, H_});
+    expect(final_norm_, "final_norm", {H_});
+    expect(lm_head_, "lm_head", {V_, H_});
+    TORCH_CHECK(cos_sin_.dim() == 2 && cos_sin_.size(1) == d_ && cos_sin_.scalar_type() == dtype_ &&
+                    cos_sin_.is_contiguous(),
+                "topg::DecodePlan: cos_sin expected contiguous [positions, ", d_, "] ", dtype_,
+                ", got ", cos_sin_.sizes(), " ", cos_sin_.scalar_type());
+    for (int64_t l = 0; l < L_; ++l) {
+      const Layer& y = layers_[l];
+      const std::string n = "layers." + std::to_string(l) + ".";
+      expect(y.ln_in, n + "ln_in", {H_});
+      expect(y.wq, n + "wq", {hq_ * d_, H_});
+      expect(y.wk, n + "wk", {hkv_ * d_, H_});
+      expect(y.wv, n + "wv", {hkv_ * d_, H_});
+      for (const auto& [b, rows, name] :
+           {std::tuple{&y.bq, hq_ * d_, "bq"}, std::tuple{&y.bk, hkv_ * d_, "bk"},
+            std::tuple{&y.bv, hkv_ * d_, "bv"}})
+        if (b->numel()) expect(*b, n + name, {rows});
+      expect(y.wo, n + "wo", {H_, hq_ * d_});
+      expect(y.ln_post, n + "ln_post", {H_});
+      expect(y.wg, n + "wg", {I_, H_});
+      expect(y.wu, n + "wu", {I_, H_});
+      expect(y.wd, n + "wd", {H_, I_});
+      for (const at::Tensor* c : {&y.kc, &y.vc})
+        TORCH_CHECK(c->dim() == 4 && c->size(1) == bs_ && c->size(2) == hkv_ && c->size(3) == d_ &&
+                        c->scalar_type() == dtype_ && c->is_contiguous(),
+                    "topg::DecodePlan: ", n, "kv cache expected contiguous [blocks, ", bs_, ", ",
+                    hkv_, ", ", d_, "] ", dtype_, ", got ", c->sizes(), " ", c->scalar_type());
+    }
+    num_blocks_ = layers_[0].kc.size(0);
+    counters_ = std::make_unique<team::Counter[]>(kLayerPhases * L_ + 1);
+    const char* prof = std::getenv("TOPG_PROFILE");
+    profile_on_ = prof && prof[0] && std::string(prof) != "0";
+  }
+
+  // Logits [R, vocab] (float32) of the rows `logits_indices` of a decode batch.
+  at::Tensor run(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping,
+                 at::Tensor block_tables, at::Tensor seq_lens, at::Tensor logits_indices) {
+    check_weights();
+    const int64_t B = input_ids.numel();
+    arg(input_ids, "input_ids", at::kLong, B);
+    arg(positions, "positions", at::kLong, B);
+    arg(slot_mapping, "slot_mapping", at::kLong, B);
+    arg(seq_lens, "seq_lens", at::kInt, B);
+    arg(logits_indices, "logits_indices", at::kLong, logits_indices.numel());
+    TORCH_CHECK(B >= 1 && logits_indices.numel() >= 1, "topg::DecodePlan.run: empty batch");
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
+                    block_tables.scalar_type() == at::kInt && block_tables.device().is_cpu(),
+                "topg::DecodePlan.run: block_tables expected int32 [", B, ", max_blocks] on cpu, ",
+                "got ", block_tables.scalar_type(), " ", block_tables.sizes(), " on ",
+                block_tables.device());
+    const at::Tensor bt_t = block_tables.contiguous();
+    const int64_t R = logits_indices.numel(), mb = bt_t.size(1);
+    const int64_t* ids = input_ids.const_data_ptr<int64_t>();
+    const int64_t* pos = positions.const_data_ptr<int64_t>();
+    const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+    const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+    const int32_t* bt = bt_t.const_data_ptr<int32_t>();
+    const int64_t* li = logits_indices.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < embed_.size(0), "topg::DecodePlan.run: input_ids[", b,
+                  "] = ", ids[b], " outside the vocabulary [0, ", embed_.size(0), ")");
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_sin_.size(0), "topg::DecodePlan.run: positions[", b,
+                  "] = ", pos[b], " outside the rotary table [0, ", cos_sin_.size(0), ")");
+      TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks_ * bs_,
+                  "topg::DecodePlan.run: ", "slot_mapping[", b, "] = ", slots[b], " outside [0, ",
+                  num_blocks_ * bs_, ")");
+      TORCH_CHECK(lens[b] >= 1 && lens[b] <= mb * bs_, "topg::DecodePlan.run: seq_lens[", b,
+                  "] = ", lens[b], " outside [1, ", mb * bs_, "] (max_blocks x block_size)");
+      for (int64_t j = 0; j < (lens[b] + bs_ - 1) / bs_; ++j)
+        TORCH_CHECK(bt[b * mb + j] >= 0 && bt[b * mb + j] < num_blocks_,
+                    "topg::DecodePlan.run: ", "block_tables[", b, ", ", j, "] = ", bt[b * mb + j],
+                    " outside [0, ", num_blocks_, ")");
+    }
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(li[r] >= 0 && li[r] < B, "topg::DecodePlan.run: logits_indices[", r,
+                  "] = ", li[r], " outside [0, ", B, ")");
+    at::Tensor logits = at::empty({R, V_}, input_ids.options().dtype(at::kFloat));
+    const Step s{ids, pos, slots, bt, mb, lens, li, B, R, logits.mutable_data_ptr<float>()};
+    TOPG_DISPATCH_FLOAT(dtype_, "DecodePlan", T, [&] { step<T>(s); });
+    return logits;
+  }
+
+  // Seconds per phase summed over the steps run with TOPG_PROFILE=1, then the step count.
+  std::vector<double> profile() const {
+    std::vector<double> p(prof_, prof_ + kPhases);
+    p.push_back(double(prof_steps_));
+    return p;
+  }
+  void reset_profile() {
+    std::fill(prof_, prof_ + kPhases, 0.0);
+    prof_steps_ = 0;
+  }
+  int64_t last_members() const { return last_members_; }
+
+ private:
+  struct Step {
+    const int64_t *ids, *pos, *slots;
+    const int32_t* bt;
+    int64_t bt_ss;
+    const int32_t* lens;
+    const int64_t* li;
+    int64_t B, R;
+    float* logits;
+  };
+
+  void expect(const at::Tensor& t, const std::string& name, std::vector<int64_t> shape) {
+    bool ok = t.dim() == int64_t(shape.size()) && t.scalar_type() == dtype_ && t.is_contiguous() &&
+              t.device().is_cpu();
+    for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || t.size(i) == shape[i];
+    TORCH_CHECK(ok, "topg::DecodePlan: ", name, " expected a contiguous cpu ", dtype_,
+                " tensor of shape ", at::IntArrayRef(shape), " (-1: any), got ", t.scalar_type(),
+                " ", t.sizes(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
+    bound_.push_back({t, t.const_data_ptr(), name});
+  }
+
+  static void arg(const at::Tensor& t, const char* name, at::ScalarType dt, int64_t n) {
+    TORCH_CHECK(t.scalar_type() == dt && t.numel() == n && t.device().is_cpu() && t.is_contiguous(),
+                "topg::DecodePlan.run: ", name, " expected contiguous ", dt, " with ", n,
+                " elements on cpu, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  }
+
+  // A bound tensor converted (.to(dtype) through .data), resized or replaced in storage.
+  void check_weights() const {
+    for (const auto& b : bound_)
+      TORCH_CHECK(
+          b.t.scalar_type() == dtype_ && b.t.is_contiguous() && b.t.const_data_ptr() == b.data,
+          "topg::DecodePlan is stale: ", b.name, " changed (dtype ", b.t.scalar_type(),
+          ", storage moved) since the plan was built; lower the model again");
+  }
+
+  template <typename T>
+  void step(const Step& s);
+
+  struct Bound {
+    at::Tensor t;
+    const void* data;
+    std::string name;
+  };
+  at::Tensor embed_, final_norm_, lm_head_, cos_sin_;
+  std::vector<Layer> layers_;
+  std::vector<Bound> bound_;
+  at::ScalarType dtype_;
+  int64_t L_, H_, I_, V_, hq_, hkv_, d_, bs_, num_blocks_;
+  float eps_, scale_;
+  // Shared buffers of a step (bytes; typed in step<T>), persistent across steps.
+  std::vector<char> q_, k_, v_, attn_, delta_, gu_, act_;
+  std::vector<float> res_;
+  std::vector<Member> members_;
+  std::vector<AttnSched> scheds_;
+  std::vector<int32_t> row_seq_;
+  std::unique_ptr<std::atomic<int32_t>[]> pending_;
+  int64_t pending_size_ = 0;
+  std::unique_ptr<team::Counter[]> counters_;
+  bool profile_on_ = false;
+  double prof_[kPhases] = {};
+  int64_t prof_steps_ = 0, last_members_ = 0;
+};
+
+template <typename T>
+void DecodePlan::step(const Step& s) {
+  const int64_t B = s.B, R = s.R, H = H_, I = I_, V = V_, hq = hq_, hkv = hkv_, d = d_;
+  const int64_t qd = hq * d, kd = hkv * d, rs = paged::part_stride(d);
+  const int want = int(std::max<int64_t>(1, at::get_num_threads()));
+  const auto sz = [](std::vector<char>& v, int64_t n) { v.resize(size_t(n * sizeof(T))); };
+  sz(q_, B * qd), sz(k_, B * kd), sz(v_, B * kd), sz(attn_, B * qd), sz(delta_, B * H);
+  sz(gu_, B * 2 * I), sz(act_, B * I);
+  const int64_t kmax = std::max({H, qd, I});
+  if (int64_t(members_.size()) < want) members_.resize(size_t(want));
+  for (Member& m : members_) {
+    sz(m.resid, B * H), sz(m.x, B * H);
+    m.a.resize(size_t(std::max(B, R) * kmax)), m.ap.resize(size_t(std::max(B, R)));
+    m.cos.resize(size_t(d)), m.sin.resize(size_t(d));
+  }
+  // The attention schedule per distinct window (paged_attention's partitions, bitwise).
+  row_seq_.resize(size_t(B));
+  for (int64_t b = 0; b < B; ++b) row_seq_[b] = int32_t(b);
+  scheds_.clear();
+  int64_t res_floats = 0;
+  std::vector<int> sched_of(static_cast<size_t>(L_));
+  for (int64_t l = 0; l < L_; ++l) {
+    const int64_t w = layers_[l].window;
+    size_t i = 0;
+    while (i < scheds_.size() && scheds_[i].window != w) ++i;
+    sched_of[l] = int(i);
+    if (i < scheds_.size()) continue;
+    AttnSched a;
+    a.window = w;
+    a.lo.resize(B), a.size.resize(B), a.first.resize(B + 1);
+    std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> costed;
+    int64_t parts = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = s.lens[b];
+      a.lo[b] = w >= 0 ? std::max<int64_t>(0, n - 1 - w) : 0;
+      const int64_t P = a.size[b] = paged::part_tokens(n - a.lo[b]), k0 = a.lo[b] / P;
+      a.first[b] = parts;
+      for (int64_t k = k0; k * P < n; ++k)
+        costed.push_back({std::min(n, (k + 1) * P) - k * P, {b, k}}), ++parts;
+    }
+    a.first[B] = parts;
+    std::stable_sort(costed.begin(), costed.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    for (const auto& c : costed) a.items.push_back(c.second);
+    res_floats = std::max(res_floats, parts * hq * rs);
+    scheds_.push_back(std::move(a));
+  }
+  res_.resize(size_t(res_floats));
+  if (pending_size_ < B) {
+    pending_ = std::make_unique<std::atomic<int32_t>[]>(size_t(B));
+    pending_size_ = B;
+  }
+  for (int64_t i = 0; i < kLayerPhases * L_ + 1; ++i) counters_[i].next.store(0);
+
+  T* q = reinterpret_cast<T*>(q_.data());
+  T* kb = reinterpret_cast<T*>(k_.data());
+  T* vb = reinterpret_cast<T*>(v_.data());
+  T* attn = reinterpret_cast<T*>(attn_.data());
+  T* delta = reinterpret_cast<T*>(delta_.data());
+  T* gu = reinterpret_cast<T*>(gu_.data());
+  T* act = reinterpret_cast<T*>(act_.data());
+  const T* cs = cptr<T>(cos_sin_);
+  const bool prof = profile_on_;
+
+  last_members_ = team::run_team(want, [&](int me, int, team::Barrier& bar) {
+    Member& m = members_[size_t(me)];
+    T* resid = reinterpret_cast<T*>(m.resid.data());
+    T* x = reinterpret_cast<T*>(m.x.data());
+    auto clock = std::chrono::steady_clock::now();
+    const auto sync = [&](Phase p) {
+      bar.wait();
+      if (prof && me == 0) {
+        const auto now = std::chrono::steady_clock::now();
+        prof_[p] += std::chrono::duration<double>(now - clock).count();
+        clock = now;
+      }
+    };
+    // The A operand of a GEMV: `rows` rows of K values (row r at src + idx(r) * K).
+    const auto load_a = [&](const T* src, int64_t K, int64_t rows, const int64_t* idx) {
+      for (int64_t r = 0; r < rows; ++r) {
+        gemm::dot_a_row<T>(src + (idx ? idx[r] : r) * K, K, m.a.data() + r * K);
+        m.ap[r] = m.a.data() + r * K;
+      }
+    };
+    // out[r * ldo + n] = T(A_r . w_n + bias_n) for weight rows [n0, n1).
+    const auto gemv = [&](const T* w, int64_t K, const T* bias, int64_t rows, int64_t n0,
+                          int64_t n1, T* out, int64_t ldo) {
+      gemm::dot_rows_range(m.ap.data(), rows, w, K, K, n0, n1, [&](int64_t r, int64_t n, float v) {
+        out[r * ldo + n] = from_float<T>(bias ? v + to_float(bias[n]) : v);
+      });
+    };
+    const auto items = [&](team::Counter& c, int64_t n, auto&& fn) {
+      for (int64_t i = c.take(); i < n; i = c.take()) fn(i);
+    };
+    // fn(u0, u1) over chunks of `chunk` units taken from the shared counter.
+    const auto share = [&](team::Counter& c, int64_t units, int64_t chunk, auto&& fn) {
+      const int64_t n = gemm::ceil_div(units, chunk);
+      for (int64_t i = c.take(); i < n; i = c.take())
+        fn(i * chunk, std::min(units, (i + 1) * chunk));
+    };
+    const auto opt = [](const at::Tensor& b) { return b.numel() ? cptr<T>(b) : nullptr; };
+
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(resid + b * H, cptr<T>(embed_) + s.ids[b] * H, size_t(H) * sizeof(T));
+    for (int64_t l = 0; l < L_; ++l) {
+      const Layer& y = layers_[l];
+      const AttnSched& as = scheds_[size_t(sched_of[l])];
+      team::Counter* c = &counters_[kLayerPhases * l];
+      // 1. (residual add +) norm, q/k/v by head, rotary, cache write.
+      if (l == 0) {
+        norm::rms_norm_rows(resid, H, cptr<T>(y.ln_in), x, H, H, eps_, 0, B);
+      } else {
+        std::memcpy(x, delta, size_t(B * H) * sizeof(T));
+        norm::fused_add_rms_norm_rows(x, resid, cptr<T>(y.ln_in), H, eps_, 0, B);
+      }
+      load_a(x, H, B, nullptr);
+      if (me == 0)
+        for (int64_t b = 0; b < B; ++b)
+          pending_[b].store(int32_t(as.first[b + 1] - as.first[b]), std::memory_order_relaxed);
+      share(c[kQKV], hq + 2 * hkv, 1, [&](int64_t h0, int64_t h1) {
+        // heads [h0, h1) of q | k | v: one GEMV call per tensor, then per head rotary and
+        // the cache write.
+        for (int part = 0; part < 3; ++part) {
+          const int64_t base = part == 0 ? 0 : part == 1 ? hq : hq + hkv;
+          const int64_t count = part == 0 ? hq : hkv;
+          const int64_t a0 = std::max(h0, base) - base, a1 = std::min(h1, base + count) - base;
+          if (a1 <= a0) continue;
+          const at::Tensor& w = part == 0 ? y.wq : part == 1 ? y.wk : y.wv;
+          const T* bias = opt(part == 0 ? y.bq : part == 1 ? y.bk : y.bv);
+          T* out = part == 0 ? q : part == 1 ? kb : vb;
+          const int64_t ld = part == 0 ? qd : kd;
+          gemv(cptr<T>(w), H, bias, B, a0 * d, a1 * d, out, ld);
+          for (int64_t h = a0; h < a1; ++h)
+            for (int64_t b = 0; b < B; ++b) {
+              T* head = out + b * ld + h * d;
+              if (part < 2) {
+                rotary::load_cos_sin(cs + s.pos[b] * d, d, true, m.cos.data(), m.sin.data());
+                rotary::rotate_neox(head, m.cos.data(), m.sin.data(), d / 2);
+              }
+              if (part > 0) {
+                T* cache = ptr<T>(part == 1 ? y.kc : y.vc);
+                std::memcpy(cache + (s.slots[b] * hkv + h) * d, head, size_t(d) * sizeof(T));
+              }
+            }
+        }
+      });
+      sync(kQKV);
+      // 2. Paged attention: (row, partition) items; a row is merged by the member that
+      // finishes its last partition.
+      {
+        paged::PagedArgs<T, T> a{};
+        a.q = q, a.q_ss = qd, a.q_sh = d;
+        a.kc = cptr<T>(y.kc), a.vc = cptr<T>(y.vc);
+        a.bt = s.bt, a.bt_ss = s.bt_ss, a.row_seq = row_seq_.data();
+        a.hq = hq, a.hkv = hkv, a.d = d, a.block_size = bs_;
+        a.scale = scale_, a.softcap = 0.f, a.window = y.window;
+        items(c[kAttn], int64_t(as.items.size()), [&](int64_t i) {
+          const auto [b, k] = as.items[size_t(i)];
+          const int64_t n = s.lens[b], P = as.size[b], k0 = as.lo[b] / P;
+          float* res = res_.data() + as.first[b] * hq * rs;
+          const paged::RowPart rp{b, as.lo[b], n, res + (k - k0) * hq * rs};
+          paged::partition(a, &rp, 1, k * P, std::min(n, (k + 1) * P), m.pw);
+          if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
+            paged::combine(res, as.first[b + 1] - as.first[b], hq, d, attn + b * qd, d);
+        });
+      }
+      sync(kAttn);
+      // 3. o_proj.
+      load_a(attn, qd, B, nullptr);
+      {
+        const int64_t step = rows_per_item(qd, sizeof(T));
+        share(c[kOProj], gemm::ceil_div(H, 8), step / 8, [&](int64_t u0, int64_t u1) {
+          gemv(cptr<T>(y.wo), qd, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
+        });
+      }
+      sync(kOProj);
+      // 4. Residual add + norm, gate/up, SiLU(gate) * up.
+      std::memcpy(x, delta, size_t(B * H) * sizeof(T));
+      norm::fused_add_rms_norm_rows(x, resid, cptr<T>(y.ln_post), H, eps_, 0, B);
+      load_a(x, H, B, nullptr);
+      {
+        const int64_t step = rows_per_item(H, 2 * sizeof(T));
+        share(c[kGateUp], gemm::ceil_div(I, 8), step / 8, [&](int64_t u0, int64_t u1) {
+          const int64_t n0 = u0 * 8, n1 = std::min(I, u1 * 8);
+          gemm::dot_rows_gated(m.ap.data(), B, cptr<T>(y.wg), cptr<T>(y.wu), H, H, n0, n1,
+                               [&](int64_t r, int64_t n, float g, float u) {
+                                 gu[r * 2 * I + n] = from_float<T>(g);
+                                 gu[r * 2 * I + I + n] = from_float<T>(u);
+                               });
+          for (int64_t b = 0; b < B; ++b) act::gated_span<act::Silu>(gu, 2 * I, act, I, b, n0, n1);
+        });
+      }
+      sync(kGateUp);
+      // 5. down.
+      load_a(act, I, B, nullptr);
+      {
+        const int64_t step = rows_per_item(I, sizeof(T));
+        share(c[kDown], gemm::ceil_div(H, 8), step / 8, [&](int64_t u0, int64_t u1) {
+          gemv(cptr<T>(y.wd), I, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
+        });
+      }
+      sync(kDown);
+    }
+    // 6. Residual add + final norm, LM head on the sampled rows.
+    std::memcpy(x, delta, size_t(B * H) * sizeof(T));
+    norm::fused_add_rms_norm_rows(x, resid, cptr<T>(final_norm_), H, eps_, 0, B);
+    load_a(x, H, R, s.li);
+    const int64_t step = rows_per_item(H, sizeof(T));
+    share(counters_[kLayerPhases * L_], gemm::ceil_div(V, 8), step / 8,
+          [&](int64_t u0, int64_t u1) {
+            gemm::dot_rows_range(m.ap.data(), R, cptr<T>(lm_head_), H, H, u0 * 8,
+                                 std::min(V, u1 * 8), [&](int64_t r, int64_t n, float v) {
+                                   s.logits[r * V + n] = to_float(from_float<T>(v));
+                                 });
+          });
+    sync(kHead);
+  });
+  if (prof) ++prof_steps_;
+}
+
+}  // namespace
+}  // namespace topg
+
+TORCH_LIBRARY_FRAGMENT(topg, m) {
+  m.class_<topg::DecodePlan>("DecodePlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+                       std::vector<int64_t>, std::vector<double>>())
+      .def("run", &topg::DecodePlan::run)
+      .def("profile", &topg::DecodePlan::profile)
+      .def("reset_profile", &topg::DecodePlan::reset_profile)
+      .def("last_members", &topg::DecodePlan::last_members);
+}

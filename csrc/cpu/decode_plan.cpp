@@ -47,9 +47,10 @@ namespace {
 
 enum Phase : int { kQKV, kAttn, kOProj, kGateUp, kDown, kHead, kPhases };
 constexpr int kLayerPhases = 5;
+constexpr int kPerLayer = 14;  // weight tensors per layer
 
 struct Layer {
-  at::Tensor ln_in, wq, wk, wv, bq, bk, bv, wo, ln_post, wg, wu, wd, kc, vc;
+  at::Tensor ln_in, wq, wk, wv, bq, bk, bv, qn, kn, wo, ln_post, wg, wu, wd, kc, vc;
   int64_t window = -1;
 };
 
@@ -80,8 +81,9 @@ int64_t rows_per_item(int64_t K, int64_t esize) {
 
 class DecodePlan : public torch::CustomClassHolder {
  public:
-  // weights: embed, final_norm, lm_head, then per layer ln_in, wq, wk, wv, bq, bk, bv, wo,
-  // ln_post, wg, wu, wd (an empty tensor for a missing bias). kv_caches: [k_0, v_0, ...].
+  // weights: embed, final_norm, lm_head, then per layer ln_in, wq, wk, wv, bq, bk, bv,
+  // q_norm, k_norm, wo, ln_post, wg, wu, wd (an empty tensor for a missing bias or
+  // per-head norm). kv_caches: [k_0, v_0, ...].
   // dims: layers, hq, hkv, head_dim, block_size, then one window per layer (-1: none).
   // params: rms eps, attention scale.
   DecodePlan(std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor cos_sin,
@@ -95,8 +97,8 @@ class DecodePlan : public torch::CustomClassHolder {
                 " head_dim=", d_, " block_size=", bs_);
     TORCH_CHECK(int64_t(dims.size()) == 5 + L_, "topg::DecodePlan: expected ", L_, " windows, got ",
                 dims.size() - 5);
-    TORCH_CHECK(int64_t(weights.size()) == 3 + 12 * L_, "topg::DecodePlan: expected ", 3 + 12 * L_,
-                " weight tensors, got ", weights.size());
+    TORCH_CHECK(int64_t(weights.size()) == 3 + kPerLayer * L_, "topg::DecodePlan: expected ",
+                3 + kPerLayer * L_, " weight tensors, got ", weights.size());
     TORCH_CHECK(int64_t(kv_caches.size()) == 2 * L_, "topg::DecodePlan: expected ", 2 * L_,
                 " KV cache tensors (K and V per layer), got ", kv_caches.size());
     TORCH_CHECK(params.size() == 2, "topg::DecodePlan: params expected [eps, scale]");
@@ -107,22 +109,12 @@ class DecodePlan : public torch::CustomClassHolder {
                 "must be 2-D, got ", embed_.sizes(), " and ", lm_head_.sizes());
     H_ = embed_.size(1), V_ = lm_head_.size(0);
     for (int64_t l = 0; l < L_; ++l) {
-      const at::Tensor* w = &weights[3 + 12 * l];
-      Layer y{w[0],
-              w[1],
-              w[2],
-              w[3],
-              w[4],
-              w[5],
-              w[6],
-              w[7],
-              w[8],
-              w[9],
-              w[10],
-              w[11],
-              kv_caches[2 * l],
-              kv_caches[2 * l + 1],
-              dims[5 + l]};
+      const at::Tensor* w = &weights[3 + kPerLayer * l];
+      Layer y;
+      at::Tensor* fields[kPerLayer] = {&y.ln_in, &y.wq, &y.wk, &y.wv,      &y.bq, &y.bk, &y.bv,
+                                       &y.qn,    &y.kn, &y.wo, &y.ln_post, &y.wg, &y.wu, &y.wd};
+      for (int f = 0; f < kPerLayer; ++f) *fields[f] = w[f];
+      y.kc = kv_caches[2 * l], y.vc = kv_caches[2 * l + 1], y.window = dims[5 + l];
       layers_.push_back(y);
     }
     I_ = layers_[0].wg.size(0);
@@ -144,6 +136,8 @@ class DecodePlan : public torch::CustomClassHolder {
            {std::tuple{&y.bq, hq_ * d_, "bq"}, std::tuple{&y.bk, hkv_ * d_, "bk"},
             std::tuple{&y.bv, hkv_ * d_, "bv"}})
         if (b->numel()) expect(*b, n + name, {rows});
+      if (y.qn.numel()) expect(y.qn, n + "q_norm", {d_});
+      if (y.kn.numel()) expect(y.kn, n + "k_norm", {d_});
       expect(y.wo, n + "wo", {H_, hq_ * d_});
       expect(y.ln_post, n + "ln_post", {H_});
       expect(y.wg, n + "wg", {I_, H_});
@@ -420,6 +414,9 @@ void DecodePlan::step(const Step& s) {
           for (int64_t h = a0; h < a1; ++h)
             for (int64_t b = 0; b < B; ++b) {
               T* head = out + b * ld + h * d;
+              const at::Tensor& hn = part == 0 ? y.qn : y.kn;  // per-head RMSNorm (Qwen3)
+              if (part < 2 && hn.numel())
+                norm::rms_norm_rows(head, d, cptr<T>(hn), head, d, d, eps_, 0, 1);
               if (part < 2) {
                 rotary::load_cos_sin(cs + s.pos[b] * d, d, true, m.cos.data(), m.sin.data());
                 rotary::rotate_neox(head, m.cos.data(), m.sin.data(), d / 2);
@@ -509,6 +506,7 @@ void DecodePlan::step(const Step& s) {
 }  // namespace topg
 
 TORCH_LIBRARY_FRAGMENT(topg, m) {
+  topg::team::register_fork_handler();  // at load: every later fork is seen
   m.class_<topg::DecodePlan>("DecodePlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
                        std::vector<int64_t>, std::vector<double>>())

@@ -11,11 +11,14 @@
 // region, a member descheduled for long on a busy machine), the first member to have
 // joined takes the whole program alone (members = 1) and the others leave without
 // running anything. Nothing can wait forever: once formed, every member runs the same
-// phases, so every barrier is reached by all. The program must not throw (validate
+// phases, so every barrier is reached by all. In a forked child the program runs on the
+// calling thread (forked_child below). The program must not throw (validate
 // before calling run_team): a member leaving early would hold the others at a barrier.
 #pragma once
 
 #include <ATen/Parallel.h>
+
+#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
@@ -71,11 +74,27 @@ struct alignas(64) Counter {
   int64_t take() { return next.fetch_add(1, std::memory_order_relaxed); }
 };
 
+// True in a process forked from this one after the library was loaded. GNU OpenMP's pool
+// does not survive fork (a parallel region in the child waits forever for the parent's
+// threads; torch's own ops hang there too unless torch.set_num_threads(1)), so a forked
+// child runs the team's programs on its calling thread alone.
+inline std::atomic<bool>& forked_child() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+inline bool register_fork_handler() {
+  static const bool done = [] {
+    pthread_atfork(nullptr, nullptr, [] { forked_child().store(true); });
+    return true;
+  }();
+  return done;
+}
+
 // Calls body(member, members, barrier) on `want` threads at once, or body(0, 1, barrier)
 // on one thread when the team cannot form. Returns the number of members that ran.
 template <typename Body>
 int run_team(int want, Body&& body) {
-  if (want <= 1 || at::in_parallel_region()) {
+  if (want <= 1 || at::in_parallel_region() || forked_child().load()) {
     Barrier solo(1);
     body(0, 1, solo);
     return 1;

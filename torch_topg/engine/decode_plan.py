@@ -7,7 +7,7 @@ Prefill chunks, speculative verify steps and anything :func:`lower` refuses stay
 compiled graph, and the reason is kept (``engine.stats()["decode_plan"]``).
 
 What the plan computes is the Llama decoder: token embedding; per layer RMSNorm, q / k /
-v projections (optional biases), neox rotary from the model's own rotary module, paged
+v projections (optional biases; Qwen3's per-head q / k RMSNorm), neox rotary from the model's own rotary module, paged
 attention (GQA, optional sliding window), o projection, residual, RMSNorm, SiLU-gated
 MLP, residual; final RMSNorm and the LM head. :func:`lower` checks a model is exactly
 that, module by module, and otherwise says what differs.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 #: transformers model types whose decoder layer is the one the plan computes.
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class Unsupported(Exception):
@@ -122,7 +122,7 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     empty = torch.empty(0, dtype=dtype)
     for i, layer in enumerate(layers):
         at, mlp = layer.self_attn, layer.mlp
-        extra = {"q_norm", "k_norm", "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+        extra = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
         found = sorted(n for n, _ in layer.named_children() if n in extra) + sorted(
             n for n, _ in at.named_children() if n in extra
         )
@@ -139,14 +139,30 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         wg, _ = _linear(mlp.gate_proj, f"layers.{i}.mlp.gate_proj", False)
         wu, _ = _linear(mlp.up_proj, f"layers.{i}.mlp.up_proj", False)
         wd, _ = _linear(mlp.down_proj, f"layers.{i}.mlp.down_proj", False)
+        heads = []
+        for nm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over each head before rotary
+            mod = getattr(at, nm, None)
+            if mod is None:
+                heads.append(empty)
+                continue
+            w, e = _rms(mod, f"layers.{i}.self_attn.{nm}")
+            if e != eps:
+                raise Unsupported(f"layers.{i}.self_attn.{nm}: epsilon differs from the layers'")
+            heads.append(w)
         s = float(at.scaling)
         if scale is not None and s != scale:
             raise Unsupported("attention scaling differs between layers")
         scale = s
-        sw = getattr(at, "sliding_window", None)
+        # The window transformers passes to the attention function: Mistral's from the
+        # config, Qwen2 / Qwen3's per layer from the module (None on full-attention layers).
+        sw = (
+            getattr(text, "sliding_window", None)
+            if kind == "mistral"
+            else getattr(at, "sliding_window", None)
+        )
         windows.append(int(sw) - 1 if sw else -1)
-        weights += [ln_in, wq, wk, wv, *(b if b is not None else empty for b in (bq, bk, bv)),
-                    wo, ln_post, wg, wu, wd]  # fmt: skip
+        biases = [b if b is not None else empty for b in (bq, bk, bv)]
+        weights += [ln_in, wq, wk, wv, *biases, *heads, wo, ln_post, wg, wu, wd]
     odd = [t for t in weights if t.numel() and (t.dtype != dtype or not t.is_contiguous())]
     if odd:
         raise Unsupported(f"{len(odd)} weight tensors are not contiguous {dtype}")

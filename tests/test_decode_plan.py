@@ -1,0 +1,269 @@
+"""The decode plan (``topg.DecodePlan``, docs/decode-step.md): the engine's decode step as
+one native call. Its logits and KV writes equal the compiled graph's (bitwise: the same
+kernels, the same roundings) for every family it lowers, at batch 1 and 8 over 32 steps
+with growing context and new blocks; it refuses what it does not compute, with the reason;
+stale weights make it lower again; its thread team survives thread-count changes and
+fork; bad inputs get clear errors."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+
+import pytest
+import torch
+from engine_utils import prompts, tiny
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torch_topg import _native
+from torch_topg.engine import Engine
+from torch_topg.engine.decode_plan import MODEL_TYPES, Unsupported, lower, profile
+from torch_topg.engine.model_runner import ModelRunner
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not _native.load(), reason="the decode plan is native code")
+
+LOWERED = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
+NOT_LOWERED = ["gemma2-tiny", "mixtral-tiny", "qwen2moe-tiny"]
+
+
+class Seqs:
+    """Sequences on a runner's paged cache with blocks handed out in a scattered order."""
+
+    def __init__(self, runner: ModelRunner, toks: list[list[int]], seed: int = 0):
+        self.r, self.toks = runner, [list(t) for t in toks]
+        free = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(free)
+        self.free, self.blocks = free, [[] for _ in toks]
+
+    def _grow(self, i: int, n: int) -> None:
+        while len(self.blocks[i]) * self.r.block_size < n:
+            self.blocks[i].append(self.free.pop())
+
+    def prefill(self) -> None:
+        items = []
+        for i, t in enumerate(self.toks):
+            self._grow(i, len(t))
+            items.append((t, 0, len(t), self.blocks[i]))
+        self.r.execute_graph(self.r.pack(items, [True] * len(items)))
+
+    def decode_batch(self, nxt: list[int]):
+        items = []
+        for i, t in enumerate(self.toks):
+            t.append(nxt[i])
+            self._grow(i, len(t))
+            items.append((t, len(t) - 1, 1, self.blocks[i]))
+        return self.r.pack(items, [True] * len(items))
+
+
+def _runner(preset: str, dtype: torch.dtype, num_blocks: int = 160, block_size: int = 4):
+    model = tiny(preset).to(dtype)
+    max_blocks = max(40, 64 // block_size)  # room for 64 tokens
+    r = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
+                    max_blocks_per_seq=max_blocks, decode_plan=True)  # fmt: skip
+    r.warmup()
+    return r
+
+
+def _plan_step(r: ModelRunner, b):
+    return r.plan.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
+                      b.logits_indices)  # fmt: skip
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits (unwritten cache slots are torch.empty's garbage, NaN != NaN)."""
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+
+
+def _compare_steps(r: ModelRunner, seqs: Seqs, steps: int) -> None:
+    """Each step: the graph on a copy of the cache, then the plan; logits and every cache
+    tensor bitwise equal; the next tokens are the plan's argmax."""
+    nxt = [t[-1] for t in seqs.toks]
+    for step in range(steps):
+        b = seqs.decode_batch(nxt)
+        assert b.decode
+        before = [c.clone() for c in r.kv_caches]
+        want = r.execute_graph(b)
+        want_kv = [c.clone() for c in r.kv_caches]
+        for c, c0 in zip(r.kv_caches, before, strict=True):
+            c.copy_(c0)
+        got = _plan_step(r, b)
+        assert torch.equal(got, want), (step, (got - want).abs().max().item())
+        for i, (c, w) in enumerate(zip(r.kv_caches, want_kv, strict=True)):
+            assert torch.equal(_bits(c), _bits(w)), f"step {step}: KV tensor {i} differs"
+        nxt = got.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("preset", LOWERED)
+def test_plan_equals_compiled_graph(preset, batch, dtype):
+    r = _runner(preset, dtype)
+    assert r.plan is not None, r.plan_reason
+    seqs = Seqs(r, prompts(3, [5 + 7 * i for i in range(batch)]), seed=batch)
+    seqs.prefill()
+    _compare_steps(r, seqs, steps=32)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+)
+def test_plan_equals_graph_awkward_sizes(lengths, block_size):
+    r = _RUNNERS.get(block_size) or _RUNNERS.setdefault(
+        block_size, _runner("llama-tiny", torch.float32, num_blocks=400, block_size=block_size)
+    )
+    seqs = Seqs(r, prompts(len(lengths), lengths), seed=sum(lengths))
+    seqs.prefill()
+    _compare_steps(r, seqs, steps=3)
+
+
+_RUNNERS: dict[int, ModelRunner] = {}
+
+
+@pytest.mark.parametrize("preset", NOT_LOWERED)
+def test_unlowered_families_fall_back_with_the_reason(preset):
+    with Engine.from_model(tiny(preset), block_size=4) as eng:
+        eng.generate([[5, 6, 7]], max_new_tokens=4, temperature=0)
+        dp = eng.stats()["decode_plan"]
+    kind = tiny(preset).config.model_type
+    assert dp["active"] is False and dp["steps"] == 0
+    assert f"model_type {kind!r} is not lowered" in dp["reason"], dp
+    assert kind not in MODEL_TYPES
+
+
+def test_engine_runs_decode_steps_on_the_plan():
+    with Engine.from_model(tiny("llama-tiny"), block_size=4) as eng:
+        out = eng.generate(prompts(4, [3, 9, 17]), max_new_tokens=6, temperature=0, ignore_eos=True)
+        dp = eng.stats()["decode_plan"]
+    assert dp["active"] and dp["reason"] == ""
+    assert dp["steps"] >= 5, dp  # the first token comes from prefill
+    assert all(len(o.token_ids) == 6 for o in out)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [(dict(decode_plan=False), "decode_plan=False"), (dict(deterministic=True), "deterministic")],
+)
+def test_engine_options_that_keep_the_graph(options, reason):
+    with Engine.from_model(tiny("llama-tiny"), block_size=4, **options) as eng:
+        eng.generate([[5, 6, 7]], max_new_tokens=3, temperature=0)
+        dp = eng.stats()["decode_plan"]
+    assert not dp["active"] and reason in dp["reason"] and dp["steps"] == 0
+
+
+def test_decode_plan_option_is_checked():
+    with pytest.raises(ValueError, match="decode_plan: expected a bool"):
+        Engine.from_model(tiny("llama-tiny"), decode_plan="yes")
+
+
+def test_in_place_weight_update_is_seen():
+    r = _runner("llama-tiny", torch.float32)
+    seqs = Seqs(r, prompts(5, [6, 11]))
+    seqs.prefill()
+    with torch.no_grad():
+        r.model.model.layers[1].mlp.down_proj.weight.mul_(-0.5)
+        r.model.lm_head.weight.add_(0.01)
+    _compare_steps(r, seqs, steps=2)
+
+
+def test_moved_weights_make_the_plan_stale_and_it_lowers_again():
+    r = _runner("llama-tiny", torch.float32)
+    seqs = Seqs(r, prompts(6, [6, 11]))
+    seqs.prefill()
+    old = r.plan
+    w = r.model.model.layers[0].self_attn.q_proj.weight
+    w.data = w.data.clone()  # same values, new storage
+    b = seqs.decode_batch([1, 2])
+    with pytest.raises(RuntimeError, match="DecodePlan is stale: layers.0.wq changed"):
+        _plan_step(r, b)
+    got = r.execute(b)  # refuses, lowers again, runs
+    assert r.plan is not None and r.plan is not old
+    assert r.plan_steps == 1
+    # a converted weight: lowering refuses it and the step returns to the graph's hands
+    w.data = w.data.to(torch.bfloat16)
+    assert r._run_plan(b) is None and r.plan is None
+    assert "not contiguous torch.float32" in r.plan_reason
+    assert got.shape == (2, r.model.config.vocab_size)
+
+
+def test_lower_refuses_int8_kv_and_names_it():
+    r = ModelRunner(tiny("llama-tiny"), num_blocks=8, block_size=4, max_blocks_per_seq=4,
+                    compile=False, kv_cache_dtype="int8")  # fmt: skip
+    with pytest.raises(Unsupported, match="KV cache dtype differs"):
+        lower(r.model, r.kv_caches, block_size=4, max_positions=16)
+
+
+def test_thread_count_changes_and_profile(monkeypatch):
+    monkeypatch.setenv("TOPG_PROFILE", "1")
+    r = _runner("llama-tiny", torch.float32)
+    seqs = Seqs(r, prompts(7, [4, 9, 30]))
+    seqs.prefill()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            b = seqs.decode_batch([1, 2, 3])
+            want = r.execute_graph(b)
+            assert torch.equal(_plan_step(r, b), want)
+            assert r.plan.last_members() == n
+    finally:
+        torch.set_num_threads(threads)
+    prof = profile(r.plan)
+    assert prof["steps"] == 3 and sum(prof["seconds"].values()) > 0
+
+
+def _child(conn) -> None:
+    r = _FORK["runner"]
+    b = _FORK["batch"]
+    conn.send(_plan_step(r, b).tolist())  # plain lists: a tensor would go through shm
+
+
+_FORK: dict = {}
+
+
+def test_plan_runs_in_a_forked_child():
+    r = _runner("llama-tiny", torch.float32)
+    seqs = Seqs(r, prompts(8, [4, 9]))
+    seqs.prefill()
+    b = seqs.decode_batch([1, 2])
+    want = _plan_step(r, b)  # the parent's team has run before the fork
+    _FORK.update(runner=r, batch=b)
+    ctx = mp.get_context("fork")
+    a, z = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(z,))
+    p.start()
+    p.join(timeout=120)
+    if p.is_alive():
+        p.kill()
+        pytest.fail("the decode plan hung in a forked child")
+    assert p.exitcode == 0
+    assert torch.equal(torch.tensor(a.recv()), want)
+
+
+def test_bad_inputs_get_clear_errors():
+    r = _runner("llama-tiny", torch.float32)
+    seqs = Seqs(r, prompts(9, [4]))
+    seqs.prefill()
+    b = seqs.decode_batch([1])
+    args = [b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens, b.logits_indices]
+
+    def run(i, t, match):
+        bad = list(args)
+        bad[i] = t
+        with pytest.raises(RuntimeError, match=match):
+            r.plan.run(*bad)
+
+    run(0, torch.tensor([[999]]), r"input_ids\[0\] = 999 outside the vocabulary \[0, 256\)")
+    run(1, b.positions.int(), "positions expected contiguous Long")
+    run(1, torch.tensor([[10**6]]), r"positions\[0\] = 1000000 outside the rotary table")
+    run(2, torch.tensor([r.num_blocks * r.block_size]), r"slot_mapping\[0\]")
+    run(3, b.block_tables.long(), "block_tables expected int32")
+    run(4, torch.tensor([10**6], dtype=torch.int32), r"seq_lens\[0\] = 1000000 outside")
+    run(5, torch.tensor([3]), r"logits_indices\[0\] = 3 outside \[0, 1\)")
+    bt = b.block_tables.clone()
+    bt[0, 0] = r.num_blocks
+    run(3, bt, r"block_tables\[0, 0\]")
+    with pytest.raises(RuntimeError, match="expected 3 weight tensors|weight tensors, got"):
+        torch.classes.topg.DecodePlan([], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0])

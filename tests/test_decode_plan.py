@@ -49,12 +49,17 @@ class Seqs:
         self.r.execute_graph(self.r.pack(items, [True] * len(items)))
 
     def decode_batch(self, nxt: list[int]):
+        return self.ragged_batch([[x] for x in nxt], [1] * len(nxt))
+
+    def ragged_batch(self, new: list[list[int]], samples: list[int]):
+        """Each sequence computes its tokens ``new[i]`` (a verify step: k + 1 of them);
+        its last ``samples[i]`` rows are sampled."""
         items = []
         for i, t in enumerate(self.toks):
-            t.append(nxt[i])
+            t.extend(new[i])
             self._grow(i, len(t))
-            items.append((t, len(t) - 1, 1, self.blocks[i]))
-        return self.r.pack(items, [True] * len(items))
+            items.append((t, len(t) - len(new[i]), len(new[i]), self.blocks[i]))
+        return self.r.pack(items, samples)
 
 
 def _runner(preset: str, dtype: torch.dtype, num_blocks: int = 160, block_size: int = 4):
@@ -68,7 +73,7 @@ def _runner(preset: str, dtype: torch.dtype, num_blocks: int = 160, block_size: 
 
 def _plan_step(r: ModelRunner, b):
     return r.plan.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
-                      b.logits_indices)  # fmt: skip
+                      b.cu_seqlens_q, b.logits_indices)  # fmt: skip
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -76,23 +81,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
 
 
+def _compare(r: ModelRunner, b, step: int = 0) -> torch.Tensor:
+    """The graph on a copy of the cache, then the plan: logits and every cache tensor
+    bitwise equal. Returns the plan's logits."""
+    assert b.fits_plan
+    before = [c.clone() for c in r.kv_caches]
+    want = r.execute_graph(b)
+    want_kv = [c.clone() for c in r.kv_caches]
+    for c, c0 in zip(r.kv_caches, before, strict=True):
+        c.copy_(c0)
+    got = _plan_step(r, b)
+    assert torch.equal(got, want), (step, (got - want).abs().max().item())
+    for i, (c, w) in enumerate(zip(r.kv_caches, want_kv, strict=True)):
+        assert torch.equal(_bits(c), _bits(w)), f"step {step}: KV tensor {i} differs"
+    return got
+
+
 def _compare_steps(r: ModelRunner, seqs: Seqs, steps: int) -> None:
-    """Each step: the graph on a copy of the cache, then the plan; logits and every cache
-    tensor bitwise equal; the next tokens are the plan's argmax."""
+    """Decode steps compared with _compare; the next tokens are the plan's argmax."""
     nxt = [t[-1] for t in seqs.toks]
     for step in range(steps):
-        b = seqs.decode_batch(nxt)
-        assert b.decode
-        before = [c.clone() for c in r.kv_caches]
-        want = r.execute_graph(b)
-        want_kv = [c.clone() for c in r.kv_caches]
-        for c, c0 in zip(r.kv_caches, before, strict=True):
-            c.copy_(c0)
-        got = _plan_step(r, b)
-        assert torch.equal(got, want), (step, (got - want).abs().max().item())
-        for i, (c, w) in enumerate(zip(r.kv_caches, want_kv, strict=True)):
-            assert torch.equal(_bits(c), _bits(w)), f"step {step}: KV tensor {i} differs"
-        nxt = got.argmax(-1).tolist()
+        nxt = _compare(r, seqs.decode_batch(nxt), step).argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -104,6 +113,30 @@ def test_plan_equals_compiled_graph(preset, batch, dtype):
     seqs = Seqs(r, prompts(3, [5 + 7 * i for i in range(batch)]), seed=batch)
     seqs.prefill()
     _compare_steps(r, seqs, steps=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
+def test_plan_equals_graph_on_verify_steps_and_short_chunks(preset, dtype):
+    """Steps of several tokens a sequence: speculative verify steps (k + 1 rows, all
+    sampled), a short prefill chunk beside decodes, one sequence alone with 15 tokens."""
+    r = _runner(preset, dtype)
+    seqs = Seqs(r, prompts(11, [5, 13, 2]), seed=7)
+    seqs.prefill()
+    g = random.Random(3)
+    for step in range(6):
+        n = [g.randint(1, 5) for _ in range(3)]
+        new = [[g.randrange(3, 256) for _ in range(k)] for k in n]
+        _compare(r, seqs.ragged_batch(new, n), step)
+    _compare(r, seqs.ragged_batch([[7], [8] * 9, [9]], [1, 0, 1]))  # a 9-token chunk
+    one = Seqs(r, prompts(12, [4]), seed=8)
+    one.free = seqs.free
+    one.prefill()
+    b = one.ragged_batch([list(range(3, 18))], [2])  # 15 tokens, padded to two sequences
+    assert b.seq_lens.numel() == 2
+    _compare(r, b)
+    b16 = one.ragged_batch([list(range(3, 19))], [1])  # 16: the graph's dense kernel
+    assert not b16.fits_plan
 
 
 @given(
@@ -247,7 +280,8 @@ def test_bad_inputs_get_clear_errors():
     seqs = Seqs(r, prompts(9, [4]))
     seqs.prefill()
     b = seqs.decode_batch([1])
-    args = [b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens, b.logits_indices]
+    args = [b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+            b.logits_indices]  # fmt: skip
 
     def run(i, t, match):
         bad = list(args)
@@ -260,8 +294,14 @@ def test_bad_inputs_get_clear_errors():
     run(1, torch.tensor([[10**6]]), r"positions\[0\] = 1000000 outside the rotary table")
     run(2, torch.tensor([r.num_blocks * r.block_size]), r"slot_mapping\[0\]")
     run(3, b.block_tables.long(), "block_tables expected int32")
-    run(4, torch.tensor([10**6], dtype=torch.int32), r"seq_lens\[0\] = 1000000 outside")
-    run(5, torch.tensor([3]), r"logits_indices\[0\] = 3 outside \[0, 1\)")
+    run(4, torch.tensor([10**6], dtype=torch.int32), r"seq_lens\[0\] = 1000000 outside \[1, ")
+    run(5, torch.tensor([0, 2], dtype=torch.int32), "cu_seqlens_q expected to run from 0 to 1")
+    run(6, torch.tensor([3]), r"logits_indices\[0\] = 3 outside \[0, 1\)")
+    many = torch.arange(17).view(1, 17)
+    bad = [many, many, many, b.block_tables, b.seq_lens, torch.tensor([0, 17], dtype=torch.int32),
+           torch.tensor([16])]  # fmt: skip
+    with pytest.raises(RuntimeError, match="17 tokens; the plan runs steps of at most 16"):
+        r.plan.run(*bad)
     bt = b.block_tables.clone()
     bt[0, 0] = r.num_blocks
     run(3, bt, r"block_tables\[0, 0\]")

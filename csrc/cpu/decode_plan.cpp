@@ -1,5 +1,6 @@
 // topg.DecodePlan (CPU): the whole decode step of a Llama-style decoder as one native
-// call, for the engine's decode batches (B sequences, one new token each).
+// call, for the engine's steps of at most 16 tokens: decode batches (one new token a
+// sequence) and speculative verify steps (k + 1 a sequence).
 //
 // Built once from the model's tensors (torch_topg/engine/decode_plan.py lowers the model
 // and checks that it is the family this plan computes); run() then does the step without
@@ -37,6 +38,7 @@
 #include "activation_kernels.h"
 #include "dispatch.h"
 #include "gemm_kernels.h"
+#include "gemv_bf16dp.h"
 #include "norm_kernels.h"
 #include "paged_kernels.h"
 #include "rotary_kernels.h"
@@ -48,6 +50,9 @@ namespace {
 enum Phase : int { kQKV, kAttn, kOProj, kGateUp, kDown, kHead, kPhases };
 constexpr int kLayerPhases = 5;
 constexpr int kPerLayer = 14;  // weight tensors per layer
+// Tokens a step may have: topg::linear's dot path (gemm::kDotMaxRows); beyond it the
+// compiled graph runs a packed GEMM, which rounds differently.
+constexpr int64_t kMaxTokens = gemm::kDotMaxRows;
 
 struct Layer {
   at::Tensor ln_in, wq, wk, wv, bq, bk, bv, qn, kn, wo, ln_post, wg, wu, wd, kc, vc;
@@ -60,6 +65,7 @@ struct Member {
   std::vector<char> resid, x;
   std::vector<float> a, cos, sin;
   std::vector<const float*> ap;
+  std::vector<const void*> src;  // the A rows as stored (the bf16 dot-product path)
   paged::Workspace pw;
 };
 
@@ -155,20 +161,28 @@ class DecodePlan : public torch::CustomClassHolder {
     profile_on_ = prof && prof[0] && std::string(prof) != "0";
   }
 
-  // Logits [R, vocab] (float32) of the rows `logits_indices` of a decode batch.
+  // Logits [R, vocab] (float32) of the rows `logits_indices` of a step of T tokens of S
+  // sequences (cu_seqlens_q: sequence s computes tokens [cu[s], cu[s + 1]); a decode batch
+  // has one each, a speculative verify step k + 1), T <= kMaxTokens.
   at::Tensor run(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping,
-                 at::Tensor block_tables, at::Tensor seq_lens, at::Tensor logits_indices) {
+                 at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_seqlens_q,
+                 at::Tensor logits_indices) {
     check_weights();
-    const int64_t B = input_ids.numel();
-    arg(input_ids, "input_ids", at::kLong, B);
-    arg(positions, "positions", at::kLong, B);
-    arg(slot_mapping, "slot_mapping", at::kLong, B);
-    arg(seq_lens, "seq_lens", at::kInt, B);
+    const int64_t T = input_ids.numel(), S = seq_lens.numel();
+    arg(input_ids, "input_ids", at::kLong, T);
+    arg(positions, "positions", at::kLong, T);
+    arg(slot_mapping, "slot_mapping", at::kLong, T);
+    arg(seq_lens, "seq_lens", at::kInt, S);
+    arg(cu_seqlens_q, "cu_seqlens_q", at::kInt, S + 1);
     arg(logits_indices, "logits_indices", at::kLong, logits_indices.numel());
-    TORCH_CHECK(B >= 1 && logits_indices.numel() >= 1, "topg::DecodePlan.run: empty batch");
-    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
+    TORCH_CHECK(T >= 1 && S >= 1 && logits_indices.numel() >= 1,
+                "topg::DecodePlan.run: empty step (", T, " tokens, ", S, " sequences, ",
+                logits_indices.numel(), " sampled rows)");
+    TORCH_CHECK(T <= kMaxTokens, "topg::DecodePlan.run: ", T, " tokens; the plan runs steps of at ",
+                "most ", kMaxTokens, " (larger ones take the compiled graph's GEMM)");
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S &&
                     block_tables.scalar_type() == at::kInt && block_tables.device().is_cpu(),
-                "topg::DecodePlan.run: block_tables expected int32 [", B, ", max_blocks] on cpu, ",
+                "topg::DecodePlan.run: block_tables expected int32 [", S, ", max_blocks] on cpu, ",
                 "got ", block_tables.scalar_type(), " ", block_tables.sizes(), " on ",
                 block_tables.device());
     const at::Tensor bt_t = block_tables.contiguous();
@@ -177,9 +191,28 @@ class DecodePlan : public torch::CustomClassHolder {
     const int64_t* pos = positions.const_data_ptr<int64_t>();
     const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
     const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+    const int32_t* cu = cu_seqlens_q.const_data_ptr<int32_t>();
     const int32_t* bt = bt_t.const_data_ptr<int32_t>();
     const int64_t* li = logits_indices.const_data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(cu[0] == 0 && cu[S] == T, "topg::DecodePlan.run: cu_seqlens_q expected to run ",
+                "from 0 to ", T, ", got ", cu[0], " .. ", cu[S]);
+    row_seq_.resize(size_t(T)), row_len_.resize(size_t(T));
+    for (int64_t q = 0; q < S; ++q) {
+      const int64_t rows = cu[q + 1] - cu[q];
+      TORCH_CHECK(rows >= 0 && rows < paged::kDenseRows, "topg::DecodePlan.run: sequence ",
+                  q, " has ", rows, " new tokens (cu_seqlens_q not increasing, or a run the ",
+                  "compiled graph gives to the dense prefill kernel)");
+      TORCH_CHECK(lens[q] >= rows && lens[q] <= mb * bs_, "topg::DecodePlan.run: seq_lens[", q,
+                  "] = ", lens[q], " outside [", rows, ", ", mb * bs_,
+                  "] (its new tokens .. max_blocks x block_size)");
+      for (int64_t j = 0; j < (lens[q] + bs_ - 1) / bs_; ++j)
+        TORCH_CHECK(bt[q * mb + j] >= 0 && bt[q * mb + j] < num_blocks_,
+                    "topg::DecodePlan.run: ", "block_tables[", q, ", ", j, "] = ", bt[q * mb + j],
+                    " outside [0, ", num_blocks_, ")");
+      for (int64_t t = cu[q]; t < cu[q + 1]; ++t)
+        row_seq_[t] = int32_t(q), row_len_[t] = int32_t(lens[q] - (cu[q + 1] - t) + 1);
+    }
+    for (int64_t b = 0; b < T; ++b) {
       TORCH_CHECK(ids[b] >= 0 && ids[b] < embed_.size(0), "topg::DecodePlan.run: input_ids[", b,
                   "] = ", ids[b], " outside the vocabulary [0, ", embed_.size(0), ")");
       TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_sin_.size(0), "topg::DecodePlan.run: positions[", b,
@@ -187,18 +220,13 @@ class DecodePlan : public torch::CustomClassHolder {
       TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks_ * bs_,
                   "topg::DecodePlan.run: ", "slot_mapping[", b, "] = ", slots[b], " outside [0, ",
                   num_blocks_ * bs_, ")");
-      TORCH_CHECK(lens[b] >= 1 && lens[b] <= mb * bs_, "topg::DecodePlan.run: seq_lens[", b,
-                  "] = ", lens[b], " outside [1, ", mb * bs_, "] (max_blocks x block_size)");
-      for (int64_t j = 0; j < (lens[b] + bs_ - 1) / bs_; ++j)
-        TORCH_CHECK(bt[b * mb + j] >= 0 && bt[b * mb + j] < num_blocks_,
-                    "topg::DecodePlan.run: ", "block_tables[", b, ", ", j, "] = ", bt[b * mb + j],
-                    " outside [0, ", num_blocks_, ")");
     }
     for (int64_t r = 0; r < R; ++r)
-      TORCH_CHECK(li[r] >= 0 && li[r] < B, "topg::DecodePlan.run: logits_indices[", r,
-                  "] = ", li[r], " outside [0, ", B, ")");
+      TORCH_CHECK(li[r] >= 0 && li[r] < T, "topg::DecodePlan.run: logits_indices[", r,
+                  "] = ", li[r], " outside [0, ", T, ")");
     at::Tensor logits = at::empty({R, V_}, input_ids.options().dtype(at::kFloat));
-    const Step s{ids, pos, slots, bt, mb, lens, li, B, R, logits.mutable_data_ptr<float>()};
+    const Step s{ids,   pos, slots, bt, mb, row_len_.data(), li,
+                 T,     R,   logits.mutable_data_ptr<float>()};
     TOPG_DISPATCH_FLOAT(dtype_, "DecodePlan", T, [&] { step<T>(s); });
     return logits;
   }
@@ -220,7 +248,7 @@ class DecodePlan : public torch::CustomClassHolder {
     const int64_t *ids, *pos, *slots;
     const int32_t* bt;
     int64_t bt_ss;
-    const int32_t* lens;
+    const int32_t* lens;  // per token: the keys its row sees (its sequence up to itself)
     const int64_t* li;
     int64_t B, R;
     float* logits;
@@ -270,7 +298,7 @@ class DecodePlan : public torch::CustomClassHolder {
   std::vector<float> res_;
   std::vector<Member> members_;
   std::vector<AttnSched> scheds_;
-  std::vector<int32_t> row_seq_;
+  std::vector<int32_t> row_seq_, row_len_;  // per token: its sequence, its keys
   std::unique_ptr<std::atomic<int32_t>[]> pending_;
   int64_t pending_size_ = 0;
   std::unique_ptr<team::Counter[]> counters_;
@@ -292,11 +320,10 @@ void DecodePlan::step(const Step& s) {
   for (Member& m : members_) {
     sz(m.resid, B * H), sz(m.x, B * H);
     m.a.resize(size_t(std::max(B, R) * kmax)), m.ap.resize(size_t(std::max(B, R)));
+    m.src.resize(size_t(std::max(B, R)));
     m.cos.resize(size_t(d)), m.sin.resize(size_t(d));
   }
   // The attention schedule per distinct window (paged_attention's partitions, bitwise).
-  row_seq_.resize(size_t(B));
-  for (int64_t b = 0; b < B; ++b) row_seq_[b] = int32_t(b);
   scheds_.clear();
   int64_t res_floats = 0;
   std::vector<int> sched_of(static_cast<size_t>(L_));
@@ -342,6 +369,7 @@ void DecodePlan::step(const Step& s) {
   T* act = reinterpret_cast<T*>(act_.data());
   const T* cs = cptr<T>(cos_sin_);
   const bool prof = profile_on_;
+  const bool dp = std::is_same_v<T, bf16> && gemm::use_bf16dp();  // AVX-512 BF16 GEMVs
 
   last_members_ = team::run_team(want, [&](int me, int, team::Barrier& bar) {
     Member& m = members_[size_t(me)];
@@ -356,17 +384,36 @@ void DecodePlan::step(const Step& s) {
         clock = now;
       }
     };
-    // The A operand of a GEMV: `rows` rows of K values (row r at src + idx(r) * K).
+    // The A operand of a GEMV: `rows` rows of K values (row r at src + idx(r) * K), as
+    // fp32 in the AVX2 dot path's layout, or kept as stored for the bf16 dot products.
     const auto load_a = [&](const T* src, int64_t K, int64_t rows, const int64_t* idx) {
       for (int64_t r = 0; r < rows; ++r) {
-        gemm::dot_a_row<T>(src + (idx ? idx[r] : r) * K, K, m.a.data() + r * K);
+        const T* row = src + (idx ? idx[r] : r) * K;
+        m.src[r] = row;
+        if (dp) continue;
+        gemm::dot_a_row<T>(row, K, m.a.data() + r * K);
         m.ap[r] = m.a.data() + r * K;
       }
+    };
+    // emit(r, n, sum) for weight rows [n0, n1) of w ([N, K]) against the A rows: the
+    // kernel topg::linear uses for the same shapes (so the two agree bitwise).
+    const auto dot = [&](const T* w, int64_t K, int64_t rows, int64_t n0, int64_t n1,
+                         auto&& emit) {
+#if TOPG_BF16DP
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (dp) {
+          gemm::dot_rows_bf16dp(reinterpret_cast<const bf16* const*>(m.src.data()), rows, w, K,
+                                K, n0, n1, emit);
+          return;
+        }
+      }
+#endif
+      gemm::dot_rows_range(m.ap.data(), rows, w, K, K, n0, n1, emit);
     };
     // out[r * ldo + n] = T(A_r . w_n + bias_n) for weight rows [n0, n1).
     const auto gemv = [&](const T* w, int64_t K, const T* bias, int64_t rows, int64_t n0,
                           int64_t n1, T* out, int64_t ldo) {
-      gemm::dot_rows_range(m.ap.data(), rows, w, K, K, n0, n1, [&](int64_t r, int64_t n, float v) {
+      dot(w, K, rows, n0, n1, [&](int64_t r, int64_t n, float v) {
         out[r * ldo + n] = from_float<T>(bias ? v + to_float(bias[n]) : v);
       });
     };
@@ -466,11 +513,10 @@ void DecodePlan::step(const Step& s) {
         const int64_t step = rows_per_item(H, 2 * sizeof(T));
         share(c[kGateUp], gemm::ceil_div(I, 8), step / 8, [&](int64_t u0, int64_t u1) {
           const int64_t n0 = u0 * 8, n1 = std::min(I, u1 * 8);
-          gemm::dot_rows_gated(m.ap.data(), B, cptr<T>(y.wg), cptr<T>(y.wu), H, H, n0, n1,
-                               [&](int64_t r, int64_t n, float g, float u) {
-                                 gu[r * 2 * I + n] = from_float<T>(g);
-                                 gu[r * 2 * I + I + n] = from_float<T>(u);
-                               });
+          // gate rows, then up rows: the kernel topg::linear runs on the fused [gate; up]
+          // weight of the compiled graph, so each row's sum is the same.
+          gemv(cptr<T>(y.wg), H, nullptr, B, n0, n1, gu, 2 * I);
+          gemv(cptr<T>(y.wu), H, nullptr, B, n0, n1, gu + I, 2 * I);
           for (int64_t b = 0; b < B; ++b) act::gated_span<act::Silu>(gu, 2 * I, act, I, b, n0, n1);
         });
       }
@@ -492,10 +538,10 @@ void DecodePlan::step(const Step& s) {
     const int64_t step = rows_per_item(H, sizeof(T));
     share(counters_[kLayerPhases * L_], gemm::ceil_div(V, 8), step / 8,
           [&](int64_t u0, int64_t u1) {
-            gemm::dot_rows_range(m.ap.data(), R, cptr<T>(lm_head_), H, H, u0 * 8,
-                                 std::min(V, u1 * 8), [&](int64_t r, int64_t n, float v) {
-                                   s.logits[r * V + n] = to_float(from_float<T>(v));
-                                 });
+            dot(cptr<T>(lm_head_), H, R, u0 * 8, std::min(V, u1 * 8),
+                [&](int64_t r, int64_t n, float v) {
+                  s.logits[r * V + n] = to_float(from_float<T>(v));
+                });
           });
     sync(kHead);
   });

@@ -17,6 +17,7 @@
 #include "common/op_checks.h"
 #include "dispatch.h"
 #include "gemm_kernels.h"
+#include "gemv_bf16dp.h"
 #include "modes.h"
 #include "parallel.h"
 
@@ -25,6 +26,24 @@ namespace {
 
 template <typename T>
 void linear_dot(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T* bias, T* out) {
+  // Items of ~256K weight elements (0.5-1 MiB, a fraction of a millisecond); products
+  // below one item stay on the calling thread.
+  const int64_t rows = std::max<int64_t>(8, (int64_t(1) << 18) / K / 8 * 8);
+#if TOPG_BF16DP
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (gemm::use_bf16dp()) {  // AVX-512 BF16 (gemv_bf16dp.h): A stays bf16
+      std::vector<const bf16*> a(static_cast<size_t>(M));
+      for (int64_t m = 0; m < M; ++m) a[m] = x + m * K;
+      parallel_items(gemm::ceil_div(N, rows), [&](int64_t item) {
+        const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
+        gemm::dot_rows_bf16dp(a.data(), M, w, K, K, n0, n1, [&](int64_t m, int64_t n, float s) {
+          out[m * N + n] = from_float<T>(bias ? s + to_float(bias[n]) : s);
+        });
+      });
+      return;
+    }
+  }
+#endif
   // A rows as fp32 (the dot kernel's A operand): converted once, a few KiB per row.
   std::vector<float> a32;
   std::vector<const float*> a(static_cast<size_t>(M));
@@ -37,9 +56,6 @@ void linear_dot(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T
       a[m] = a32.data() + m * K;
     }
   }
-  // Items of ~256K weight elements (0.5-1 MiB, a fraction of a millisecond); products
-  // below one item stay on the calling thread.
-  const int64_t rows = std::max<int64_t>(8, (int64_t(1) << 18) / K / 8 * 8);
   parallel_items(gemm::ceil_div(N, rows), [&](int64_t item) {
     const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
     gemm::dot_rows_range(a.data(), M, w, K, K, n0, n1, [&](int64_t m, int64_t n, float s) {

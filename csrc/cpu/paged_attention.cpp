@@ -29,12 +29,6 @@ constexpr const char* OP = "paged_attention";
 // so a long ragged query (a prefill chunk) does not allocate rows x partitions x Hq x D.
 constexpr int64_t kWaveFloats = int64_t(4) << 20;
 
-// A sequence with at least this many query rows (a prefill chunk over cached keys) runs
-// on the dense prefill kernel, which tiles queries and keys: measured on SmolLM2's
-// heads (9 query / 3 KV, D 64, ~1,140 keys, 1 thread) 1.7x the paged kernel's rate at
-// 22 rows and 2.6x at 64. Shorter runs (a speculative verify step: k + 1 rows) stay on
-// the paged kernel, whose rows equal the decode of their token bitwise.
-constexpr int64_t kDenseRows = 16;
 
 // The sequences `dense` (their query rows [cu[s], cu[s + 1]) against all their keys),
 // on attn::prefill_block over their keys gathered into one contiguous buffer.
@@ -121,7 +115,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   std::vector<int64_t> dense;
   if (ragged && !sz.quant && !batch_invariant())
     for (int64_t s = 0; s < ns; ++s)
-      if (cu[s + 1] - cu[s] >= kDenseRows && lens[s] > 0) {
+      if (cu[s + 1] - cu[s] >= paged::kDenseRows && lens[s] > 0) {
         dense.push_back(s);
         for (int64_t r = cu[s]; r < cu[s + 1]; ++r) row_len[r] = 0;
       }

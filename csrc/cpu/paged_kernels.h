@@ -47,6 +47,13 @@ inline int64_t part_tokens(int64_t span) {
 // 1024 context: 1 row 117 ms, 4: 94, 8: 89, 16: 82, 32: 85, 64: 197 (buffers spill L2)).
 constexpr int64_t kItemRows = 16;
 
+// A sequence with at least this many query rows (a prefill chunk over cached keys) runs
+// on the dense prefill kernel, which tiles queries and keys: measured on SmolLM2's
+// heads (9 query / 3 KV, D 64, ~1,140 keys, 1 thread) 1.7x the paged kernel's rate at
+// 22 rows and 2.6x at 64. Shorter runs (a speculative verify step: k + 1 rows) stay on
+// the paged kernel, whose rows equal the decode of their token bitwise.
+constexpr int64_t kDenseRows = 16;
+
 // T: the query / output storage type; C: the cache's (T, or int8_t for a quantised
 // cache, whose rows are read as q * scale: ks / vs [num_blocks, block_size, hkv]).
 template <typename T, typename C = T>

@@ -129,12 +129,12 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
 
         def plan(b):
             return lambda: r.plan.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables,
-                                      b.seq_lens, b.logits_indices)  # fmt: skip
+                                      b.seq_lens, b.cu_seqlens_q, b.logits_indices)  # fmt: skip
 
         cmp = compare({"plan b1": plan(b1), "graph b1": lambda: r.execute_graph(b1),
                        "plan b8": plan(b8), "graph b8": lambda: r.execute_graph(b8)},
                       Budget(warmup=3, min_rounds=10, max_rounds=15, budget_s=6.0))  # fmt: skip
-        for name in cmp.names():
+        for name in cmp.names:
             res["step " + name] = cmp.ms(name)
         res["b8_over_b1"] = cmp.ratio("plan b8", "plan b1")
         res["graph_b8_over_b1"] = cmp.ratio("graph b8", "graph b1")
@@ -155,7 +155,9 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
         try:
             gguf = gguf_for(dtype, llama["llama-quantize"])
             lb = run_llama_bench(llama["llama-bench"], gguf, a.repeats)
-            res["llama_ms"] = lb["decode_ms"]
+            d = lb["decode_ms"]
+            res["llama"] = Stats(d["median"], d["lo"], d["hi"], d["n"], d["spread"])
+            res["llama_ms"] = d["median"]
             res["llama_cmd"] = lb["decode_ms_cmd"]
         except Exception as e:  # reported; the rest still stands
             res["llama_error"] = str(e)
@@ -186,7 +188,7 @@ def report(results: list[dict], bw: list[Stats], notes: list[str]) -> str:
         pm, gm = res["engine_plan_ms"], res["engine_graph_ms"]
         lines.append(
             f"| engine decode ms/token, batch 1, context {DECODE_CONTEXT} | {pm.fmt()} | {gm.fmt()} | "
-            f"{f'{lm:.2f}' if lm else res.get('llama_error', '-')} | {limit:.2f} | "
+            f"{res['llama'].fmt() if lm else res.get('llama_error', '-')} | {limit:.2f} | "
             f"{f'{pm.median / lm:.2f}x' if lm else '-'} | {limit / pm.median:.0%} |"
         )
         s1, s8 = res["step plan b1"], res["step plan b8"]
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in a.dtype.split(","):
         results.append(run_dtype(d, a, llama))
         print(f"{d}: engine plan {results[-1]['engine_plan_ms'].fmt()} ms, graph "
-              f"{results[-1]['engine_graph_ms'].fmt()} ms, llama.cpp {results[-1].get('llama_ms')}", flush=True)  # fmt: skip
+              f"{results[-1]['engine_graph_ms'].fmt()} ms, llama.cpp {results[-1].get('llama_ms')} ms", flush=True)  # fmt: skip
     remeasure()
     bw.append(read_bandwidth_stats())
     notes = [f"- command: `python python/benchmarks/decode_step.py {' '.join(argv or sys.argv[1:])}`",
@@ -247,10 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for res in results:
         figs = {k: v.to_dict() for k, v in res.items() if isinstance(v, Stats)}
-        if res.get("llama_ms"):
-            figs["llama.cpp decode ms"] = Stats(
-                res["llama_ms"], res["llama_ms"], res["llama_ms"], 1, "min-max"
-            ).to_dict()
         rows.append({"key": {"dtype": res["dtype"]}, "figures": figs,
                      "extra": {k: v for k, v in res.items() if not isinstance(v, Stats)}})  # fmt: skip
     machine = machine_info(measure=False)

@@ -23,6 +23,9 @@ import torch
 
 from torch_topg.engine.attention import ATTN_IMPLEMENTATION, register_attention
 
+#: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.cpp kMaxTokens).
+PLAN_MAX_TOKENS = 16
+
 
 @dataclass
 class PackedBatch:
@@ -35,7 +38,7 @@ class PackedBatch:
     seq_lens: torch.Tensor  # int32 [S]: cached tokens after the step
     cu_seqlens_q: torch.Tensor  # int32 [S + 1]
     logits_indices: torch.Tensor  # int64 [R]: rows of the packed batch to sample
-    decode: bool = False  # every sequence one new token, each sampled: the plan's case
+    fits_plan: bool = False  # at most PLAN_MAX_TOKENS tokens: the decode plan's steps
 
 
 def kv_layout(config: Any) -> tuple[int, int, int]:
@@ -131,7 +134,7 @@ class ModelRunner:
         if self.plan is None:
             return None
         args = (b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
-                b.logits_indices)  # fmt: skip
+                b.cu_seqlens_q, b.logits_indices)  # fmt: skip
         try:
             logits = self.plan.run(*args)
         except RuntimeError as e:
@@ -161,8 +164,9 @@ class ModelRunner:
 
     def execute(self, b: PackedBatch) -> torch.Tensor:
         """Run one step; returns float32 logits ``[R, vocab]`` of the sampled rows.
-        A decode batch runs on the decode plan when there is one, else on the graph."""
-        if b.decode and self._plan_wanted is True:
+        A step of at most 16 tokens runs on the decode plan when there is one, else on
+        the graph."""
+        if b.fits_plan and self._plan_wanted is True:
             logits = self._run_plan(b)
             if logits is not None:
                 return logits
@@ -217,7 +221,12 @@ class ModelRunner:
             if blocks:
                 table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         dev = self.device
-        decode = all(n == 1 for _, _, n, _ in items) and all(int(f) == 1 for f in samples)
+        # The decode plan's steps: at most 16 tokens (topg::linear's dot path) and fewer
+        # than 16 a sequence (paged attention, not the dense prefill kernel): decode
+        # batches, speculative verify steps, short prefill chunks.
+        fits_plan = 0 < len(ids) <= PLAN_MAX_TOKENS and all(
+            n < PLAN_MAX_TOKENS for _, _, n, _ in items
+        )
         last = [
             c - j for c, f in zip(cu[1:], samples, strict=True) for j in range(int(f), 0, -1)
         ] or [cu[-1] - 1]
@@ -239,7 +248,7 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(last, dtype=torch.long, device=dev),
-            decode=decode,
+            fits_plan=fits_plan,
         )
 
     def warmup(self) -> None:

@@ -199,8 +199,8 @@ class DecodePlan : public torch::CustomClassHolder {
     row_seq_.resize(size_t(T)), row_len_.resize(size_t(T));
     for (int64_t q = 0; q < S; ++q) {
       const int64_t rows = cu[q + 1] - cu[q];
-      TORCH_CHECK(rows >= 0 && rows < paged::kDenseRows, "topg::DecodePlan.run: sequence ",
-                  q, " has ", rows, " new tokens (cu_seqlens_q not increasing, or a run the ",
+      TORCH_CHECK(rows >= 0 && rows < paged::kDenseRows, "topg::DecodePlan.run: sequence ", q,
+                  " has ", rows, " new tokens (cu_seqlens_q not increasing, or a run the ",
                   "compiled graph gives to the dense prefill kernel)");
       TORCH_CHECK(lens[q] >= rows && lens[q] <= mb * bs_, "topg::DecodePlan.run: seq_lens[", q,
                   "] = ", lens[q], " outside [", rows, ", ", mb * bs_,
@@ -225,8 +225,8 @@ class DecodePlan : public torch::CustomClassHolder {
       TORCH_CHECK(li[r] >= 0 && li[r] < T, "topg::DecodePlan.run: logits_indices[", r,
                   "] = ", li[r], " outside [0, ", T, ")");
     at::Tensor logits = at::empty({R, V_}, input_ids.options().dtype(at::kFloat));
-    const Step s{ids,   pos, slots, bt, mb, row_len_.data(), li,
-                 T,     R,   logits.mutable_data_ptr<float>()};
+    const Step s{
+        ids, pos, slots, bt, mb, row_len_.data(), li, T, R, logits.mutable_data_ptr<float>()};
     TOPG_DISPATCH_FLOAT(dtype_, "DecodePlan", T, [&] { step<T>(s); });
     return logits;
   }
@@ -397,13 +397,12 @@ void DecodePlan::step(const Step& s) {
     };
     // emit(r, n, sum) for weight rows [n0, n1) of w ([N, K]) against the A rows: the
     // kernel topg::linear uses for the same shapes (so the two agree bitwise).
-    const auto dot = [&](const T* w, int64_t K, int64_t rows, int64_t n0, int64_t n1,
-                         auto&& emit) {
+    const auto dot = [&](const T* w, int64_t K, int64_t rows, int64_t n0, int64_t n1, auto&& emit) {
 #if TOPG_BF16DP
       if constexpr (std::is_same_v<T, bf16>) {
         if (dp) {
-          gemm::dot_rows_bf16dp(reinterpret_cast<const bf16* const*>(m.src.data()), rows, w, K,
-                                K, n0, n1, emit);
+          gemm::dot_rows_bf16dp(reinterpret_cast<const bf16* const*>(m.src.data()), rows, w, K, K,
+                                n0, n1, emit);
           return;
         }
       }

@@ -187,7 +187,8 @@ inline void dot_row_seq(const float* const* a, const float* w, int64_t K, float*
   for (; k + 32 <= K; k += 32)
     for (int j = 0; j < 4; ++j) {
       const Vec8 wv = Vec8::load(w + k + 8 * j);
-      for (int i = 0; i < MB; ++i) acc[i][j] = Vec8::fma(Vec8::load(a[i] + k + 8 * j), wv, acc[i][j]);
+      for (int i = 0; i < MB; ++i)
+        acc[i][j] = Vec8::fma(Vec8::load(a[i] + k + 8 * j), wv, acc[i][j]);
     }
   for (int j = 0; k + 8 <= K; k += 8, ++j) {
     const Vec8 wv = Vec8::load(w + k);

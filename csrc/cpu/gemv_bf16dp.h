@@ -77,9 +77,8 @@ TOPG_TARGET_BF16DP inline void dp_row(const bf16* const* a, const bf16* w, int64
 // read side by side (the next 8 prefetched), 17 on the AVX2 path; software prefetch
 // 4 KiB ahead of the row lost 10-20% (the hardware prefetcher follows one stream).
 template <typename Emit>
-TOPG_TARGET_BF16DP void dot_rows_bf16dp(const bf16* const* a, int64_t M, const bf16* w,
-                                        int64_t ldw, int64_t K, int64_t n0, int64_t n1,
-                                        Emit&& emit) {
+TOPG_TARGET_BF16DP void dot_rows_bf16dp(const bf16* const* a, int64_t M, const bf16* w, int64_t ldw,
+                                        int64_t K, int64_t n0, int64_t n1, Emit&& emit) {
   float sums[3];
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* row = w + n * ldw;

@@ -29,7 +29,6 @@ constexpr const char* OP = "paged_attention";
 // so a long ragged query (a prefill chunk) does not allocate rows x partitions x Hq x D.
 constexpr int64_t kWaveFloats = int64_t(4) << 20;
 
-
 // The sequences `dense` (their query rows [cu[s], cu[s + 1]) against all their keys),
 // on attn::prefill_block over their keys gathered into one contiguous buffer.
 template <typename T>

@@ -17,7 +17,6 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-
 #include <pthread.h>
 
 #include <atomic>

@@ -23,7 +23,7 @@
 // GEMV item is done; the activation runs on each gate/up item. Every value is rounded
 // where the compiled graph rounds it (each op's output in the model dtype) and every
 // sum runs in the same order as the ops' kernels (the same dot-product blocks, the same
-// attention partitions and merge), so in fp32 the logits equal the compiled graph's.
+// attention partitions and merge), so the logits equal the compiled graph's bitwise (fp32, bf16).
 #include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

@@ -426,7 +426,9 @@ def test_api_key() -> None:
 
 def test_disconnect_mid_stream_aborts(client, engine) -> None:
     aborted = engine.stats()["requests"]["aborted"]
-    req = {"prompt": "long", "max_tokens": 200, "stream": True, **GREEDY}
+    # Long enough to outlast the disconnect: the tiny model's decode step runs on the
+    # decode plan in ~0.1 ms, so 200 tokens could finish before the server sees it.
+    req = {"prompt": "long", "max_tokens": 1800, "stream": True, **GREEDY}
     with client.stream("POST", "/v1/completions", json=req) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):

@@ -92,6 +92,7 @@ class ModelRunner:
         # The decode plan: True = lower after warm-up; a string = off, and why.
         self._plan_wanted = decode_plan
         self._plan_tried = False
+        self._warming = False  # warm-up compiles the graph: no plan until it is done
         self.plan: Any = None
         self.plan_reason = "not lowered yet"
         self.plan_steps = 0
@@ -166,7 +167,7 @@ class ModelRunner:
         """Run one step; returns float32 logits ``[R, vocab]`` of the sampled rows.
         A step of at most 16 tokens runs on the decode plan when there is one, else on
         the graph."""
-        if b.fits_plan and self._plan_wanted is True:
+        if b.fits_plan and self._plan_wanted is True and not self._warming:
             logits = self._run_plan(b)
             if logits is not None:
                 return logits
@@ -270,7 +271,13 @@ class ModelRunner:
                 nxt += k
             if nxt > self.num_blocks:
                 return  # a pool this small is a test's; it compiles on first use
-            self.execute_graph(self.pack(items, samples))
+            # execute (not execute_graph): a subclass's execute may do more (TP: send the
+            # batch to the other ranks first)
+            self._warming = True
+            try:
+                self.execute(self.pack(items, samples))
+            finally:
+                self._warming = False
         if self._plan_wanted is True:
             self.relower()  # after compiling: the passes may re-point weights
 

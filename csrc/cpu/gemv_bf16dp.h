@@ -13,7 +13,9 @@
 // the decode plan stay bitwise equal to each other. TOPG_DISABLE_AVX512=1 turns it off.
 #pragma once
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>

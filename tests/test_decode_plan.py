@@ -22,7 +22,11 @@ from torch_topg.engine.decode_plan import MODEL_TYPES, Unsupported, lower, profi
 from torch_topg.engine.model_runner import ModelRunner
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not _native.load(), reason="the decode plan is native code")
+pytestmark = pytest.mark.skipif(
+    not _native.load(),
+    reason="native library not loaded (not built, or TOPG_DISABLE_NATIVE=1): the decode plan "
+    "(csrc/cpu/decode_plan.cpp) has no reference fallback",
+)
 
 LOWERED = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
 NOT_LOWERED = ["gemma2-tiny", "mixtral-tiny", "qwen2moe-tiny"]

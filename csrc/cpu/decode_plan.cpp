@@ -321,7 +321,7 @@ void DecodePlan::step(const Step& s) {
     sz(m.resid, B * H), sz(m.x, B * H);
     m.a.resize(size_t(std::max(B, R) * kmax)), m.ap.resize(size_t(std::max(B, R)));
     m.src.resize(size_t(std::max(B, R)));
-    m.cos.resize(size_t(d)), m.sin.resize(size_t(d));
+    m.cos.resize(size_t(B * d)), m.sin.resize(size_t(B * d));
   }
   // The attention schedule per distinct window (paged_attention's partitions, bitwise).
   scheds_.clear();
@@ -427,8 +427,18 @@ void DecodePlan::step(const Step& s) {
     };
     const auto opt = [](const at::Tensor& b) { return b.numel() ? cptr<T>(b) : nullptr; };
 
-    for (int64_t b = 0; b < B; ++b)
+    for (int64_t b = 0; b < B; ++b) {
       std::memcpy(resid + b * H, cptr<T>(embed_) + s.ids[b] * H, size_t(H) * sizeof(T));
+      // each row's cos / sin, once a step (positions are the same in every layer)
+      rotary::load_cos_sin(cs + s.pos[b] * d, d, true, &m.cos[b * d], &m.sin[b * d]);
+    }
+    // 3. / 5. out[:, rows of w] = A . w^T for a projection to H outputs (o, down).
+    const auto project = [&](team::Counter& c, const at::Tensor& w, int64_t K) {
+      const int64_t step = rows_per_item(K, sizeof(T));
+      share(c, gemm::ceil_div(H, 8), step / 8, [&](int64_t u0, int64_t u1) {
+        gemv(cptr<T>(w), K, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
+      });
+    };
     for (int64_t l = 0; l < L_; ++l) {
       const Layer& y = layers_[l];
       const AttnSched& as = scheds_[size_t(sched_of[l])];
@@ -463,10 +473,7 @@ void DecodePlan::step(const Step& s) {
               const at::Tensor& hn = part == 0 ? y.qn : y.kn;  // per-head RMSNorm (Qwen3)
               if (part < 2 && hn.numel())
                 norm::rms_norm_rows(head, d, cptr<T>(hn), head, d, d, eps_, 0, 1);
-              if (part < 2) {
-                rotary::load_cos_sin(cs + s.pos[b] * d, d, true, m.cos.data(), m.sin.data());
-                rotary::rotate_neox(head, m.cos.data(), m.sin.data(), d / 2);
-              }
+              if (part < 2) rotary::rotate_neox(head, &m.cos[b * d], &m.sin[b * d], d / 2);
               if (part > 0) {
                 T* cache = ptr<T>(part == 1 ? y.kc : y.vc);
                 std::memcpy(cache + (s.slots[b] * hkv + h) * d, head, size_t(d) * sizeof(T));
@@ -497,12 +504,7 @@ void DecodePlan::step(const Step& s) {
       sync(kAttn);
       // 3. o_proj.
       load_a(attn, qd, B, nullptr);
-      {
-        const int64_t step = rows_per_item(qd, sizeof(T));
-        share(c[kOProj], gemm::ceil_div(H, 8), step / 8, [&](int64_t u0, int64_t u1) {
-          gemv(cptr<T>(y.wo), qd, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
-        });
-      }
+      project(c[kOProj], y.wo, qd);
       sync(kOProj);
       // 4. Residual add + norm, gate/up, SiLU(gate) * up.
       std::memcpy(x, delta, size_t(B * H) * sizeof(T));
@@ -522,12 +524,7 @@ void DecodePlan::step(const Step& s) {
       sync(kGateUp);
       // 5. down.
       load_a(act, I, B, nullptr);
-      {
-        const int64_t step = rows_per_item(I, sizeof(T));
-        share(c[kDown], gemm::ceil_div(H, 8), step / 8, [&](int64_t u0, int64_t u1) {
-          gemv(cptr<T>(y.wd), I, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
-        });
-      }
+      project(c[kDown], y.wd, I);
       sync(kDown);
     }
     // 6. Residual add + final norm, LM head on the sampled rows.

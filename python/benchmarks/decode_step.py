@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
+from bench_models import _read_bytes_per_step as read_bytes_per_step  # noqa: E402
 from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS  # noqa: E402
 
 from torch_topg.bench.machine import machine_info, read_bandwidth_stats, remeasure  # noqa: E402
@@ -95,18 +96,6 @@ def graph_ops(runner, b, steps: int = 10) -> list[dict]:
     return rows[:12]
 
 
-def bytes_per_step(model, runner) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        key = (p.untyped_storage().data_ptr(), p.storage_offset())
-        if key not in seen:
-            seen.add(key)
-            total += p.numel() * p.element_size()
-    layers = len(runner.kv_caches) // 2
-    _, _, hkv, d = runner.kv_caches[0].shape
-    return total + 2 * layers * hkv * d * DECODE_CONTEXT * runner.kv_caches[0].element_size()
-
-
 def run_dtype(dtype: str, a, llama: dict | str) -> dict:
     from torch_topg.engine.decode_plan import profile
 
@@ -143,7 +132,7 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
             plan(b1)()
         res["plan_phases"] = profile(r.plan)
         res["graph_ops"] = graph_ops(r, b1)
-        res["bytes"] = bytes_per_step(plan_eng.model, r)
+        res["bytes"] = read_bytes_per_step(plan_eng.model, DECODE_CONTEXT)
     finally:
         plan_eng.shutdown()
         graph_eng.shutdown()

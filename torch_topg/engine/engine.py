@@ -66,6 +66,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        plan = _decode_plan_wanted(config)
         self.runner = runner or ModelRunner(
             model,
             num_blocks=config.num_blocks,
@@ -73,10 +74,10 @@ class Engine:
             max_blocks_per_seq=-(-config.max_model_len // config.block_size),
             compile=config.compile,
             kv_cache_dtype=config.kv_cache_dtype,
-            decode_plan=_decode_plan_wanted(config),
+            decode_plan=plan,
         )
-        if isinstance(why := _decode_plan_wanted(config), str):
-            self.runner.plan_reason = why
+        if runner is not None and isinstance(plan, str):  # a runner built elsewhere (TP)
+            self.runner.plan_reason = plan
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVCacheManager(
             self.pool,

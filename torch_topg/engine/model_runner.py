@@ -94,7 +94,7 @@ class ModelRunner:
         self._plan_tried = False
         self._warming = False  # warm-up compiles the graph: no plan until it is done
         self.plan: Any = None
-        self.plan_reason = "not lowered yet"
+        self.plan_reason = decode_plan if isinstance(decode_plan, str) else "not lowered yet"
         self.plan_steps = 0
         self._step = model_step
         if compile:

@@ -75,6 +75,26 @@ def _runner(preset: str, dtype: torch.dtype, num_blocks: int = 160, block_size: 
     return r
 
 
+def _quantised_runner(preset: str, fmt: str, dtype: torch.dtype) -> ModelRunner:
+    """``preset`` with its projections in ``fmt``, its LM head in q8_0 and the input
+    embedding a QuantizedEmbedding over q8_0 rows (as the shipped GGUF file has them)."""
+    from torch_topg.quant import quantize
+    from torch_topg.quant.modules import QuantizedEmbedding
+    from torch_topg.quant.packing import quantize_weight
+
+    model = tiny(preset)
+    quantize(model, fmt)
+    quantize(model, "q8_0", skip=[n for n, _ in model.named_modules() if n != "lm_head"],
+             lm_head=True)  # fmt: skip
+    emb = model.model.embed_tokens
+    packed = quantize_weight(emb.weight.detach(), "q8_0")
+    model.model.embed_tokens = QuantizedEmbedding(packed, "q8_0", emb.embedding_dim)
+    model = model.to(dtype)
+    r = ModelRunner(model, num_blocks=160, block_size=4, max_blocks_per_seq=40, decode_plan=True)
+    r.warmup()
+    return r
+
+
 def _plan_step(r: ModelRunner, b):
     return r.plan.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
                       b.cu_seqlens_q, b.logits_indices)  # fmt: skip
@@ -117,6 +137,36 @@ def test_plan_equals_compiled_graph(preset, batch, dtype):
     seqs = Seqs(r, prompts(3, [5 + 7 * i for i in range(batch)]), seed=batch)
     seqs.prefill()
     _compare_steps(r, seqs, steps=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("preset", "fmt"),
+    [("llama-tiny", "q4_1"), ("llama-tiny", "int4_g64"), ("qwen2-tiny", "q8_0"),
+     ("qwen3-tiny", "int8"), ("mistral-tiny", "q4_0")],
+)  # fmt: skip
+def test_quantised_model_plan_equals_compiled_graph(preset, fmt, dtype):
+    """Packed projections (int4_g64: K = 160 pads its last group), a q8_0 LM head and a
+    q8_0 embedding: the plan runs linear_q's kernel per row, so logits and KV stay
+    bitwise the graph's, at batch 1 and 8, and on a verify step of several tokens."""
+    r = _quantised_runner(preset, fmt, dtype)
+    assert r.plan is not None, r.plan_reason
+    for batch in (1, 8):
+        seqs = Seqs(r, prompts(5, [3 + 5 * i for i in range(batch)]), seed=batch)
+        seqs.prefill()
+        _compare_steps(r, seqs, steps=12)
+    seqs = Seqs(r, prompts(6, [9, 4]), seed=9)
+    seqs.prefill()
+    _compare(r, seqs.ragged_batch([[5, 6, 7, 8, 9], [10, 11]], [5, 2]))
+
+
+def test_lower_refuses_int8_activations():
+    from torch_topg.quant import quantize
+
+    model = quantize(tiny("llama-tiny"), "q8_0", int8_activations=True)
+    r = ModelRunner(model, num_blocks=8, block_size=4, max_blocks_per_seq=4, compile=False)
+    with pytest.raises(Unsupported, match="q_proj: int8_activations"):
+        lower(r.model, r.kv_caches, block_size=4, max_positions=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -310,4 +360,6 @@ def test_bad_inputs_get_clear_errors():
     bt[0, 0] = r.num_blocks
     run(3, bt, r"block_tables\[0, 0\]")
     with pytest.raises(RuntimeError, match="expected 3 weight tensors|weight tensors, got"):
-        torch.classes.topg.DecodePlan([], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0])
+        torch.classes.topg.DecodePlan(
+            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0]
+        )

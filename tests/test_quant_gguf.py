@@ -36,7 +36,12 @@ def test_smollm2_gguf_weights_packed_same_logits():
     from torch_topg.quant.gguf_model import use_gguf_weights
 
     model, tok = load_smollm2(torch.float32)
-    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    # More than 16 tokens: linear_q then takes its GEMM path (rows de-quantised, at::mm),
+    # which sums as the float model's F.linear does, so the logits compare bit for bit;
+    # the GEMV (M <= 16) sums in another order and is checked against the reference.
+    text = "The capital of France is Paris, and the capital of Italy is Rome; the capital of"
+    ids = tok(text, return_tensors="pt").input_ids
+    assert ids.shape[1] > 16
     with torch.inference_mode():
         want = model(ids).logits
     replaced = use_gguf_weights(model, gguf_path())

@@ -1,6 +1,7 @@
 """``linear_q``: the reference against gguf-py's de-quantiser and float64 math, and the
 native kernel (where one is registered) against the reference over hypothesis shapes:
-M from 1 to 512 (the CPU GEMV at M <= 4, the GEMM path above), K not a multiple of the
+M from 1 to 512 (the CPU GEMV at M <= 16, M <= 4 with int8 activations, the GEMM path
+above), K not a multiple of the
 int4 group, every format, with and without ``int8_activations`` (the reference rounds
 the activations as the kernel does: the comparison stays at fp32 tolerance)."""
 
@@ -100,7 +101,8 @@ def test_native_embedding_bit_exact(fmt):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q6_k", "int4_g64"])
 def test_native_batch_invariant(fmt):
     """In batch-invariant mode (the engine's deterministic=True) a row's output does not
-    depend on how many rows come with it; outside it M > 4 takes the GEMM path."""
+    depend on how many rows come with it; outside it M > 16 (M > 4 with int8
+    activations) takes the GEMM path."""
     f = FORMATS[fmt]
     k = 2 * (f.block or 32)
     g = Gen("cpu", seed=6)
@@ -114,6 +116,27 @@ def test_native_batch_invariant(fmt):
                 assert torch.equal(full[i : i + 1], one), (act, i)
     finally:
         torch.ops.topg._set_batch_invariant(previous)
+
+
+@requires_kernel("linear_q")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@given(m=st.integers(2, 16), tail=st.integers(0, 31), seed=st.integers(0, 2**31))
+def test_native_gemv_rows_do_not_depend_on_m(fmt, m, tail, seed):
+    """fp32 activations, M <= 16 (the decode plan's steps): the GEMV makes each packed
+    row fp32 once for all M rows (quant::dot_rows), and every row's output is bitwise
+    the output of that row alone, which is what the decode plan relies on."""
+    f = FORMATS[fmt]
+    k = 3 * (f.block or 32) + (tail if f.pads else 0)
+    g = Gen("cpu", seed=seed)
+    w, x = packed_weight(g, fmt, 19, k), g.randn(m, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        full = torch_topg.ops.linear_q(xs, w, fmt)
+        for i in range(m):
+            assert torch.equal(full[i : i + 1], torch_topg.ops.linear_q(xs[i : i + 1], w, fmt)), (
+                dtype,
+                i,
+            )
 
 
 @requires_kernel("linear_q")

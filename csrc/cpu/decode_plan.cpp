@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@
 #include "gemv_bf16dp.h"
 #include "norm_kernels.h"
 #include "paged_kernels.h"
+#include "quant_kernels.h"
 #include "rotary_kernels.h"
 #include "team.h"
 
@@ -54,8 +56,18 @@ constexpr int kPerLayer = 14;  // weight tensors per layer
 // compiled graph runs a packed GEMM, which rounds differently.
 constexpr int64_t kMaxTokens = gemm::kDotMaxRows;
 
+// A weight matrix [N, K]: in the model dtype, or packed in a quantised format
+// (torch_topg/quant/formats.py; one uint8 row of f->row_bytes(K) per output), multiplied
+// by the kernel topg::linear_q runs (quant::dot_rows) so the two agree bitwise.
+struct Lin {
+  at::Tensor t;
+  const quant::Format* f = nullptr;  // nullptr: the model dtype
+  int64_t rb = 0;                    // bytes per row
+};
+
 struct Layer {
-  at::Tensor ln_in, wq, wk, wv, bq, bk, bv, qn, kn, wo, ln_post, wg, wu, wd, kc, vc;
+  at::Tensor ln_in, bq, bk, bv, qn, kn, ln_post, kc, vc;
+  Lin wq, wk, wv, wo, wg, wu, wd;
   int64_t window = -1;
 };
 
@@ -66,6 +78,10 @@ struct Member {
   std::vector<float> a, cos, sin;
   std::vector<const float*> ap;
   std::vector<const void*> src;  // the A rows as stored (the bf16 dot-product path)
+  std::vector<float> aq;         // the A rows as fp32 padded with zeros (packed weights)
+  std::vector<const float*> aqp;
+  std::vector<float> qsum;
+  quant::RowsScratch qs;
   paged::Workspace pw;
 };
 
@@ -77,23 +93,28 @@ struct AttnSched {
   std::vector<std::pair<int64_t, int64_t>> items;
 };
 
-// Weight rows per GEMV work item: ~256 KiB. Measured (SmolLM2 fp32, batch 1, 2 threads,
-// ms per step, 3 alternating rounds): 128 KiB 22.2-24.2, 256 KiB 21.0-21.7, 512 KiB
+// Weight rows per GEMV work item (rows of row_bytes each): ~256 KiB. Measured (SmolLM2 fp32, batch
+// 1, 2 threads, ms per step, 3 alternating rounds): 128 KiB 22.2-24.2, 256 KiB 21.0-21.7, 512 KiB
 // 21.3-23.3; one static range per member 20.4-21.3 (no better within the noise, and it
 // cannot rebalance when a member is descheduled on a shared machine).
-int64_t rows_per_item(int64_t K, int64_t esize) {
-  return std::max<int64_t>(8, (int64_t(1) << 18) / std::max<int64_t>(K * esize, 1) / 8 * 8);
+int64_t rows_per_item(int64_t row_bytes) {
+  return std::max<int64_t>(8, (int64_t(1) << 18) / std::max<int64_t>(row_bytes, 1) / 8 * 8);
 }
+
+// A packed weight's activations: rows padded to a multiple of 256 (every format's block).
+int64_t padded_k(int64_t K) { return (K + 255) / 256 * 256; }
 
 class DecodePlan : public torch::CustomClassHolder {
  public:
   // weights: embed, final_norm, lm_head, then per layer ln_in, wq, wk, wv, bq, bk, bv,
   // q_norm, k_norm, wo, ln_post, wg, wu, wd (an empty tensor for a missing bias or
-  // per-head norm). kv_caches: [k_0, v_0, ...].
+  // per-head norm). formats: one per weight, "" (the model dtype) or the packed format of
+  // embed, lm_head and the seven projections. kv_caches: [k_0, v_0, ...].
   // dims: layers, hq, hkv, head_dim, block_size, then one window per layer (-1: none).
   // params: rms eps, attention scale.
-  DecodePlan(std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor cos_sin,
-             std::vector<int64_t> dims, std::vector<double> params)
+  DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string> formats,
+             std::vector<at::Tensor> kv_caches, at::Tensor cos_sin, std::vector<int64_t> dims,
+             std::vector<double> params)
       : cos_sin_(std::move(cos_sin)) {
     TORCH_CHECK(dims.size() >= 5, "topg::DecodePlan: dims expected [layers, hq, hkv, head_dim, ",
                 "block_size, windows...], got ", dims.size(), " values");
@@ -108,47 +129,65 @@ class DecodePlan : public torch::CustomClassHolder {
     TORCH_CHECK(int64_t(kv_caches.size()) == 2 * L_, "topg::DecodePlan: expected ", 2 * L_,
                 " KV cache tensors (K and V per layer), got ", kv_caches.size());
     TORCH_CHECK(params.size() == 2, "topg::DecodePlan: params expected [eps, scale]");
+    TORCH_CHECK(formats.size() == weights.size(), "topg::DecodePlan: expected one format per ",
+                "weight (", weights.size(), "), got ", formats.size());
     eps_ = float(params[0]), scale_ = float(params[1]);
-    embed_ = weights[0], final_norm_ = weights[1], lm_head_ = weights[2];
-    dtype_ = embed_.scalar_type();
-    TORCH_CHECK(embed_.dim() == 2 && lm_head_.dim() == 2, "topg::DecodePlan: embed and lm_head ",
-                "must be 2-D, got ", embed_.sizes(), " and ", lm_head_.sizes());
-    H_ = embed_.size(1), V_ = lm_head_.size(0);
+    // Which weights may be packed: embed, lm_head and the projections.
+    std::vector<const quant::Format*> fmt(weights.size(), nullptr);
+    for (size_t i = 0; i < weights.size(); ++i) {
+      if (formats[i].empty()) continue;
+      const int64_t j = i < 3 ? int64_t(i) : (int64_t(i) - 3) % kPerLayer;
+      const bool projection = i < 3 ? i != 1 : (j >= 1 && j <= 3) || j == 9 || j >= 11;
+      TORCH_CHECK(projection, "topg::DecodePlan: weight ", i, " (a norm or a bias) cannot be ",
+                  "packed (format '", formats[i], "')");
+      fmt[i] = quant::find_format(formats[i]);
+      TORCH_CHECK(fmt[i], "topg::DecodePlan: weight ", i, ": unknown format '", formats[i], "'");
+      packed_ = true;
+    }
+    final_norm_ = weights[1];
+    dtype_ = final_norm_.scalar_type();
+    TORCH_CHECK(final_norm_.dim() == 1 && weights[0].dim() == 2 && weights[2].dim() == 2,
+                "topg::DecodePlan: embed, final_norm, lm_head expected 2-D, 1-D, 2-D, got ",
+                weights[0].sizes(), ", ", final_norm_.sizes(), ", ", weights[2].sizes());
+    H_ = final_norm_.size(0), V_ = weights[2].size(0);
+    embed_ = Lin{weights[0], fmt[0]}, lm_head_ = Lin{weights[2], fmt[2]};
     for (int64_t l = 0; l < L_; ++l) {
-      const at::Tensor* w = &weights[3 + kPerLayer * l];
+      const size_t o = size_t(3 + kPerLayer * l);
+      const at::Tensor* w = &weights[o];
+      const auto lin = [&](int f) { return Lin{w[f], fmt[o + size_t(f)]}; };
       Layer y;
-      at::Tensor* fields[kPerLayer] = {&y.ln_in, &y.wq, &y.wk, &y.wv,      &y.bq, &y.bk, &y.bv,
-                                       &y.qn,    &y.kn, &y.wo, &y.ln_post, &y.wg, &y.wu, &y.wd};
-      for (int f = 0; f < kPerLayer; ++f) *fields[f] = w[f];
+      y.ln_in = w[0], y.wq = lin(1), y.wk = lin(2), y.wv = lin(3), y.bq = w[4], y.bk = w[5];
+      y.bv = w[6], y.qn = w[7], y.kn = w[8], y.wo = lin(9), y.ln_post = w[10], y.wg = lin(11);
+      y.wu = lin(12), y.wd = lin(13);
       y.kc = kv_caches[2 * l], y.vc = kv_caches[2 * l + 1], y.window = dims[5 + l];
       layers_.push_back(y);
     }
-    I_ = layers_[0].wg.size(0);
-    expect(embed_, "embed", {-1, H_});
+    I_ = layers_[0].wg.t.size(0);
+    expect(embed_, "embed", -1, H_);
     expect(final_norm_, "final_norm", {H_});
-    expect(lm_head_, "lm_head", {V_, H_});
+    expect(lm_head_, "lm_head", V_, H_);
     TORCH_CHECK(cos_sin_.dim() == 2 && cos_sin_.size(1) == d_ && cos_sin_.scalar_type() == dtype_ &&
                     cos_sin_.is_contiguous(),
                 "topg::DecodePlan: cos_sin expected contiguous [positions, ", d_, "] ", dtype_,
                 ", got ", cos_sin_.sizes(), " ", cos_sin_.scalar_type());
     for (int64_t l = 0; l < L_; ++l) {
-      const Layer& y = layers_[l];
+      Layer& y = layers_[l];
       const std::string n = "layers." + std::to_string(l) + ".";
       expect(y.ln_in, n + "ln_in", {H_});
-      expect(y.wq, n + "wq", {hq_ * d_, H_});
-      expect(y.wk, n + "wk", {hkv_ * d_, H_});
-      expect(y.wv, n + "wv", {hkv_ * d_, H_});
+      expect(y.wq, n + "wq", hq_ * d_, H_);
+      expect(y.wk, n + "wk", hkv_ * d_, H_);
+      expect(y.wv, n + "wv", hkv_ * d_, H_);
       for (const auto& [b, rows, name] :
            {std::tuple{&y.bq, hq_ * d_, "bq"}, std::tuple{&y.bk, hkv_ * d_, "bk"},
             std::tuple{&y.bv, hkv_ * d_, "bv"}})
         if (b->numel()) expect(*b, n + name, {rows});
       if (y.qn.numel()) expect(y.qn, n + "q_norm", {d_});
       if (y.kn.numel()) expect(y.kn, n + "k_norm", {d_});
-      expect(y.wo, n + "wo", {H_, hq_ * d_});
+      expect(y.wo, n + "wo", H_, hq_ * d_);
       expect(y.ln_post, n + "ln_post", {H_});
-      expect(y.wg, n + "wg", {I_, H_});
-      expect(y.wu, n + "wu", {I_, H_});
-      expect(y.wd, n + "wd", {H_, I_});
+      expect(y.wg, n + "wg", I_, H_);
+      expect(y.wu, n + "wu", I_, H_);
+      expect(y.wd, n + "wd", H_, I_);
       for (const at::Tensor* c : {&y.kc, &y.vc})
         TORCH_CHECK(c->dim() == 4 && c->size(1) == bs_ && c->size(2) == hkv_ && c->size(3) == d_ &&
                         c->scalar_type() == dtype_ && c->is_contiguous(),
@@ -213,8 +252,8 @@ class DecodePlan : public torch::CustomClassHolder {
         row_seq_[t] = int32_t(q), row_len_[t] = int32_t(lens[q] - (cu[q + 1] - t) + 1);
     }
     for (int64_t b = 0; b < T; ++b) {
-      TORCH_CHECK(ids[b] >= 0 && ids[b] < embed_.size(0), "topg::DecodePlan.run: input_ids[", b,
-                  "] = ", ids[b], " outside the vocabulary [0, ", embed_.size(0), ")");
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < embed_.t.size(0), "topg::DecodePlan.run: input_ids[", b,
+                  "] = ", ids[b], " outside the vocabulary [0, ", embed_.t.size(0), ")");
       TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_sin_.size(0), "topg::DecodePlan.run: positions[", b,
                   "] = ", pos[b], " outside the rotary table [0, ", cos_sin_.size(0), ")");
       TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks_ * bs_,
@@ -254,14 +293,31 @@ class DecodePlan : public torch::CustomClassHolder {
     float* logits;
   };
 
-  void expect(const at::Tensor& t, const std::string& name, std::vector<int64_t> shape) {
-    bool ok = t.dim() == int64_t(shape.size()) && t.scalar_type() == dtype_ && t.is_contiguous() &&
+  void expect(const at::Tensor& t, const std::string& name, std::vector<int64_t> shape,
+              std::optional<at::ScalarType> dtype = std::nullopt, const std::string& what = "") {
+    const at::ScalarType dt = dtype.value_or(dtype_);
+    bool ok = t.dim() == int64_t(shape.size()) && t.scalar_type() == dt && t.is_contiguous() &&
               t.device().is_cpu();
     for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || t.size(i) == shape[i];
-    TORCH_CHECK(ok, "topg::DecodePlan: ", name, " expected a contiguous cpu ", dtype_,
-                " tensor of shape ", at::IntArrayRef(shape), " (-1: any), got ", t.scalar_type(),
-                " ", t.sizes(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
-    bound_.push_back({t, t.const_data_ptr(), name});
+    TORCH_CHECK(ok, "topg::DecodePlan: ", name, " expected a contiguous cpu ", dt,
+                " tensor of shape ", at::IntArrayRef(shape), what, " (-1: any), got ",
+                t.scalar_type(), " ", t.sizes(), " on ", t.device(),
+                t.is_contiguous() ? "" : " (not contiguous)");
+    bound_.push_back({t, t.const_data_ptr(), name, dt});
+  }
+  // A weight [N, K] (N = -1: any): in the model dtype, or packed ([N, row_bytes(K)] uint8).
+  void expect(Lin& w, const std::string& name, int64_t N, int64_t K) {
+    if (!w.f) {
+      expect(w.t, name, {N, K});
+      w.rb = K * int64_t(c10::elementSize(dtype_));
+      return;
+    }
+    TORCH_CHECK(quant::pads(*w.f) || K % w.f->block == 0, "topg::DecodePlan: ", name, ": ", K,
+                " inputs is not a multiple of its format's block of ", w.f->block);
+    w.rb = w.f->row_bytes(K);
+    expect(
+        w.t, name, {N, w.rb}, at::kByte,
+        " (packed: " + std::to_string(K) + " weights a row in " + std::to_string(w.rb) + " bytes)");
   }
 
   static void arg(const at::Tensor& t, const char* name, at::ScalarType dt, int64_t n) {
@@ -274,7 +330,7 @@ class DecodePlan : public torch::CustomClassHolder {
   void check_weights() const {
     for (const auto& b : bound_)
       TORCH_CHECK(
-          b.t.scalar_type() == dtype_ && b.t.is_contiguous() && b.t.const_data_ptr() == b.data,
+          b.t.scalar_type() == b.dtype && b.t.is_contiguous() && b.t.const_data_ptr() == b.data,
           "topg::DecodePlan is stale: ", b.name, " changed (dtype ", b.t.scalar_type(),
           ", storage moved) since the plan was built; lower the model again");
   }
@@ -286,8 +342,11 @@ class DecodePlan : public torch::CustomClassHolder {
     at::Tensor t;
     const void* data;
     std::string name;
+    at::ScalarType dtype;
   };
-  at::Tensor embed_, final_norm_, lm_head_, cos_sin_;
+  Lin embed_, lm_head_;
+  at::Tensor final_norm_, cos_sin_;
+  bool packed_ = false;  // some weight is packed: the A rows are also kept as padded fp32
   std::vector<Layer> layers_;
   std::vector<Bound> bound_;
   at::ScalarType dtype_;
@@ -321,6 +380,10 @@ void DecodePlan::step(const Step& s) {
     sz(m.resid, B * H), sz(m.x, B * H);
     m.a.resize(size_t(std::max(B, R) * kmax)), m.ap.resize(size_t(std::max(B, R)));
     m.src.resize(size_t(std::max(B, R)));
+    if (packed_) {
+      m.aq.resize(size_t(std::max(B, R) * padded_k(kmax)));
+      m.aqp.resize(size_t(std::max(B, R))), m.qsum.resize(size_t(std::max(B, R)));
+    }
     m.cos.resize(size_t(B * d)), m.sin.resize(size_t(B * d));
   }
   // The attention schedule per distinct window (paged_attention's partitions, bitwise).
@@ -386,31 +449,49 @@ void DecodePlan::step(const Step& s) {
     };
     // The A operand of a GEMV: `rows` rows of K values (row r at src + idx(r) * K), as
     // fp32 in the AVX2 dot path's layout, or kept as stored for the bf16 dot products.
+    // With packed weights also as fp32 rows padded with zeros (linear_q's operand).
     const auto load_a = [&](const T* src, int64_t K, int64_t rows, const int64_t* idx) {
+      const int64_t Kp = padded_k(K);
       for (int64_t r = 0; r < rows; ++r) {
         const T* row = src + (idx ? idx[r] : r) * K;
         m.src[r] = row;
+        if (packed_) {
+          float* dst = m.aq.data() + r * Kp;
+          for (int64_t i = 0; i < K; ++i) dst[i] = to_float(row[i]);
+          std::fill(dst + K, dst + Kp, 0.f);
+          m.aqp[r] = dst;
+        }
         if (dp) continue;
         gemm::dot_a_row<T>(row, K, m.a.data() + r * K);
         m.ap[r] = m.a.data() + r * K;
       }
     };
     // emit(r, n, sum) for weight rows [n0, n1) of w ([N, K]) against the A rows: the
-    // kernel topg::linear uses for the same shapes (so the two agree bitwise).
-    const auto dot = [&](const T* w, int64_t K, int64_t rows, int64_t n0, int64_t n1, auto&& emit) {
+    // kernel topg::linear (topg::linear_q for a packed w) uses for the same shapes, so
+    // the two agree bitwise.
+    const auto dot = [&](const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1,
+                         auto&& emit) {
+      if (w.f) {
+        const uint8_t* base = cptr<uint8_t>(w.t);
+        for (int64_t n = n0; n < n1; ++n) {
+          quant::dot_rows(*w.f, base + n * w.rb, K, m.aqp.data(), rows, m.qsum.data(), m.qs);
+          for (int64_t r = 0; r < rows; ++r) emit(r, n, m.qsum[r]);
+        }
+        return;
+      }
 #if TOPG_BF16DP
       if constexpr (std::is_same_v<T, bf16>) {
         if (dp) {
-          gemm::dot_rows_bf16dp(reinterpret_cast<const bf16* const*>(m.src.data()), rows, w, K, K,
-                                n0, n1, emit);
+          gemm::dot_rows_bf16dp(reinterpret_cast<const bf16* const*>(m.src.data()), rows,
+                                cptr<T>(w.t), K, K, n0, n1, emit);
           return;
         }
       }
 #endif
-      gemm::dot_rows_range(m.ap.data(), rows, w, K, K, n0, n1, emit);
+      gemm::dot_rows_range(m.ap.data(), rows, cptr<T>(w.t), K, K, n0, n1, emit);
     };
     // out[r * ldo + n] = T(A_r . w_n + bias_n) for weight rows [n0, n1).
-    const auto gemv = [&](const T* w, int64_t K, const T* bias, int64_t rows, int64_t n0,
+    const auto gemv = [&](const Lin& w, int64_t K, const T* bias, int64_t rows, int64_t n0,
                           int64_t n1, T* out, int64_t ldo) {
       dot(w, K, rows, n0, n1, [&](int64_t r, int64_t n, float v) {
         out[r * ldo + n] = from_float<T>(bias ? v + to_float(bias[n]) : v);
@@ -428,15 +509,21 @@ void DecodePlan::step(const Step& s) {
     const auto opt = [](const at::Tensor& b) { return b.numel() ? cptr<T>(b) : nullptr; };
 
     for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(resid + b * H, cptr<T>(embed_) + s.ids[b] * H, size_t(H) * sizeof(T));
+      if (embed_.f) {  // embedding_q's rows: de-quantised, rounded once to T
+        float* row = m.aq.data();
+        quant::dequant_row(*embed_.f, cptr<uint8_t>(embed_.t) + s.ids[b] * embed_.rb, H, row);
+        for (int64_t i = 0; i < H; ++i) resid[b * H + i] = from_float<T>(row[i]);
+      } else {
+        std::memcpy(resid + b * H, cptr<T>(embed_.t) + s.ids[b] * H, size_t(H) * sizeof(T));
+      }
       // each row's cos / sin, once a step (positions are the same in every layer)
       rotary::load_cos_sin(cs + s.pos[b] * d, d, true, &m.cos[b * d], &m.sin[b * d]);
     }
     // 3. / 5. out[:, rows of w] = A . w^T for a projection to H outputs (o, down).
-    const auto project = [&](team::Counter& c, const at::Tensor& w, int64_t K) {
-      const int64_t step = rows_per_item(K, sizeof(T));
+    const auto project = [&](team::Counter& c, const Lin& w, int64_t K) {
+      const int64_t step = rows_per_item(w.rb);
       share(c, gemm::ceil_div(H, 8), step / 8, [&](int64_t u0, int64_t u1) {
-        gemv(cptr<T>(w), K, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
+        gemv(w, K, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
       });
     };
     for (int64_t l = 0; l < L_; ++l) {
@@ -462,11 +549,11 @@ void DecodePlan::step(const Step& s) {
           const int64_t count = part == 0 ? hq : hkv;
           const int64_t a0 = std::max(h0, base) - base, a1 = std::min(h1, base + count) - base;
           if (a1 <= a0) continue;
-          const at::Tensor& w = part == 0 ? y.wq : part == 1 ? y.wk : y.wv;
+          const Lin& w = part == 0 ? y.wq : part == 1 ? y.wk : y.wv;
           const T* bias = opt(part == 0 ? y.bq : part == 1 ? y.bk : y.bv);
           T* out = part == 0 ? q : part == 1 ? kb : vb;
           const int64_t ld = part == 0 ? qd : kd;
-          gemv(cptr<T>(w), H, bias, B, a0 * d, a1 * d, out, ld);
+          gemv(w, H, bias, B, a0 * d, a1 * d, out, ld);
           for (int64_t h = a0; h < a1; ++h)
             for (int64_t b = 0; b < B; ++b) {
               T* head = out + b * ld + h * d;
@@ -511,13 +598,13 @@ void DecodePlan::step(const Step& s) {
       norm::fused_add_rms_norm_rows(x, resid, cptr<T>(y.ln_post), H, eps_, 0, B);
       load_a(x, H, B, nullptr);
       {
-        const int64_t step = rows_per_item(H, 2 * sizeof(T));
+        const int64_t step = rows_per_item(y.wg.rb + y.wu.rb);
         share(c[kGateUp], gemm::ceil_div(I, 8), step / 8, [&](int64_t u0, int64_t u1) {
           const int64_t n0 = u0 * 8, n1 = std::min(I, u1 * 8);
           // gate rows, then up rows: the kernel topg::linear runs on the fused [gate; up]
           // weight of the compiled graph, so each row's sum is the same.
-          gemv(cptr<T>(y.wg), H, nullptr, B, n0, n1, gu, 2 * I);
-          gemv(cptr<T>(y.wu), H, nullptr, B, n0, n1, gu + I, 2 * I);
+          gemv(y.wg, H, nullptr, B, n0, n1, gu, 2 * I);
+          gemv(y.wu, H, nullptr, B, n0, n1, gu + I, 2 * I);
           for (int64_t b = 0; b < B; ++b) act::gated_span<act::Silu>(gu, 2 * I, act, I, b, n0, n1);
         });
       }
@@ -531,13 +618,12 @@ void DecodePlan::step(const Step& s) {
     std::memcpy(x, delta, size_t(B * H) * sizeof(T));
     norm::fused_add_rms_norm_rows(x, resid, cptr<T>(final_norm_), H, eps_, 0, B);
     load_a(x, H, R, s.li);
-    const int64_t step = rows_per_item(H, sizeof(T));
+    const int64_t step = rows_per_item(lm_head_.rb);
     share(counters_[kLayerPhases * L_], gemm::ceil_div(V, 8), step / 8,
           [&](int64_t u0, int64_t u1) {
-            dot(cptr<T>(lm_head_), H, R, u0 * 8, std::min(V, u1 * 8),
-                [&](int64_t r, int64_t n, float v) {
-                  s.logits[r * V + n] = to_float(from_float<T>(v));
-                });
+            dot(lm_head_, H, R, u0 * 8, std::min(V, u1 * 8), [&](int64_t r, int64_t n, float v) {
+              s.logits[r * V + n] = to_float(from_float<T>(v));
+            });
           });
     sync(kHead);
   });
@@ -550,8 +636,8 @@ void DecodePlan::step(const Step& s) {
 TORCH_LIBRARY_FRAGMENT(topg, m) {
   topg::team::register_fork_handler();  // at load: every later fork is seen
   m.class_<topg::DecodePlan>("DecodePlan")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
-                       std::vector<int64_t>, std::vector<double>>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<at::Tensor>,
+                       at::Tensor, std::vector<int64_t>, std::vector<double>>())
       .def("run", &topg::DecodePlan::run)
       .def("profile", &topg::DecodePlan::profile)
       .def("reset_profile", &topg::DecodePlan::reset_profile)

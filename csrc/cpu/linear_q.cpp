@@ -3,9 +3,11 @@
 //
 // linear_q, by the number of input rows M:
 //   M <= kQuantDotRows  GEMV: each packed weight row is read once (memory-bound) and
-//                       dotted with the M rows: fp32 activations against weights
-//                       de-quantised in registers, or with int8_activations integer dot
-//                       products against activations rounded to int8 per block of 32;
+//   (int8_activations:  dotted with the M rows: fp32 activations against the row made
+//   M <= kQ8DotRows)    fp32 once (quant::dot_rows; each row's sum does not depend on M,
+//                       and the decode plan calls the same function), or with
+//                       int8_activations integer dot products against activations
+//                       rounded to int8 per block of 32;
 //   larger M            rows of the weight are de-quantised to fp32 in chunks and
 //                       multiplied with at::mm (the de-quantisation is amortised over M;
 //                       int8_activations: the rounded activations as fp32).
@@ -33,28 +35,17 @@ namespace {
 using quant::Fmt;
 using quant::Format;
 
-constexpr int64_t kQuantDotRows = 4;
+// The GEMV's row limits: the decode plan's steps (gemm::kDotMaxRows, 16) with fp32
+// activations; the integer path re-reads each packed row per activation row, so 4.
+constexpr int64_t kQuantDotRows = 16, kQ8DotRows = 4;
 
-struct NamedFormat {
-  const char* name;
-  Format f;
-};
-constexpr NamedFormat kFormats[] = {
-    {"q8_0", {Fmt::q8_0, 32, 34}},       {"q4_0", {Fmt::q4_0, 32, 18}},
-    {"q4_1", {Fmt::q4_1, 32, 20}},       {"q4_k", {Fmt::q4_k, 256, 144}},
-    {"q6_k", {Fmt::q6_k, 256, 210}},     {"int8", {Fmt::int8, 0, 4}},
-    {"int4_g32", {Fmt::int4, 32, 20}},   {"int4_g64", {Fmt::int4, 64, 36}},
-    {"int4_g128", {Fmt::int4, 128, 68}},
-};
-
-bool pads(const Format& f) { return f.fmt == Fmt::int8 || f.fmt == Fmt::int4; }
+using quant::pads;
 
 Format parse_format(const char* op, c10::string_view name) {
+  if (const Format* f = quant::find_format(std::string(name))) return *f;
   std::string known;
-  for (const auto& nf : kFormats) {
-    if (name == nf.name) return nf.f;
+  for (const auto& nf : quant::kFormats)
     known += std::string(known.empty() ? "" : ", ") + "'" + nf.name + "'";
-  }
   TOPG_CHECK(false, op, "format '", std::string(name), "' is not one of ", known);
 }
 
@@ -105,17 +96,29 @@ void linear_q_dot(const Format& f, const Rows& x, int64_t K, const uint8_t* w, i
                   const T* bias, T* out) {
   const int64_t rb = f.row_bytes(K), nb = x.Kp / 32;
   const bool q8 = !x.xq.empty() && quant::int8_dot(f.fmt);  // integer dot products
+  std::vector<const float*> xs(size_t(x.M));
+  for (int64_t m = 0; m < x.M; ++m) xs[size_t(m)] = x.x(m);
+  struct Scratch {
+    quant::RowsScratch rows;
+    std::vector<float> sums;
+  };
   // Items of ~128 KiB of packed weights; small products stay on the calling thread.
   const int64_t rows = std::max<int64_t>(8, (int64_t(1) << 17) / std::max<int64_t>(rb, 1));
-  parallel_items((N + rows - 1) / rows, [&](int64_t item) {
+  parallel_items_with<Scratch>((N + rows - 1) / rows, [&](int64_t item, Scratch& sc) {
     const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
+    sc.sums.resize(size_t(x.M));
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * rb;
       const float b = bias ? to_float(bias[n]) : 0.f;
+      if (q8) {
+        for (int64_t m = 0; m < x.M; ++m)
+          sc.sums[size_t(m)] = quant::dot_row_q8(f, row, K, x.xq.data() + m * x.Kp,
+                                                 x.xd.data() + m * nb, x.xsum.data() + m * nb);
+      } else {
+        quant::dot_rows(f, row, K, xs.data(), x.M, sc.sums.data(), sc.rows);
+      }
       for (int64_t m = 0; m < x.M; ++m) {
-        const float s = q8 ? quant::dot_row_q8(f, row, K, x.xq.data() + m * x.Kp,
-                                               x.xd.data() + m * nb, x.xsum.data() + m * nb)
-                           : quant::dot_row(f, row, K, x.x(m));
+        const float s = sc.sums[size_t(m)];
         out[m * N + n] = from_float<T>(bias ? s + b : s);
       }
     }
@@ -175,7 +178,7 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
     const int64_t Kp = f.padded(K);
     Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations);
     const uint8_t* w = cptr<uint8_t>(weight);
-    if (M <= kQuantDotRows || batch_invariant()) {
+    if (M <= (int8_activations ? kQ8DotRows : kQuantDotRows) || batch_invariant()) {
       linear_q_dot(f, rows, K, w, N, b, o);
     } else {
       at::Tensor xt =

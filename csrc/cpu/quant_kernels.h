@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "vec.h"
 
@@ -33,6 +35,26 @@ struct Format {
   // fp32 activations per row a kernel reads (a multiple of 32).
   int64_t padded(int64_t k) const { return block == 0 ? (k + 31) / 32 * 32 : blocks(k) * block; }
 };
+
+// The format names of torch_topg/quant/formats.py.
+struct NamedFormat {
+  const char* name;
+  Format f;
+};
+inline constexpr NamedFormat kFormats[] = {
+    {"q8_0", {Fmt::q8_0, 32, 34}},       {"q4_0", {Fmt::q4_0, 32, 18}},
+    {"q4_1", {Fmt::q4_1, 32, 20}},       {"q4_k", {Fmt::q4_k, 256, 144}},
+    {"q6_k", {Fmt::q6_k, 256, 210}},     {"int8", {Fmt::int8, 0, 4}},
+    {"int4_g32", {Fmt::int4, 32, 20}},   {"int4_g64", {Fmt::int4, 64, 36}},
+    {"int4_g128", {Fmt::int4, 128, 68}},
+};
+inline const Format* find_format(const std::string& name) {
+  for (const auto& nf : kFormats)
+    if (name == nf.name) return &nf.f;
+  return nullptr;
+}
+// Formats whose rows take any k (the last group padded); the GGUF ones need whole blocks.
+inline bool pads(const Format& f) { return f.fmt == Fmt::int8 || f.fmt == Fmt::int4; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -258,6 +280,171 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
 #endif
   }
   return total;
+}
+
+// --- several activation rows against one packed row ----------------------------------
+// dot_rows(f, row, k, x, M, out, wbuf): out[m] = dot_row(f, row, k, x[m]) for m < M,
+// bitwise (each m's sum runs the same FMAs in the same order), with the row's weights
+// made fp32 once into wbuf (padded(k) floats) instead of once per m. So linear_q's GEMV
+// is invariant to M, and the decode plan, calling it per weight row, agrees with the op.
+#if TOPG_AVX2
+// The weights of the AVX2 formats in the order dot_row's fma32 consumes them: 32-runs,
+// each stored at wbuf + 32 * r with its activations at x + xoff[r]. Returns the runs.
+// 32 codes made fp32 as fma32 makes them: q * d + m.
+__attribute__((always_inline)) inline void store32(__m256i q, __m256 d, __m256 m, float* dst) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int j = 0; j < 4; ++j)
+    _mm256_storeu_ps(dst + 8 * j,
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[j])), d, m));
+}
+
+inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* wbuf,
+                         int64_t* xoff) {
+  int64_t n = 0;
+#define put(q, d, m, x0) (store32((q), (d), (m), wbuf + 32 * n), xoff[n++] = (x0))
+  const __m256 zero = _mm256_setzero_ps();
+  const int64_t nb = f.blocks(k);
+  switch (f.fmt) {
+    case Fmt::q8_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 34 * b;
+        put(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), _mm256_set1_ps(half_at(p)),
+            zero, 32 * b);
+      }
+      return n;
+    case Fmt::q4_0: {
+      const __m256i eight = _mm256_set1_epi8(8);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 18 * b;
+        put(_mm256_sub_epi8(unpack16(p + 2), eight), _mm256_set1_ps(half_at(p)), zero, 32 * b);
+      }
+      return n;
+    }
+    case Fmt::q4_1:
+    case Fmt::int4: {
+      const int64_t g = f.block, bb = f.block_bytes, half = g / 2;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + bb * b;
+        const __m256 d = _mm256_set1_ps(half_at(p)), m = _mm256_set1_ps(half_at(p + 2));
+        if (g == 32) {
+          put(unpack16(p + 4), d, m, g * b);
+          continue;
+        }
+        for (int64_t c = 0; c < half / 32; ++c) {
+          __m256i lo, hi;
+          unpack32(p + 4 + 32 * c, lo, hi);
+          put(lo, d, m, g * b + 32 * c);
+          put(hi, d, m, g * b + half + 32 * c);
+        }
+      }
+      return n;
+    }
+    case Fmt::int8: {  // whole 32-runs only; dot_rows sums the tail as dot_row does
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (int64_t i = 0; i + 32 <= k; i += 32)
+        put(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 4 + i)), one, zero, i);
+      return n;
+    }
+    default:
+      return -1;
+  }
+#undef put
+}
+
+// R rows at once (R <= 3: 12 accumulators and a weight register of the 16 ymm).
+template <int R>
+inline void runs_dot(const float* wbuf, const int64_t* xoff, int64_t runs, const float* const* x,
+                     __m256 (*acc)[4]) {
+  __m256 a[R][4];  // locals: kept in registers (acc itself may alias the inputs)
+  const float* xr[R];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+    xr[r] = x[r];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
+  }
+  for (int64_t n = 0; n < runs; ++n) {
+    const float* w = wbuf + 32 * n;
+    const int64_t o = xoff[n];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + 8 * j);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r)
+        a[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[r] + o + 8 * j), a[r][j]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = a[r][j];
+}
+#endif
+
+// Scratch for dot_rows: wbuf padded(k) floats, xoff padded(k) / 32 entries.
+struct RowsScratch {
+  std::vector<float> w;
+  std::vector<int64_t> xoff;
+  void fit(const Format& f, int64_t k) {
+    if (int64_t(w.size()) < f.padded(k)) w.resize(size_t(f.padded(k)));
+    if (int64_t(xoff.size()) < f.padded(k) / 32) xoff.resize(size_t(f.padded(k) / 32));
+  }
+};
+
+inline void dot_rows(const Format& f, const uint8_t* row, int64_t k, const float* const* x,
+                     int64_t M, float* out, RowsScratch& s) {
+  if (M == 1) {
+    out[0] = dot_row(f, row, k, x[0]);
+    return;
+  }
+  s.fit(f, k);
+#if TOPG_AVX2
+  const int64_t runs = runs_fp32(f, row, k, s.w.data(), s.xoff.data());
+  if (runs >= 0) {
+    float scale = 1.f;
+    int64_t tail0 = k;  // int8: weights past the last whole 32-run, summed one by one
+    if (f.fmt == Fmt::int8) std::memcpy(&scale, row, 4), tail0 = k / 32 * 32;
+    __m256 acc[3][4];
+    for (int64_t m0 = 0; m0 < M; m0 += 3) {
+      const int64_t r = std::min<int64_t>(3, M - m0);
+      if (r == 3)
+        runs_dot<3>(s.w.data(), s.xoff.data(), runs, x + m0, acc);
+      else if (r == 2)
+        runs_dot<2>(s.w.data(), s.xoff.data(), runs, x + m0, acc);
+      else
+        runs_dot<1>(s.w.data(), s.xoff.data(), runs, x + m0, acc);
+      for (int64_t i = 0; i < r; ++i) {
+        if (f.fmt != Fmt::int8) {
+          out[m0 + i] = hsum4(acc[i]);
+          continue;
+        }
+        float tail = 0.f;
+        for (int64_t j = tail0; j < k; ++j) tail += float(int8_t(row[4 + j])) * x[m0 + i][j];
+        out[m0 + i] = (hsum4(acc[i]) + tail) * scale;
+      }
+    }
+    return;
+  }
+  if (f.block != 0) {  // the K-quants: blocks de-quantised once, summed as dot_row sums
+    const int64_t nb = f.blocks(k), bk = f.block;
+    for (int64_t b = 0; b < nb; ++b)
+      dequant_block(f, row + b * f.block_bytes, bk, s.w.data() + b * bk);
+    for (int64_t m = 0; m < M; ++m) {
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < bk; i += 8)
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(s.w.data() + b * bk + i),
+                              _mm256_loadu_ps(x[m] + b * bk + i), a);
+        total += hsum(a);
+      }
+      out[m] = total;
+    }
+    return;
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m) out[m] = dot_row(f, row, k, x[m]);
 }
 
 // --- int8 activations (llama.cpp's approach): the M <= 4 path of the formats below ----

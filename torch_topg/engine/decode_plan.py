@@ -10,7 +10,9 @@ What the plan computes is the Llama decoder: token embedding; per layer RMSNorm,
 v projections (optional biases; Qwen3's per-head q / k RMSNorm), neox rotary from the model's own rotary module, paged
 attention (GQA, optional sliding window), o projection, residual, RMSNorm, SiLU-gated
 MLP, residual; final RMSNorm and the LM head. :func:`lower` checks a model is exactly
-that, module by module, and otherwise says what differs.
+that, module by module, and otherwise says what differs. Projections, the LM head and
+the embedding may be quantised (``torch_topg.quantize``, ``quantization="gguf"``): the
+plan multiplies packed rows with ``linear_q``'s kernel (fp32 activations).
 """
 
 from __future__ import annotations
@@ -27,12 +29,32 @@ class Unsupported(Exception):
     """Why a model (or an engine configuration) does not lower; the engine keeps the text."""
 
 
-def _linear(mod: Any, name: str, bias_ok: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if type(mod) is not torch.nn.Linear:
-        raise Unsupported(f"{name} is {type(mod).__name__}, not torch.nn.Linear")
+def _linear(mod: Any, name: str, bias_ok: bool) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """(weight, bias, format): the weight in the model dtype (format ``""``), or a
+    :class:`~torch_topg.quant.QuantizedLinear`'s packed rows and their format."""
+    from torch_topg.quant.modules import QuantizedLinear
+
     if mod.bias is not None and not bias_ok:
         raise Unsupported(f"{name} has a bias")
-    return mod.weight, mod.bias
+    if type(mod) is QuantizedLinear:
+        if mod.int8_activations:
+            raise Unsupported(f"{name}: int8_activations (the plan runs fp32 activations)")
+        return mod.qweight, mod.bias, mod.format
+    if type(mod) is not torch.nn.Linear:
+        raise Unsupported(f"{name} is {type(mod).__name__}, not torch.nn.Linear or QuantizedLinear")
+    return mod.weight, mod.bias, ""
+
+
+def _embedding(mod: Any, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    from torch_topg.quant.modules import QuantizedEmbedding
+
+    if type(mod) is QuantizedEmbedding:
+        if mod.dtype_ref.dtype != dtype:
+            raise Unsupported(f"embed_tokens returns {mod.dtype_ref.dtype}, the model is {dtype}")
+        return mod.qweight, mod.format
+    if type(mod) is not torch.nn.Embedding:
+        raise Unsupported(f"embed_tokens is {type(mod).__name__}")
+    return mod.weight, ""
 
 
 def _rms(mod: Any, name: str) -> tuple[torch.Tensor, float]:
@@ -91,7 +113,7 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     kind = getattr(text, "model_type", None)
     if kind not in MODEL_TYPES:
         raise Unsupported(f"model_type {kind!r} is not lowered (lowered: {', '.join(MODEL_TYPES)})")
-    p = next(model.parameters())
+    p = model.model.norm.weight if hasattr(model, "model") else next(model.parameters())
     if p.device.type != "cpu":
         raise Unsupported(
             f"device {p.device.type}: the plan runs on the CPU (CUDA: CUDA graphs, not yet)"
@@ -111,12 +133,11 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         raise Unsupported("not a <Model>ForCausalLM with .model.layers and .lm_head")
     if len(kv_caches) != 2 * len(layers):
         raise Unsupported(f"{len(kv_caches)} KV tensors for {len(layers)} layers")
-    embed = base.embed_tokens
-    if type(embed) is not torch.nn.Embedding:
-        raise Unsupported(f"embed_tokens is {type(embed).__name__}")
+    embed, embed_fmt = _embedding(base.embed_tokens, dtype)
     final_norm, eps = _rms(base.norm, "model.norm")
-    lm_head, _ = _linear(model.lm_head, "lm_head", bias_ok=False)
-    weights = [embed.weight, final_norm, lm_head]
+    lm_head, _, head_fmt = _linear(model.lm_head, "lm_head", bias_ok=False)
+    weights = [embed, final_norm, lm_head]
+    formats = [embed_fmt, "", head_fmt]
     windows: list[int] = []
     scale = None
     empty = torch.empty(0, dtype=dtype)
@@ -132,13 +153,13 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         ln_post, e2 = _rms(layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
         if e1 != eps or e2 != eps:
             raise Unsupported("RMSNorm epsilons differ between layers")
-        wq, bq = _linear(at.q_proj, f"layers.{i}.self_attn.q_proj", True)
-        wk, bk = _linear(at.k_proj, f"layers.{i}.self_attn.k_proj", True)
-        wv, bv = _linear(at.v_proj, f"layers.{i}.self_attn.v_proj", True)
-        wo, _ = _linear(at.o_proj, f"layers.{i}.self_attn.o_proj", False)
-        wg, _ = _linear(mlp.gate_proj, f"layers.{i}.mlp.gate_proj", False)
-        wu, _ = _linear(mlp.up_proj, f"layers.{i}.mlp.up_proj", False)
-        wd, _ = _linear(mlp.down_proj, f"layers.{i}.mlp.down_proj", False)
+        wq, bq, fq = _linear(at.q_proj, f"layers.{i}.self_attn.q_proj", True)
+        wk, bk, fk = _linear(at.k_proj, f"layers.{i}.self_attn.k_proj", True)
+        wv, bv, fv = _linear(at.v_proj, f"layers.{i}.self_attn.v_proj", True)
+        wo, _, fo = _linear(at.o_proj, f"layers.{i}.self_attn.o_proj", False)
+        wg, _, fg = _linear(mlp.gate_proj, f"layers.{i}.mlp.gate_proj", False)
+        wu, _, fu = _linear(mlp.up_proj, f"layers.{i}.mlp.up_proj", False)
+        wd, _, fd = _linear(mlp.down_proj, f"layers.{i}.mlp.down_proj", False)
         heads = []
         for nm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over each head before rotary
             mod = getattr(at, nm, None)
@@ -163,16 +184,23 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         windows.append(int(sw) - 1 if sw else -1)
         biases = [b if b is not None else empty for b in (bq, bk, bv)]
         weights += [ln_in, wq, wk, wv, *biases, *heads, wo, ln_post, wg, wu, wd]
-    odd = [t for t in weights if t.numel() and (t.dtype != dtype or not t.is_contiguous())]
+        formats += ["", fq, fk, fv, "", "", "", "", "", fo, "", fg, fu, fd]
+    odd = [
+        t
+        for t, f in zip(weights, formats, strict=True)
+        if t.numel() and (t.dtype != (torch.uint8 if f else dtype) or not t.is_contiguous())
+    ]
     if odd:
-        raise Unsupported(f"{len(odd)} weight tensors are not contiguous {dtype}")
+        raise Unsupported(f"{len(odd)} weight tensors are not contiguous {dtype} (or packed uint8)")
     k0 = kv_caches[0]
     _, _, hkv, d = k0.shape
-    hq = layers[0].self_attn.q_proj.weight.shape[0] // d
+    hq = layers[0].self_attn.q_proj.out_features // d
     cos_sin = _rotary_table(base, text, max_positions, dtype)
     dims = [len(layers), hq, hkv, d, block_size, *windows]
     with torch.inference_mode():
-        return torch.classes.topg.DecodePlan(weights, list(kv_caches), cos_sin, dims, [eps, scale])
+        return torch.classes.topg.DecodePlan(
+            weights, formats, list(kv_caches), cos_sin, dims, [eps, scale]
+        )
 
 
 #: Names of the plan's profile phases (``TOPG_PROFILE=1``), in ``profile()`` order.

@@ -58,6 +58,16 @@ class Context:
                 return t
         return None
 
+    def buffer(self, node: Any) -> torch.Tensor | None:
+        """The real module buffer a placeholder carries (a packed weight), else None."""
+        if isinstance(node, fx.Node) and node.op == "placeholder":
+            arg = node.meta.get("grapharg")
+            source = getattr(getattr(arg, "source", None), "name", "")
+            t = self.placeholders.get(node)
+            if "._buffers[" in str(source) and isinstance(t, torch.Tensor):
+                return t
+        return None
+
     def constant(self, tensor: torch.Tensor, hint: str) -> fx.Node:
         """A ``get_attr`` node holding ``tensor``, placed before the first non-input node."""
         name = f"_topg_{hint}_{self._n_consts}"
@@ -70,7 +80,7 @@ class Context:
         node.meta["example_value"] = tensor
         return node
 
-    def fuse_weights(self, params: list[torch.nn.Parameter], hint: str) -> fx.Node:
+    def fuse_weights(self, params: list[torch.Tensor], hint: str) -> fx.Node:
         """One buffer holding ``params`` concatenated along dim 0; each parameter's data is
         re-pointed at its slice of it, so the weights stay resident once (not twice) and
         in-place updates of a parameter (``load_state_dict``) reach the fused buffer."""

@@ -11,6 +11,12 @@ its two halves, so the weights stay resident once)::
 
     h = topg.silu_and_mul(topg.linear(x, Wgu))      # or gelu_and_mul
 
+Quantised projections (``topg.linear_q``, :class:`~torch_topg.quant.QuantizedLinear`)
+of one format are fused the same way: their packed rows concatenated, one
+``linear_q(x, Wgu_packed, format)``, then the activation op. Each output row's sum is
+the same as unfused (the kernel dots each packed row on its own), and the activation is
+the kernel the decode plan runs, so the plan matches this graph bitwise.
+
 Not replaced: projections with a bias, weights that are not the model's parameters
 (nothing to concatenate once), outputs read elsewhere.
 """
@@ -24,6 +30,10 @@ from torch_topg.compile.passes.base import F, Pass, Site, topg
 _ACTS = {"silu": "silu_and_mul", "gelu": "gelu_and_mul"}
 
 
+def _is_linear_q(node) -> bool:
+    return getattr(node, "op", None) == "call_function" and node.target is topg("linear_q")
+
+
 class GatedMLPPass(Pass):
     name = "gated_mlp"
     pattern = "mlp"
@@ -35,15 +45,60 @@ class GatedMLPPass(Pass):
             if not F.is_kind(n, "mul") or len(n.args) != 2:
                 continue
             for act, up in (n.args, n.args[::-1]):
-                if F.kind(act) in _ACTS and F.is_kind(up, "linear"):
+                if F.kind(act) in _ACTS and (F.is_kind(up, "linear") or _is_linear_q(up)):
                     break
             else:
                 continue
             gate = act.args[0]
-            if not F.is_kind(gate, "linear"):
-                continue
-            sites.append(self._rewrite(ctx, graph, n, act, gate, up))
+            if F.is_kind(gate, "linear") and F.is_kind(up, "linear"):
+                sites.append(self._rewrite(ctx, graph, n, act, gate, up))
+            elif _is_linear_q(gate) and _is_linear_q(up):
+                sites.append(self._rewrite_q(ctx, graph, n, act, gate, up))
         return sites
+
+    def _act(self, graph, act, y, approx: str):
+        if F.kind(act) == "silu":
+            return graph.call_function(topg("silu_and_mul"), (y,))
+        return graph.call_function(topg("gelu_and_mul"), (y,), {"approximate": approx})
+
+    def _check_act(self, n, act) -> tuple[str, Site | None]:
+        approx = "none"
+        if F.kind(act) == "gelu":
+            approx = F.arg(act, 1, "approximate", "none")
+            if approx not in ("none", "tanh"):
+                return approx, self.site(n, False, f"gelu approximate={approx!r}")
+        elif act.kwargs.get("inplace") or (len(act.args) > 1 and act.args[1] is True):
+            return approx, self.site(n, False, "in-place activation")
+        return approx, None
+
+    def _rewrite_q(self, ctx, graph, n, act, gate, up) -> Site:
+        """``act(linear_q(x, Qg, f)) * linear_q(x, Qu, f)`` -> one ``linear_q`` + act op."""
+        x = gate.args[0]
+        if up.args[0] is not x:
+            return self.site(n, False, "gate and up read different inputs")
+        if F.arg(gate, 3, "bias") is not None or F.arg(up, 3, "bias") is not None:
+            return self.site(n, False, "projection with bias")
+        if len(act.users) != 1 or len(gate.users) != 1 or len(up.users) != 1:
+            return self.site(n, False, "an intermediate is read elsewhere")
+        fmt, act8 = F.arg(gate, 2, "format"), F.arg(gate, 4, "int8_activations", False)
+        if F.arg(up, 2, "format") != fmt or F.arg(up, 4, "int8_activations", False) != act8:
+            return self.site(n, False, "gate and up quantised differently")
+        approx, refused = self._check_act(n, act)
+        if refused is not None:
+            return refused
+        qg, qu = ctx.buffer(F.arg(gate, 1, "weight")), ctx.buffer(F.arg(up, 1, "weight"))
+        if qg is None or qu is None:
+            return self.site(n, False, "packed weights are not module buffers")
+        if qg.shape != qu.shape or qg.dtype != qu.dtype or qg.device != qu.device:
+            return self.site(n, False, "gate and up packed weights differ in shape/device")
+        w = ctx.fuse_weights([qg, qu], "gate_up_q")
+        with graph.inserting_before(n):
+            y = graph.call_function(topg("linear_q"), (x, w, fmt, None), {"int8_activations": act8})
+            h = self._act(graph, act, y, approx)
+        F.copy_meta(h, n)
+        n.replace_all_uses_with(h)
+        graph.erase_node(n)
+        return self.site(n, True, f"{F.kind(act)}(gate) * up, gate/up fused ({fmt})")
 
     def _rewrite(self, ctx, graph, n, act, gate, up) -> Site:
         x = gate.args[0]
@@ -53,13 +108,9 @@ class GatedMLPPass(Pass):
             return self.site(n, False, "projection with bias")
         if len(act.users) != 1 or len(gate.users) != 1 or len(up.users) != 1:
             return self.site(n, False, "an intermediate is read elsewhere")
-        approx = "none"
-        if F.kind(act) == "gelu":
-            approx = F.arg(act, 1, "approximate", "none")
-            if approx not in ("none", "tanh"):
-                return self.site(n, False, f"gelu approximate={approx!r}")
-        elif act.kwargs.get("inplace") or (len(act.args) > 1 and act.args[1] is True):
-            return self.site(n, False, "in-place activation")
+        approx, refused = self._check_act(n, act)
+        if refused is not None:
+            return refused
         wg, wu = ctx.parameter(F.arg(gate, 1, "weight")), ctx.parameter(F.arg(up, 1, "weight"))
         if wg is None or wu is None:
             return self.site(n, False, "weights are not model parameters")
@@ -70,10 +121,7 @@ class GatedMLPPass(Pass):
         w = ctx.fuse_weights([wg, wu], "gate_up")
         with graph.inserting_before(n):
             y = graph.call_function(topg("linear"), (x, w, None))
-            if F.kind(act) == "silu":
-                h = graph.call_function(topg("silu_and_mul"), (y,))
-            else:
-                h = graph.call_function(topg("gelu_and_mul"), (y,), {"approximate": approx})
+            h = self._act(graph, act, y, approx)
         F.copy_meta(h, n)
         n.replace_all_uses_with(h)
         graph.erase_node(n)

@@ -160,13 +160,23 @@ def test_quantised_model_plan_equals_compiled_graph(preset, fmt, dtype):
     _compare(r, seqs.ragged_batch([[5, 6, 7, 8, 9], [10, 11]], [5, 2]))
 
 
-def test_lower_refuses_int8_activations():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_activation_linears_plan_equals_compiled_graph(dtype):
+    """Linears with int8_activations (the LM head with fp32 ones): the plan rounds each
+    GEMV's input to int8 blocks once and runs linear_q's integer dot per row."""
     from torch_topg.quant import quantize
 
-    model = quantize(tiny("llama-tiny"), "q8_0", int8_activations=True)
-    r = ModelRunner(model, num_blocks=8, block_size=4, max_blocks_per_seq=4, compile=False)
-    with pytest.raises(Unsupported, match="q_proj: int8_activations"):
-        lower(r.model, r.kv_caches, block_size=4, max_positions=16)
+    model = quantize(tiny("qwen2-tiny"), "q4_1", int8_activations=True).to(dtype)
+    r = ModelRunner(model, num_blocks=160, block_size=4, max_blocks_per_seq=40, decode_plan=True)
+    r.warmup()
+    assert r.plan is not None, r.plan_reason
+    for batch in (1, 8):
+        seqs = Seqs(r, prompts(15, [3 + 5 * i for i in range(batch)]), seed=batch)
+        seqs.prefill()
+        _compare_steps(r, seqs, steps=8)
+    seqs = Seqs(r, prompts(16, [9, 4]), seed=9)
+    seqs.prefill()
+    _compare(r, seqs.ragged_batch([[5, 6, 7, 8, 9, 10, 11], [10, 11]], [7, 2]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -86,9 +86,32 @@ def test_engine_from_model_int8():
     assert got == want
 
 
+def test_engine_quantization_dict_int8_activations_on_the_plan():
+    """``{"method": "int4", "group_size": 32, "int8_activations": True}``: every linear
+    but the head quantised with int8 activations, decoded on the plan."""
+    model = tiny("llama-tiny")
+    q = {"method": "int4", "group_size": 32, "int8_activations": True}
+    with Engine.from_model(model, quantization=q, block_size=4) as eng:
+        o_proj = eng.model.model.layers[0].self_attn.o_proj
+        assert isinstance(o_proj, QuantizedLinear) and o_proj.format == "int4_g32"
+        assert o_proj.int8_activations
+        assert not isinstance(eng.model.lm_head, QuantizedLinear)
+        out = eng.generate([[5, 6, 7, 8]], max_new_tokens=6, **GREEDY)[0]
+        assert len(out.token_ids) == 6
+        if torch_topg.native_available():
+            assert eng.stats()["decode_plan"]["active"], eng.stats()["decode_plan"]
+
+
 def test_quantization_option_errors():
     with pytest.raises(ValueError, match="quantization 'fp8' is not one of None, 'gguf'"):
         Engine.from_pretrained("/nonexistent", quantization="fp8")
+    with pytest.raises(ValueError, match=r"keys \['bits'\] are not among"):
+        Engine.from_pretrained("/nonexistent", quantization={"method": "int8", "bits": 4})
+    with pytest.raises(ValueError, match="group_size applies to method 'int4' only"):
+        Engine.from_pretrained("/nonexistent", quantization={"method": "gguf", "group_size": 32})
+    with pytest.raises(ValueError, match="int8_activations must be True or False"):
+        Engine.from_pretrained("/nonexistent", quantization={"method": "gguf",
+                                                             "int8_activations": 1})  # fmt: skip
     with pytest.raises(ValueError, match="not supported with tp_size > 1"):
         Engine.from_pretrained("/nonexistent", quantization="int8", tp_size=2)
     with pytest.raises(ValueError, match="from_model: quantization='gguf' needs from_pretrained"):

@@ -1,7 +1,6 @@
 """``linear_q``: the reference against gguf-py's de-quantiser and float64 math, and the
 native kernel (where one is registered) against the reference over hypothesis shapes:
-M from 1 to 512 (the CPU GEMV at M <= 16, M <= 4 with int8 activations, the GEMM path
-above), K not a multiple of the
+M from 1 to 512 (the CPU GEMV at M <= 16, the GEMM path above), K not a multiple of the
 int4 group, every format, with and without ``int8_activations`` (the reference rounds
 the activations as the kernel does: the comparison stays at fp32 tolerance)."""
 
@@ -101,8 +100,7 @@ def test_native_embedding_bit_exact(fmt):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q6_k", "int4_g64"])
 def test_native_batch_invariant(fmt):
     """In batch-invariant mode (the engine's deterministic=True) a row's output does not
-    depend on how many rows come with it; outside it M > 16 (M > 4 with int8
-    activations) takes the GEMM path."""
+    depend on how many rows come with it; outside it M > 16 takes the GEMM path."""
     f = FORMATS[fmt]
     k = 2 * (f.block or 32)
     g = Gen("cpu", seed=6)

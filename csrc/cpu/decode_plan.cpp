@@ -62,6 +62,7 @@ constexpr int64_t kMaxTokens = gemm::kDotMaxRows;
 struct Lin {
   at::Tensor t;
   const quant::Format* f = nullptr;  // nullptr: the model dtype
+  bool a8 = false;                   // int8 activations (linear_q's int8_activations)
   int64_t rb = 0;                    // bytes per row
 };
 
@@ -80,6 +81,8 @@ struct Member {
   std::vector<const void*> src;  // the A rows as stored (the bf16 dot-product path)
   std::vector<float> aq;         // the A rows as fp32 padded with zeros (packed weights)
   std::vector<const float*> aqp;
+  std::vector<int8_t> xq;  // and as int8 per block of 32 (quant::quantize_act): codes,
+  std::vector<float> xd, xs;  // scales, code sums (weights with int8 activations)
   std::vector<float> qsum;
   quant::RowsScratch qs;
   paged::Workspace pw;
@@ -109,7 +112,8 @@ class DecodePlan : public torch::CustomClassHolder {
   // weights: embed, final_norm, lm_head, then per layer ln_in, wq, wk, wv, bq, bk, bv,
   // q_norm, k_norm, wo, ln_post, wg, wu, wd (an empty tensor for a missing bias or
   // per-head norm). formats: one per weight, "" (the model dtype) or the packed format of
-  // embed, lm_head and the seven projections. kv_caches: [k_0, v_0, ...].
+  // embed, lm_head and the seven projections (suffix ":a8": int8 activations, as
+  // linear_q's int8_activations). kv_caches: [k_0, v_0, ...].
   // dims: layers, hq, hkv, head_dim, block_size, then one window per layer (-1: none).
   // params: rms eps, attention scale.
   DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string> formats,
@@ -134,15 +138,25 @@ class DecodePlan : public torch::CustomClassHolder {
     eps_ = float(params[0]), scale_ = float(params[1]);
     // Which weights may be packed: embed, lm_head and the projections.
     std::vector<const quant::Format*> fmt(weights.size(), nullptr);
+    std::vector<bool> a8(weights.size(), false);
     for (size_t i = 0; i < weights.size(); ++i) {
       if (formats[i].empty()) continue;
       const int64_t j = i < 3 ? int64_t(i) : (int64_t(i) - 3) % kPerLayer;
       const bool projection = i < 3 ? i != 1 : (j >= 1 && j <= 3) || j == 9 || j >= 11;
       TORCH_CHECK(projection, "topg::DecodePlan: weight ", i, " (a norm or a bias) cannot be ",
                   "packed (format '", formats[i], "')");
-      fmt[i] = quant::find_format(formats[i]);
+      std::string name = formats[i];
+      if (name.size() > 3 && name.compare(name.size() - 3, 3, ":a8") == 0) {
+        name.resize(name.size() - 3);
+        a8[i] = true;
+        TORCH_CHECK(i != 0, "topg::DecodePlan: the embedding has no activations (':a8')");
+      }
+      fmt[i] = quant::find_format(name);
       TORCH_CHECK(fmt[i], "topg::DecodePlan: weight ", i, ": unknown format '", formats[i], "'");
+      TORCH_CHECK(!a8[i] || quant::int8_dot(fmt[i]->fmt), "topg::DecodePlan: weight ", i,
+                  ": format ", name, " has no int8-activation path");
       packed_ = true;
+      a8_ = a8_ || a8[i];
     }
     final_norm_ = weights[1];
     dtype_ = final_norm_.scalar_type();
@@ -150,11 +164,11 @@ class DecodePlan : public torch::CustomClassHolder {
                 "topg::DecodePlan: embed, final_norm, lm_head expected 2-D, 1-D, 2-D, got ",
                 weights[0].sizes(), ", ", final_norm_.sizes(), ", ", weights[2].sizes());
     H_ = final_norm_.size(0), V_ = weights[2].size(0);
-    embed_ = Lin{weights[0], fmt[0]}, lm_head_ = Lin{weights[2], fmt[2]};
+    embed_ = Lin{weights[0], fmt[0]}, lm_head_ = Lin{weights[2], fmt[2], a8[2]};
     for (int64_t l = 0; l < L_; ++l) {
       const size_t o = size_t(3 + kPerLayer * l);
       const at::Tensor* w = &weights[o];
-      const auto lin = [&](int f) { return Lin{w[f], fmt[o + size_t(f)]}; };
+      const auto lin = [&](int f) { return Lin{w[f], fmt[o + size_t(f)], a8[o + size_t(f)]}; };
       Layer y;
       y.ln_in = w[0], y.wq = lin(1), y.wk = lin(2), y.wv = lin(3), y.bq = w[4], y.bk = w[5];
       y.bv = w[6], y.qn = w[7], y.kn = w[8], y.wo = lin(9), y.ln_post = w[10], y.wg = lin(11);
@@ -347,6 +361,7 @@ class DecodePlan : public torch::CustomClassHolder {
   Lin embed_, lm_head_;
   at::Tensor final_norm_, cos_sin_;
   bool packed_ = false;  // some weight is packed: the A rows are also kept as padded fp32
+  bool a8_ = false;      // some weight takes int8 activations: and as int8 blocks
   std::vector<Layer> layers_;
   std::vector<Bound> bound_;
   at::ScalarType dtype_;
@@ -383,6 +398,10 @@ void DecodePlan::step(const Step& s) {
     if (packed_) {
       m.aq.resize(size_t(std::max(B, R) * padded_k(kmax)));
       m.aqp.resize(size_t(std::max(B, R))), m.qsum.resize(size_t(std::max(B, R)));
+    }
+    if (a8_) {
+      m.xq.resize(m.aq.size());
+      m.xd.resize(m.aq.size() / 32), m.xs.resize(m.aq.size() / 32);
     }
     m.cos.resize(size_t(B * d)), m.sin.resize(size_t(B * d));
   }
@@ -460,6 +479,9 @@ void DecodePlan::step(const Step& s) {
           for (int64_t i = 0; i < K; ++i) dst[i] = to_float(row[i]);
           std::fill(dst + K, dst + Kp, 0.f);
           m.aqp[r] = dst;
+          if (a8_)
+            quant::quantize_act(dst, Kp, m.xq.data() + r * Kp, m.xd.data() + r * Kp / 32,
+                                m.xs.data() + r * Kp / 32);
         }
         if (dp) continue;
         gemm::dot_a_row<T>(row, K, m.a.data() + r * K);
@@ -471,6 +493,16 @@ void DecodePlan::step(const Step& s) {
     // the two agree bitwise.
     const auto dot = [&](const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1,
                          auto&& emit) {
+      if (w.f && w.a8) {  // linear_q's int8-activation GEMV, row by row
+        const uint8_t* base = cptr<uint8_t>(w.t);
+        const int64_t Kp = padded_k(K);
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t r = 0; r < rows; ++r)
+            emit(r, n,
+                 quant::dot_row_q8(*w.f, base + n * w.rb, K, m.xq.data() + r * Kp,
+                                   m.xd.data() + r * Kp / 32, m.xs.data() + r * Kp / 32));
+        return;
+      }
       if (w.f) {
         const uint8_t* base = cptr<uint8_t>(w.t);
         for (int64_t n = n0; n < n1; ++n) {

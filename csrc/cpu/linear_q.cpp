@@ -3,11 +3,11 @@
 //
 // linear_q, by the number of input rows M:
 //   M <= kQuantDotRows  GEMV: each packed weight row is read once (memory-bound) and
-//   (int8_activations:  dotted with the M rows: fp32 activations against the row made
-//   M <= kQ8DotRows)    fp32 once (quant::dot_rows; each row's sum does not depend on M,
-//                       and the decode plan calls the same function), or with
-//                       int8_activations integer dot products against activations
-//                       rounded to int8 per block of 32;
+//                       dotted with the M rows: fp32 activations against the row made
+//                       fp32 once (quant::dot_rows), or with int8_activations integer dot
+//                       products against activations rounded to int8 per block of 32.
+//                       Each row's sum does not depend on M, and the decode plan calls
+//                       the same functions;
 //   larger M            rows of the weight are de-quantised to fp32 in chunks and
 //                       multiplied with at::mm (the de-quantisation is amortised over M;
 //                       int8_activations: the rounded activations as fp32).
@@ -35,9 +35,9 @@ namespace {
 using quant::Fmt;
 using quant::Format;
 
-// The GEMV's row limits: the decode plan's steps (gemm::kDotMaxRows, 16) with fp32
-// activations; the integer path re-reads each packed row per activation row, so 4.
-constexpr int64_t kQuantDotRows = 16, kQ8DotRows = 4;
+// The GEMV's row limit: the decode plan's steps (gemm::kDotMaxRows, 16), so the plan and
+// this op run the same kernel (and agree bitwise) on every step the plan takes.
+constexpr int64_t kQuantDotRows = 16;
 
 using quant::pads;
 
@@ -178,7 +178,7 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
     const int64_t Kp = f.padded(K);
     Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations);
     const uint8_t* w = cptr<uint8_t>(weight);
-    if (M <= (int8_activations ? kQ8DotRows : kQuantDotRows) || batch_invariant()) {
+    if (M <= kQuantDotRows || batch_invariant()) {
       linear_q_dot(f, rows, K, w, N, b, o);
     } else {
       at::Tensor xt =

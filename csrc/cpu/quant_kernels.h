@@ -447,7 +447,7 @@ inline void dot_rows(const Format& f, const uint8_t* row, int64_t k, const float
   for (int64_t m = 0; m < M; ++m) out[m] = dot_row(f, row, k, x[m]);
 }
 
-// --- int8 activations (llama.cpp's approach): the M <= 4 path of the formats below ----
+// --- int8 activations (llama.cpp's approach): the GEMV of the formats below ---------
 // The activations of a row, padded with zeros to a multiple of 32, are quantised per block
 // of 32: d = amax / 127, q = round-to-nearest-even(x * (1 / d)) (0 when d = 0), and the
 // block's code sum. A block holding NaN or inf gets d = NaN, so its row's results are

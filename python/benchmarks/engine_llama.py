@@ -24,17 +24,21 @@ from engine_common import (
     rss_mb,
 )
 
+#: gguf_for's targets: llama-quantize's type names.
+GGUF_KINDS = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+
 
 def gguf_for(dtype: str, quantize: Path) -> Path:
-    """SmolLM2's shipped GGUF (Q4_1) converted to F32 / BF16 with llama.cpp's quantizer
-    (--allow-requantize de-quantises), at the path bench_models.py uses (shared cache)."""
+    """SmolLM2's shipped GGUF (Q4_1) converted to F32 / BF16 (or re-quantised to Q8_0 /
+    Q4_0) with llama.cpp's quantizer (--allow-requantize de-quantises first), at the path
+    bench_models.py uses (shared cache)."""
     from torch_topg.models.hf import gguf_path
 
     cache = Path(os.environ.get("TOPG_CACHE_DIR", Path.home() / ".cache" / "torch_topg"))
     dst = cache / f"smollm2-135m-instruct-{dtype}.gguf"
     if not dst.exists():
         tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-        kind = {"fp32": "F32", "bf16": "BF16"}[dtype]
+        kind = GGUF_KINDS[dtype]
         p = subprocess.run(
             [str(quantize), "--allow-requantize", str(gguf_path()), str(tmp), kind, str(THREADS)],
             capture_output=True,

@@ -11,7 +11,13 @@ quantised again with ``torch_topg.quantize`` (q8_0, int8, int4 in groups of 32 /
 Decode: ``Engine.from_pretrained(quantization=...)``, greedy, ms per output token after
 the first, 2 threads.
 
-    python python/benchmarks/quantized.py [--chunks 2] [--decode]   (--chunks 0: no perplexity)
+Against llama.cpp (``--llama``, quantized_llama.py): the same GGUF files (Q4_1 as shipped,
+Q8_0 and Q4_0 made from it by llama-quantize), decode at context 256 and prefill of 512
+tokens, llama-bench then the engine per format; a record in ``--out`` and a table in
+``--md``.
+
+    python python/benchmarks/quantized.py [--chunks 2] [--decode] [--llama [--repeats 5]]
+        [--out bench_results] [--md bench_results/quantized.md]   (--chunks 0: no perplexity)
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import sys
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
@@ -66,11 +74,49 @@ def decode_ms(quantization: str | None, tokens: int = 64) -> float:
         return first * 1e3 / len(out.token_ids)
 
 
+def vs_llama(args) -> None:
+    from llama_cpp_build import ensure_llama_cpp
+    from quantized_llama import side_by_side, table
+
+    from torch_topg.bench.machine import machine_info, read_bandwidth_stats
+    from torch_topg.bench.record import new_record, validate, write_record
+    from torch_topg.bench.timing import Stats
+
+    torch.set_num_threads(2)
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    bw = read_bandwidth_stats()
+    rows = side_by_side(ensure_llama_cpp(), args.repeats)
+    notes = [f"- command: `python python/benchmarks/quantized.py {' '.join(sys.argv[1:])}`",
+             f"- date {date}; 2 threads; SmolLM2-135M-Instruct; read bandwidth "
+             f"{bw.median / 1e9:.1f} GB/s; per format llama-bench first, then the engine"]  # fmt: skip
+    text = table(rows) + "\n\n" + "\n".join(notes)
+    rec_rows = [{"key": {"format": r["format"]},
+                 "figures": {k: v.to_dict() for k, v in r["topg"].items() if isinstance(v, Stats)},
+                 "extra": {"llama": r["llama"], "file": r["file"], "tensors": r["tensors"],
+                           "load_s": r["topg"]["load_s"], "plan": r["topg"]["plan"],
+                           "int8_activations": {k: (v.to_dict() if isinstance(v, Stats) else v)
+                                                for k, v in r["topg_a8"].items()}}}
+                for r in rows]  # fmt: skip
+    rec = new_record("quantized", rec_rows, machine_info(measure=False), notes=notes, date=date)
+    path = write_record(validate(rec), args.out)
+    print("\n" + text + f"\nrecord: {path}")
+    if args.md:
+        Path(args.md).write_text(text + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--llama", action="store_true", help="decode / prefill against llama.cpp")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--md", default=None)
     args = ap.parse_args()
+    if args.llama:
+        vs_llama(args)
+    if not args.chunks and not args.decode:
+        return
     warnings.simplefilter("ignore", RuntimeWarning)  # the reference fallback's notice
     torch.set_num_threads(2)
     base, tok = load_smollm2(torch.float32)

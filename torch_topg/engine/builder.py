@@ -13,7 +13,7 @@ from torch_topg.engine.config import EngineConfig, kv_budget
 from torch_topg.engine.loading import check_supported, load
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.speculative.config import resolve_speculative
-from torch_topg.quant.loading import apply_quantization, check_quantization, gguf_file
+from torch_topg.quant.loading import apply_quantization, gguf_file, resolve_quantization
 
 
 def _device(device: Any) -> torch.device:
@@ -252,7 +252,7 @@ def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **optio
             "from_model: tp_size and prefetch_depth need from_pretrained (a checkpoint)"
         )
     quantization = options.pop("quantization", None)
-    if quantization == "gguf":
+    if resolve_quantization(quantization)[0] == "gguf":
         raise ValueError("from_model: quantization='gguf' needs from_pretrained (a GGUF file)")
     device = _device(options.pop("device", None) or next(model.parameters()).device)
     dtype = _dtype(options.pop("dtype", None) or next(model.parameters()).dtype, device)
@@ -304,12 +304,14 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         quantization: None (weights in ``dtype``, a GGUF file de-quantised), ``"gguf"``
             (a GGUF file's quantised tensors run packed through ``linear_q`` /
             ``embedding_q``), ``"int8"`` / ``"int4"`` (linears quantised at load, int4 in
-            groups of 64); docs/quantization.md. Not with tp_size > 1 or prefetch_depth.
+            groups of 64), or ``{"method": ..., "int8_activations": True, "group_size":
+            128}`` (int8 activations: integer dot products as llama.cpp, faster, ~0.5%
+            off); docs/quantization.md. Not with tp_size > 1 or prefetch_depth.
     """
     _check_options(options)
     quantization = options.pop("quantization", None)
-    check_quantization(quantization)
-    if quantization and (options.get("tp_size", 1) != 1 or options.get("prefetch_depth", 0)):
+    method, _ = resolve_quantization(quantization)
+    if method and (options.get("tp_size", 1) != 1 or options.get("prefetch_depth", 0)):
         raise ValueError("quantization: not supported with tp_size > 1 or prefetch_depth yet")
     device = _device(options.pop("device", None))
     dtype = _dtype(options.pop("dtype", None), device)
@@ -323,9 +325,9 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     depth = options.get("prefetch_depth", 0)
     # Offloaded: the weights stay on the host; offload() moves the resident parts (and
     # streams the layers) to `device`, so a model larger than the GPU can load.
-    if quantization == "gguf":  # matched against the file in float32, then converted
+    if method == "gguf":  # matched against the file in float32, then converted
         m, tok, folder = load(model, torch.float32, torch.device("cpu"))
-        m = apply_quantization(m, "gguf", gguf_file(model)).to(device=device, dtype=dtype)
+        m = apply_quantization(m, quantization, gguf_file(model)).to(device=device, dtype=dtype)
     else:
         m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
         m = apply_quantization(m, quantization)

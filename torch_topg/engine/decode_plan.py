@@ -37,9 +37,7 @@ def _linear(mod: Any, name: str, bias_ok: bool) -> tuple[torch.Tensor, torch.Ten
     if mod.bias is not None and not bias_ok:
         raise Unsupported(f"{name} has a bias")
     if type(mod) is QuantizedLinear:
-        if mod.int8_activations:
-            raise Unsupported(f"{name}: int8_activations (the plan runs fp32 activations)")
-        return mod.qweight, mod.bias, mod.format
+        return mod.qweight, mod.bias, mod.format + (":a8" if mod.int8_activations else "")
     if type(mod) is not torch.nn.Linear:
         raise Unsupported(f"{name} is {type(mod).__name__}, not torch.nn.Linear or QuantizedLinear")
     return mod.weight, mod.bias, ""

@@ -1,0 +1,131 @@
+"""quantized.py's side-by-side with llama.cpp: the same GGUF file run by llama.cpp
+(``llama-bench``) and by the engine (``quantization="gguf"``: its packed tensors as they
+are), per format, one after the other in one process.
+
+Files: the shipped SmolLM2 Q4_1 file, and Q8_0 / Q4_0 made from it by ``llama-quantize
+--allow-requantize`` (de-quantised, then quantised again; cached beside the F32 / BF16
+files of the other benchmarks).
+
+Measured per format, as the engine benchmark measures batch 1:
+* decode: a random 256-token prompt, 64 new tokens, greedy; (last token time - first
+  token time) / 63, median of ``repeats`` prompts; llama.cpp ``-p 0 -n 64 -d 256``;
+* prefill: time to the first token of a random 512-token prompt (engine: arrival to first
+  token, sampling included); llama.cpp ``-p 512 -n 0``.
+
+The engine runs each file twice: fp32 activations (the default) and
+``int8_activations=True`` (activations rounded to int8 per block of 32 and integer dot
+products, as llama.cpp computes).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from engine_common import DECODE_CONTEXT, DECODE_TOKENS, MAX_MODEL_LEN, TTFT_PROMPT
+
+from torch_topg.bench.timing import summarize
+
+#: Formats compared, in order: the shipped file first.
+LLAMA_FORMATS = ("q4_1", "q8_0", "q4_0")
+
+
+def gguf_file(fmt: str, llama: dict) -> Path:
+    from engine_llama import gguf_for
+
+    from torch_topg.models.hf import gguf_path
+
+    return Path(gguf_path()) if fmt == "q4_1" else gguf_for(fmt, llama["llama-quantize"])
+
+
+def file_formats(path: Path) -> dict[str, int]:
+    """Tensor count per storage type in a GGUF file (what llama-quantize produced)."""
+    import gguf
+
+    out: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        name = t.tensor_type.name.lower()
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def engine_figures(path: Path, repeats: int, int8_activations: bool = False) -> dict:
+    import time
+
+    from torch_topg.engine import Engine
+
+    t0 = time.perf_counter()
+    q = {"method": "gguf", "int8_activations": int8_activations}
+    eng = Engine.from_pretrained(str(path), quantization=q, max_batch_size=1,
+                                 max_model_len=MAX_MODEL_LEN, prefix_caching=False)  # fmt: skip
+    load_s = time.perf_counter() - t0
+    try:
+        rng = random.Random(0)
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(10, 40000) for _ in range(n)]
+
+        kw = dict(temperature=0, ignore_eos=True)
+        eng.generate(ids(DECODE_CONTEXT), max_new_tokens=8, **kw)  # warm-up
+        eng.generate(ids(TTFT_PROMPT), max_new_tokens=1, **kw)
+        decode, ttft = [], []
+        for _ in range(repeats):
+            o = eng.generate(ids(DECODE_CONTEXT), max_new_tokens=DECODE_TOKENS, **kw)[0]
+            tt = o.outputs[0].token_times
+            decode.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
+        for _ in range(repeats):
+            ttft.append(eng.generate(ids(TTFT_PROMPT), max_new_tokens=1, **kw)[0].ttft * 1e3)
+        plan = eng.stats()["decode_plan"]
+    finally:
+        eng.shutdown()
+    return {"decode_ms": summarize(decode), "prefill_ms": summarize(ttft), "load_s": load_s,
+            "plan": plan}  # fmt: skip
+
+
+def llama_figures(path: Path, llama: dict, repeats: int) -> dict:
+    from engine_llama import run_llama_bench
+
+    lb = run_llama_bench(llama["llama-bench"], path, repeats)
+    return {"decode_ms": lb["decode_ms"]["median"], "prefill_ms": lb["ttft_ms"]["median"],
+            "decode_cmd": lb["decode_ms_cmd"], "prefill_cmd": lb["ttft_ms_cmd"],
+            "build": lb["build"]}  # fmt: skip
+
+
+def side_by_side(llama: dict, repeats: int, formats=LLAMA_FORMATS) -> list[dict]:
+    rows = []
+    for fmt in formats:
+        path = gguf_file(fmt, llama)
+        row = {"format": fmt, "file": path.name, "tensors": file_formats(path)}
+        row["llama"] = llama_figures(path, llama, repeats)
+        row["topg"] = engine_figures(path, repeats)
+        row["topg_a8"] = engine_figures(path, repeats, int8_activations=True)
+        t, a8, lc = row["topg"], row["topg_a8"], row["llama"]
+        print(f"{fmt}: decode topg {t['decode_ms'].median:.2f} (int8 act "
+              f"{a8['decode_ms'].median:.2f}) / llama.cpp {lc['decode_ms']:.2f} ms; prefill "
+              f"512 topg {t['prefill_ms'].median:.0f} / llama.cpp {lc['prefill_ms']:.0f} ms",
+              flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| format (file tensors) | activations | decode ms/token topg | llama.cpp | "
+        "topg / llama.cpp | prefill 512 ms topg | llama.cpp | topg / llama.cpp |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lc = r["llama"]
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["tensors"].items()))
+        for key, act in (("topg", "fp32"), ("topg_a8", "int8")):
+            t = r[key]
+            lines.append(
+                f"| {r['format']} ({kinds}) | {act} | {t['decode_ms'].fmt()} | "
+                f"{lc['decode_ms']:.2f} | {t['decode_ms'].median / lc['decode_ms']:.2f}x | "
+                f"{t['prefill_ms'].fmt('.0f')} | {lc['prefill_ms']:.0f} | "
+                f"{t['prefill_ms'].median / lc['prefill_ms']:.2f}x |"
+            )
+    if rows:
+        lines.append(f"\nllama.cpp: `{rows[0]['llama']['decode_cmd']}` and "
+                     f"`{rows[0]['llama']['prefill_cmd']}` (build {rows[0]['llama']['build']})")  # fmt: skip
+    return "\n".join(lines)

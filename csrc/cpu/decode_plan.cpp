@@ -81,7 +81,7 @@ struct Member {
   std::vector<const void*> src;  // the A rows as stored (the bf16 dot-product path)
   std::vector<float> aq;         // the A rows as fp32 padded with zeros (packed weights)
   std::vector<const float*> aqp;
-  std::vector<int8_t> xq;  // and as int8 per block of 32 (quant::quantize_act): codes,
+  std::vector<int8_t> xq;     // and as int8 per block of 32 (quant::quantize_act): codes,
   std::vector<float> xd, xs;  // scales, code sums (weights with int8 activations)
   std::vector<float> qsum;
   quant::RowsScratch qs;

@@ -427,7 +427,8 @@ class Engine:
         rows = [
             (s, p[:j]) for (s, _), p in zip(sampled, props, strict=True) for j in range(len(p) + 1)
         ]
-        logits = torch.cat([r.view(-1, r.shape[-1]) for _, r in sampled])
+        views = [r.view(-1, r.shape[-1]) for _, r in sampled]
+        logits = views[0] if len(views) == 1 else torch.cat(views)  # batch 1: no copy
         params = [s.request.params for s, _ in rows]
         seeds = seed_tensor([s.seed for s, _ in rows])
         positions = torch.tensor([s.num_tokens + len(d) for s, d in rows], dtype=torch.long)

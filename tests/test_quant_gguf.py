@@ -57,6 +57,20 @@ def test_smollm2_gguf_weights_packed_same_logits():
         got = model(ids).logits
     assert torch.equal(got, want)
 
+    # Built straight from the file (no float copy; q / k rows un-permuted by index):
+    # the same packed buffers and floats as the row matching found, the same logits.
+    from torch_topg.quant.gguf_direct import load_packed
+
+    direct = load_packed(gguf_path(), model.config, torch.float32)
+    assert direct is not None
+    a = dict(direct.named_parameters()) | dict(direct.named_buffers())
+    b = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert direct.lm_head.qweight is direct.model.embed_tokens.qweight
+    with torch.inference_mode():
+        assert torch.equal(direct(ids).logits, want)
+
 
 @SMOLLM2
 @pytest.mark.skipif(

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from torch_topg.engine.config import EngineConfig, kv_budget
-from torch_topg.engine.loading import check_supported, load
+from torch_topg.engine.loading import check_supported, load, load_gguf_packed
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.speculative.config import resolve_speculative
-from torch_topg.quant.loading import apply_quantization, gguf_file, resolve_quantization
+from torch_topg.quant.loading import apply_quantization, resolve_quantization
 
 
 def _device(device: Any) -> torch.device:
@@ -325,9 +325,9 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     depth = options.get("prefetch_depth", 0)
     # Offloaded: the weights stay on the host; offload() moves the resident parts (and
     # streams the layers) to `device`, so a model larger than the GPU can load.
-    if method == "gguf":  # matched against the file in float32, then converted
-        m, tok, folder = load(model, torch.float32, torch.device("cpu"))
-        m = apply_quantization(m, quantization, gguf_file(model)).to(device=device, dtype=dtype)
+    if method == "gguf":  # the file's packed tensors as they are
+        m, tok = load_gguf_packed(model, dtype, quantization)
+        m, folder = m.to(device=device), None
     else:
         m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
         m = apply_quantization(m, quantization)

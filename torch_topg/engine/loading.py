@@ -89,17 +89,46 @@ def has_tokenizer(folder: Path) -> bool:
     return any((folder / name).exists() for name in TOKENIZER_FILES)
 
 
-def load(
-    model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.nn.Module, Any, Path | None]:
-    """(model in eval mode on ``device``, tokenizer (None if the folder has none), the
-    safetensors folder or None)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_config(model: str | os.PathLike[str] | None) -> tuple[Any, Any]:
+    """(config, tokenizer or None) of ``model``, without its weights."""
+    from transformers import AutoConfig, AutoTokenizer
 
     folder, gguf = resolve(model)
     kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     config = AutoConfig.from_pretrained(folder, **kw)
     check_supported(config)
     tok = AutoTokenizer.from_pretrained(folder, **kw) if gguf or has_tokenizer(folder) else None
+    return config, tok
+
+
+def load(
+    model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.nn.Module, Any, Path | None]:
+    """(model in eval mode on ``device``, tokenizer (None if the folder has none), the
+    safetensors folder or None)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, gguf = resolve(model)
+    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    _, tok = load_config(model)
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     return m.to(device).eval(), tok, (None if gguf else folder)
+
+
+def load_gguf_packed(
+    model: str | os.PathLike[str] | None, dtype: torch.dtype, quantization: object
+) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer) for ``quantization="gguf"``: built straight from the file's
+    packed tensors where the architecture is known (torch_topg/quant/gguf_direct.py),
+    else loaded de-quantised by transformers and matched row by row (gguf_model.py)."""
+    from torch_topg.quant.gguf_direct import load_packed
+    from torch_topg.quant.loading import apply_quantization, gguf_file, resolve_quantization
+
+    path = gguf_file(model)
+    config, tok = load_config(model)
+    act = resolve_quantization(quantization)[1].get("int8_activations", False)
+    m = load_packed(path, config, dtype, int8_activations=act)
+    if m is None:
+        m, tok, _ = load(model, torch.float32, torch.device("cpu"))
+        m = apply_quantization(m, quantization, path).to(dtype=dtype)
+    return m, tok

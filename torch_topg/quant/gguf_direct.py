@@ -1,0 +1,165 @@
+"""A GGUF file straight into a model with packed modules: no de-quantised copy.
+
+``quantization="gguf"`` used to load the file through transformers (which de-quantises
+every tensor to float32) and then find each module's packed rows by hashing
+(:mod:`torch_topg.quant.gguf_model`): about 40 s and a float copy of every weight for
+SmolLM2. For the architectures whose tensor names are known here, :func:`load_packed`
+builds the transformers model on the ``meta`` device and fills it from the file:
+
+* quantised 2-D tensors become :class:`QuantizedLinear` / :class:`QuantizedEmbedding`
+  over the file's rows (a tied LM head shares the embedding's buffer);
+* float tensors (norms, biases, an F16 / F32 linear) are copied in the model dtype;
+* Llama-architecture files store ``attn_q`` / ``attn_k`` rows in another rotary order
+  (llama.cpp's converter permutes them per head: rows ``(i, j)`` of a head's two halves
+  become ``(j, i)``); the rows are put back, which for packed rows is a row gather.
+
+The result equals what the hashing path builds (``tests/test_quant_gguf.py`` compares the
+packed buffers and the logits). Another architecture returns None and the caller takes
+the hashing path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_topg.quant.formats import BY_GGUF_TYPE
+from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear
+
+#: GGUF ``general.architecture`` values built here, and whether q / k rows are permuted.
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _target(name: str) -> str | None:
+    """The model path of a file tensor: ``blk.3.attn_q.weight`` -> ``model.layers.3.
+    self_attn.q_proj.weight``; None for a tensor this module does not know."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m is None:
+        return None
+    rest = m.group(2)
+    if rest in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[rest]}"
+    base, _, kind = rest.rpartition(".")
+    if base in _LAYER and kind in ("weight", "bias"):
+        return f"model.layers.{m.group(1)}.{_LAYER[base]}.{kind}"
+    return None
+
+
+def _unpermute(rows: int, heads: int) -> torch.Tensor:
+    """Indices taking a permuted file tensor's rows back to transformers' order."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load_packed(
+    path: str | os.PathLike[str],
+    config: Any,
+    dtype: torch.dtype,
+    int8_activations: bool = False,
+) -> torch.nn.Module | None:
+    """The causal LM of ``config`` (loaded from the same file) with the file's tensors:
+    quantised ones packed, the others in ``dtype``; None if the file's architecture is
+    not one of :data:`ARCHITECTURES` or a tensor has no place in the model.
+    ``int8_activations``: for the linears other than the LM head."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    reader = gguf.GGUFReader(path)
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
+    if arch not in ARCHITECTURES:
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = {"attn_q": text.num_attention_heads,
+             "attn_k": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}  # fmt: skip
+    packed: dict[str, tuple[torch.Tensor, str, int]] = {}  # module path -> rows, format, k
+    floats: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        target = _target(t.name)
+        if target is None:
+            return None
+        data = np.array(t.data)
+        fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
+        shape = [int(s) for s in reversed(t.shape)]  # GGUF lists the innermost first
+        if fmt is not None and len(shape) == 2:
+            rows = torch.from_numpy(data).reshape(shape[0], -1)
+        elif fmt is None and t.tensor_type.name in ("F32", "F16", "BF16"):
+            rows = torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type)).reshape(shape)
+        else:
+            return None  # a block format without a kernel here: the hashing path decides
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if ARCHITECTURES[arch] and kind in heads:  # weights and biases alike
+            rows = rows.index_select(0, _unpermute(rows.shape[0], heads[kind]))
+        if fmt is not None and len(shape) == 2:
+            packed[target.removesuffix(".weight")] = (rows.contiguous(), fmt, shape[1])
+        else:
+            floats[target] = rows.to(dtype)
+    head_tied = "lm_head" not in packed and "lm_head.weight" not in floats
+    for name, (rows, fmt, k) in packed.items():
+        old = model.get_submodule(name)
+        if isinstance(old, torch.nn.Embedding):
+            new: torch.nn.Module = QuantizedEmbedding(rows, fmt, k)
+            new.dtype_ref = torch.empty(0, dtype=dtype)
+            if head_tied:
+                head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype)
+                head.qweight = rows  # one buffer for both
+                _set(model, "lm_head", head)
+        else:
+            act = int8_activations and name != "lm_head"
+            new = QuantizedLinear(k, old.out_features, fmt, bias=old.bias is not None,
+                                  dtype=dtype, int8_activations=act)  # fmt: skip
+            new.qweight = rows
+            if old.bias is not None:
+                bias = floats.pop(f"{name}.bias", None)
+                if bias is None:
+                    return None
+                new.bias = torch.nn.Parameter(bias, requires_grad=False)
+        _set(model, name, new)
+    if head_tied and isinstance(model.model.embed_tokens, torch.nn.Embedding):
+        if "model.embed_tokens.weight" in floats:  # a float embedding, tied
+            floats.setdefault("lm_head.weight", floats["model.embed_tokens.weight"])
+    for name, value in floats.items():
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if getattr(mod, attr, None) is None or tuple(getattr(mod, attr).shape) != tuple(
+            value.shape
+        ):
+            return None
+        setattr(mod, attr, torch.nn.Parameter(value, requires_grad=False))
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None:  # its buffers were made on meta: make them again
+        model.model.rotary_emb = type(rotary)(config=text)
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        return None
+    return model.eval()

@@ -26,7 +26,14 @@ from torch_topg.engine.config import EngineConfig
 from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
-from torch_topg.engine.sampling import Sampler, SamplingParams, seed_tensor
+from torch_topg.engine.sampling import (
+    Sampler,
+    SamplerOutput,
+    SamplingParams,
+    argmax_rows,
+    plain_greedy,
+    seed_tensor,
+)
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
 from torch_topg.engine.speculative.speculator import Speculator, accepted, rows_of
@@ -430,14 +437,17 @@ class Engine:
         views = [r.view(-1, r.shape[-1]) for _, r in sampled]
         logits = views[0] if len(views) == 1 else torch.cat(views)  # batch 1: no copy
         params = [s.request.params for s, _ in rows]
-        seeds = seed_tensor([s.seed for s, _ in rows])
-        positions = torch.tensor([s.num_tokens + len(d) for s, d in rows], dtype=torch.long)
-        needs_hist = any(p.has_penalties for p in params)
-        res = self.sampler(
-            logits, params, seeds, positions,
-            prompt_tokens=[s.token_ids[: s.prompt_len] for s, _ in rows] if needs_hist else None,
-            output_tokens=[s.output_ids + d for s, d in rows] if needs_hist else None,
-        )  # fmt: skip
+        if plain_greedy(params):  # the sampler's own fast path, without building its inputs
+            res = SamplerOutput(argmax_rows(logits))
+        else:
+            seeds = seed_tensor([s.seed for s, _ in rows])
+            positions = torch.tensor([s.num_tokens + len(d) for s, d in rows], dtype=torch.long)
+            needs_hist = any(p.has_penalties for p in params)
+            res = self.sampler(
+                logits, params, seeds, positions,
+                prompt_tokens=[s.token_ids[: s.prompt_len] for s, _ in rows] if needs_hist else None,
+                output_tokens=[s.output_ids + d for s, d in rows] if needs_hist else None,
+            )  # fmt: skip
         tokens = res.tokens.tolist()
         now = time.perf_counter()
         i = 0

@@ -109,7 +109,11 @@ class RequestHandle:
         self.request_id = request_id
         self._abort = abort
         self._lock = threading.Lock()
+        # Two conditions on one lock: result() is woken once, at the end; a streaming
+        # iterator at every delta. (Waking a result() waiter at every token cost the
+        # engine thread ~0.2 ms a step in GIL hand-offs on 2 cores.)
         self._cond = threading.Condition(self._lock)
+        self._stream = threading.Condition(self._lock)
         self._deltas: deque[Delta] = deque()
         self._done = False
         self._output: RequestOutput | None = None
@@ -125,10 +129,11 @@ class RequestHandle:
     def _finish(self, output: RequestOutput | None, error: BaseException | None) -> None:
         with self._lock:
             self._output, self._error, self._done = output, error, True
+            self._cond.notify_all()
             self._wake()
 
     def _wake(self) -> None:  # holds the lock
-        self._cond.notify_all()
+        self._stream.notify_all()
         for loop, event in self._waiters:
             try:
                 loop.call_soon_threadsafe(event.set)
@@ -163,8 +168,8 @@ class RequestHandle:
         completed = False
         try:
             while True:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._deltas or self._done)
+                with self._stream:
+                    self._stream.wait_for(lambda: self._deltas or self._done)
                     d = self._next()
                     if d is None:  # done and drained
                         if self._error is not None:

@@ -314,7 +314,7 @@ class Sampler:
             )
         greedy = [p.greedy for p in params]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if all(greedy) and not lp_rows and not any(p.has_penalties for p in params):
+        if plain_greedy(params):
             return SamplerOutput(_argmax(logits))  # the fast path: no copy, no noise
 
         x = self._penalised(logits, params, prompt_tokens, output_tokens)
@@ -575,6 +575,17 @@ def _take(t: Tensor, rows: list[int], n: int) -> Tensor:
     if len(rows) == n:
         return t
     return t.index_select(0, torch.tensor(rows, device=t.device))
+
+
+def plain_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Whether every row is greedy without logprobs or penalties: the sampler's answer is
+    then the bare row-wise argmax (no seeds, positions or token history needed)."""
+    return all(p.greedy and p.logprobs is None and not p.has_penalties for p in params)
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """The sampler's greedy choice per row (:func:`plain_greedy` rows), int64 ``[R]``."""
+    return _argmax(x)
 
 
 def _argmax(x: Tensor) -> Tensor:

@@ -5,9 +5,12 @@ embedded default) on this machine.
 2. serves 8 concurrent chat requests with continuous batching and prints total output
    tokens/s, time to first token per request, and the batch sizes the engine ran;
 3. sends a second turn of the first conversation (the whole history, as chat clients
-   do): its prompt is read from the prefix cache, not recomputed.
+   do): its prompt is read from the prefix cache, not recomputed;
+4. runs the shipped GGUF file's Q4_1 weights as they are (``quantization="gguf"``: packed,
+   no float copy) on the same prompt, beside the float engine's single stream.
 
     python python/examples/engine_demo.py [--dtype bfloat16] [--tokens 64] [--no-compile]
+        [--no-gguf]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
+    p.add_argument("--no-gguf", action="store_true", help="skip the quantised part")
     args = p.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -58,6 +62,7 @@ def main() -> None:
         t0 = time.perf_counter()
         n = 0
         answer = ""
+        float_rate = 0.0
         for delta in engine.submit(
             [{"role": "user", "content": PROMPT}], max_new_tokens=args.tokens, temperature=0,
             session_id="demo",
@@ -66,6 +71,7 @@ def main() -> None:
             answer += delta.text
             n += len(delta.token_ids)
         dt = time.perf_counter() - t0
+        float_rate = n / dt
         print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s, one stream]\n")
 
         print(f"8 concurrent requests, {args.tokens} new tokens each (greedy):")
@@ -107,6 +113,28 @@ def main() -> None:
             f"{out.prompt_tokens} prompt tokens from the prefix cache; engine hit rate "
             f"{kv['hit_rate']:.0%} of {kv['query_tokens']} looked-up tokens]"
         )
+    if not args.no_gguf:
+        quantised(args, float_rate)
+
+
+def quantised(args: argparse.Namespace, float_rate: float) -> None:
+    """The shipped Q4_1 GGUF file run packed (issue 21; docs/quantization.md)."""
+    t0 = time.perf_counter()
+    with Engine.from_pretrained(quantization="gguf", dtype=args.dtype, max_batch_size=1,
+                                max_model_len=1024, compile=not args.no_compile) as q:  # fmt: skip
+        head = q.model.model.layers[0].mlp.gate_proj
+        print(f"\nquantization='gguf': the Q4_1 file's packed weights ({type(head).__name__}, "
+              f"format {head.format}), ready in {time.perf_counter() - t0:.1f} s; "
+              f"decode plan: {q.stats()['decode_plan']['active']}")  # fmt: skip
+        print(f"> {PROMPT}")
+        t0, n = time.perf_counter(), 0
+        for delta in q.submit([{"role": "user", "content": PROMPT}], max_new_tokens=args.tokens,
+                              temperature=0):  # fmt: skip
+            print(delta.text, end="", flush=True)
+            n += len(delta.token_ids)
+        dt = time.perf_counter() - t0
+        print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s, one stream; "
+              f"{args.dtype} weights above: {float_rate:.1f} tokens/s]")  # fmt: skip
 
 
 if __name__ == "__main__":

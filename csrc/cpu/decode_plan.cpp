@@ -42,6 +42,7 @@
 #include "gemv_bf16dp.h"
 #include "norm_kernels.h"
 #include "paged_kernels.h"
+#include "plan_gemv.h"
 #include "quant_kernels.h"
 #include "rotary_kernels.h"
 #include "team.h"
@@ -56,15 +57,9 @@ constexpr int kPerLayer = 14;  // weight tensors per layer
 // compiled graph runs a packed GEMM, which rounds differently.
 constexpr int64_t kMaxTokens = gemm::kDotMaxRows;
 
-// A weight matrix [N, K]: in the model dtype, or packed in a quantised format
-// (torch_topg/quant/formats.py; one uint8 row of f->row_bytes(K) per output), multiplied
-// by the kernel topg::linear_q runs (quant::dot_rows) so the two agree bitwise.
-struct Lin {
-  at::Tensor t;
-  const quant::Format* f = nullptr;  // nullptr: the model dtype
-  bool a8 = false;                   // int8 activations (linear_q's int8_activations)
-  int64_t rb = 0;                    // bytes per row
-};
+using plan::GemvInput;
+using plan::Lin;
+using plan::padded_k;
 
 struct Layer {
   at::Tensor ln_in, bq, bk, bv, qn, kn, ln_post, kc, vc;
@@ -73,18 +68,11 @@ struct Layer {
 };
 
 // One member's private state: its copy of the residual stream, the normalised rows, the
-// A operand of the next GEMV (fp32, in the dot path's layout) and kernel scratch.
+// A operand of the next GEMV (plan_gemv.h) and kernel scratch.
 struct Member {
   std::vector<char> resid, x;
-  std::vector<float> a, cos, sin;
-  std::vector<const float*> ap;
-  std::vector<const void*> src;  // the A rows as stored (the bf16 dot-product path)
-  std::vector<float> aq;         // the A rows as fp32 padded with zeros (packed weights)
-  std::vector<const float*> aqp;
-  std::vector<int8_t> xq;     // and as int8 per block of 32 (quant::quantize_act): codes,
-  std::vector<float> xd, xs;  // scales, code sums (weights with int8 activations)
-  std::vector<float> qsum;
-  quant::RowsScratch qs;
+  std::vector<float> cos, sin, row;  // row: a de-quantised embedding row
+  GemvInput in;
   paged::Workspace pw;
 };
 
@@ -103,9 +91,6 @@ struct AttnSched {
 int64_t rows_per_item(int64_t row_bytes) {
   return std::max<int64_t>(8, (int64_t(1) << 18) / std::max<int64_t>(row_bytes, 1) / 8 * 8);
 }
-
-// A packed weight's activations: rows padded to a multiple of 256 (every format's block).
-int64_t padded_k(int64_t K) { return (K + 255) / 256 * 256; }
 
 class DecodePlan : public torch::CustomClassHolder {
  public:
@@ -393,17 +378,9 @@ void DecodePlan::step(const Step& s) {
   if (int64_t(members_.size()) < want) members_.resize(size_t(want));
   for (Member& m : members_) {
     sz(m.resid, B * H), sz(m.x, B * H);
-    m.a.resize(size_t(std::max(B, R) * kmax)), m.ap.resize(size_t(std::max(B, R)));
-    m.src.resize(size_t(std::max(B, R)));
-    if (packed_) {
-      m.aq.resize(size_t(std::max(B, R) * padded_k(kmax)));
-      m.aqp.resize(size_t(std::max(B, R))), m.qsum.resize(size_t(std::max(B, R)));
-    }
-    if (a8_) {
-      m.xq.resize(m.aq.size());
-      m.xd.resize(m.aq.size() / 32), m.xs.resize(m.aq.size() / 32);
-    }
+    m.in.fit(std::max(B, R), kmax, packed_, a8_, std::is_same_v<T, bf16> && gemm::use_bf16dp());
     m.cos.resize(size_t(B * d)), m.sin.resize(size_t(B * d));
+    if (embed_.f) m.row.resize(size_t(padded_k(H)));
   }
   // The attention schedule per distinct window (paged_attention's partitions, bitwise).
   scheds_.clear();
@@ -451,7 +428,6 @@ void DecodePlan::step(const Step& s) {
   T* act = reinterpret_cast<T*>(act_.data());
   const T* cs = cptr<T>(cos_sin_);
   const bool prof = profile_on_;
-  const bool dp = std::is_same_v<T, bf16> && gemm::use_bf16dp();  // AVX-512 BF16 GEMVs
 
   last_members_ = team::run_team(want, [&](int me, int, team::Barrier& bar) {
     Member& m = members_[size_t(me)];
@@ -466,62 +442,13 @@ void DecodePlan::step(const Step& s) {
         clock = now;
       }
     };
-    // The A operand of a GEMV: `rows` rows of K values (row r at src + idx(r) * K), as
-    // fp32 in the AVX2 dot path's layout, or kept as stored for the bf16 dot products.
-    // With packed weights also as fp32 rows padded with zeros (linear_q's operand).
+    // The A operand of the next GEMVs (plan_gemv.h), and emit(r, n, sum) for weight rows
+    // [n0, n1) of w against it.
     const auto load_a = [&](const T* src, int64_t K, int64_t rows, const int64_t* idx) {
-      const int64_t Kp = padded_k(K);
-      for (int64_t r = 0; r < rows; ++r) {
-        const T* row = src + (idx ? idx[r] : r) * K;
-        m.src[r] = row;
-        if (packed_) {
-          float* dst = m.aq.data() + r * Kp;
-          for (int64_t i = 0; i < K; ++i) dst[i] = to_float(row[i]);
-          std::fill(dst + K, dst + Kp, 0.f);
-          m.aqp[r] = dst;
-          if (a8_)
-            quant::quantize_act(dst, Kp, m.xq.data() + r * Kp, m.xd.data() + r * Kp / 32,
-                                m.xs.data() + r * Kp / 32);
-        }
-        if (dp) continue;
-        gemm::dot_a_row<T>(row, K, m.a.data() + r * K);
-        m.ap[r] = m.a.data() + r * K;
-      }
+      m.in.load(src, K, rows, idx);
     };
-    // emit(r, n, sum) for weight rows [n0, n1) of w ([N, K]) against the A rows: the
-    // kernel topg::linear (topg::linear_q for a packed w) uses for the same shapes, so
-    // the two agree bitwise.
     const auto dot = [&](const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1,
-                         auto&& emit) {
-      if (w.f && w.a8) {  // linear_q's int8-activation GEMV, row by row
-        const uint8_t* base = cptr<uint8_t>(w.t);
-        const int64_t Kp = padded_k(K);
-        for (int64_t n = n0; n < n1; ++n)
-          for (int64_t r = 0; r < rows; ++r)
-            emit(r, n,
-                 quant::dot_row_q8(*w.f, base + n * w.rb, K, m.xq.data() + r * Kp,
-                                   m.xd.data() + r * Kp / 32, m.xs.data() + r * Kp / 32));
-        return;
-      }
-      if (w.f) {
-        const uint8_t* base = cptr<uint8_t>(w.t);
-        for (int64_t n = n0; n < n1; ++n) {
-          quant::dot_rows(*w.f, base + n * w.rb, K, m.aqp.data(), rows, m.qsum.data(), m.qs);
-          for (int64_t r = 0; r < rows; ++r) emit(r, n, m.qsum[r]);
-        }
-        return;
-      }
-#if TOPG_BF16DP
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (dp) {
-          gemm::dot_rows_bf16dp(reinterpret_cast<const bf16* const*>(m.src.data()), rows,
-                                cptr<T>(w.t), K, K, n0, n1, emit);
-          return;
-        }
-      }
-#endif
-      gemm::dot_rows_range(m.ap.data(), rows, cptr<T>(w.t), K, K, n0, n1, emit);
-    };
+                         auto&& emit) { m.in.dot<T>(w, K, rows, n0, n1, emit); };
     // out[r * ldo + n] = T(A_r . w_n + bias_n) for weight rows [n0, n1).
     const auto gemv = [&](const Lin& w, int64_t K, const T* bias, int64_t rows, int64_t n0,
                           int64_t n1, T* out, int64_t ldo) {
@@ -542,7 +469,7 @@ void DecodePlan::step(const Step& s) {
 
     for (int64_t b = 0; b < B; ++b) {
       if (embed_.f) {  // embedding_q's rows: de-quantised, rounded once to T
-        float* row = m.aq.data();
+        float* row = m.row.data();
         quant::dequant_row(*embed_.f, cptr<uint8_t>(embed_.t) + s.ids[b] * embed_.rb, H, row);
         for (int64_t i = 0; i < H; ++i) resid[b * H + i] = from_float<T>(row[i]);
       } else {

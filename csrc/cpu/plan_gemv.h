@@ -1,0 +1,112 @@
+// The decode plan's GEMV operand (decode_plan.cpp): a weight of any kind the plan binds
+// (model dtype, packed, packed with int8 activations) and one member's copy of the A
+// rows in the layouts those kernels read. Each weight row is summed by the very kernel
+// topg::linear / topg::linear_q runs for the same shapes, so the plan and the compiled
+// graph agree bitwise.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "dispatch.h"
+#include "gemm_kernels.h"
+#include "gemv_bf16dp.h"
+#include "quant_kernels.h"
+
+namespace topg::plan {
+
+// A weight matrix [N, K]: in the model dtype, or packed in a quantised format
+// (torch_topg/quant/formats.py; one uint8 row of f->row_bytes(K) per output).
+struct Lin {
+  at::Tensor t;
+  const quant::Format* f = nullptr;  // nullptr: the model dtype
+  bool a8 = false;                   // int8 activations (linear_q's int8_activations)
+  int64_t rb = 0;                    // bytes per row
+};
+
+// A packed weight's activations: rows padded to a multiple of 256 (every format's block).
+inline int64_t padded_k(int64_t K) { return (K + 255) / 256 * 256; }
+
+// One member's A rows: `rows` rows of K values, as fp32 in the AVX2 dot path's layout
+// (a / ap), as stored (src: the AVX-512 BF16 dot products), and with packed weights as
+// fp32 padded with zeros (aq / aqp: linear_q's operand) and, with int8 activations, as
+// int8 blocks of 32 (xq codes, xd scales, xs code sums: quant::quantize_act).
+struct GemvInput {
+  std::vector<float> a, aq, xd, xs, qsum;
+  std::vector<const float*> ap, aqp;
+  std::vector<const void*> src;
+  std::vector<int8_t> xq;
+  quant::RowsScratch qs;
+  bool packed = false, a8 = false, dp = false;
+
+  void fit(int64_t rows, int64_t kmax, bool packed_, bool a8_, bool dp_) {
+    packed = packed_, a8 = a8_, dp = dp_;
+    a.resize(size_t(rows * kmax)), ap.resize(size_t(rows)), src.resize(size_t(rows));
+    if (packed) {
+      aq.resize(size_t(rows * padded_k(kmax)));
+      aqp.resize(size_t(rows)), qsum.resize(size_t(rows));
+    }
+    if (a8) xq.resize(aq.size()), xd.resize(aq.size() / 32), xs.resize(aq.size() / 32);
+  }
+
+  // Row r is src + (idx ? idx[r] : r) * K.
+  template <typename T>
+  void load(const T* src_, int64_t K, int64_t rows, const int64_t* idx) {
+    const int64_t Kp = padded_k(K);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = src_ + (idx ? idx[r] : r) * K;
+      src[r] = row;
+      if (packed) {
+        float* dst = aq.data() + r * Kp;
+        for (int64_t i = 0; i < K; ++i) dst[i] = to_float(row[i]);
+        std::fill(dst + K, dst + Kp, 0.f);
+        aqp[r] = dst;
+        if (a8)
+          quant::quantize_act(dst, Kp, xq.data() + r * Kp, xd.data() + r * Kp / 32,
+                              xs.data() + r * Kp / 32);
+      }
+      if (dp) continue;
+      gemm::dot_a_row<T>(row, K, a.data() + r * K);
+      ap[r] = a.data() + r * K;
+    }
+  }
+
+  // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.
+  template <typename T, typename Emit>
+  void dot(const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1, Emit&& emit) {
+    if (w.f && w.a8) {  // linear_q's int8-activation GEMV, row by row
+      const uint8_t* base = cptr<uint8_t>(w.t);
+      const int64_t Kp = padded_k(K);
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t r = 0; r < rows; ++r)
+          emit(r, n,
+               quant::dot_row_q8(*w.f, base + n * w.rb, K, xq.data() + r * Kp,
+                                 xd.data() + r * Kp / 32, xs.data() + r * Kp / 32));
+      return;
+    }
+    if (w.f) {  // linear_q's fp32-activation GEMV: each packed row made fp32 once
+      const uint8_t* base = cptr<uint8_t>(w.t);
+      for (int64_t n = n0; n < n1; ++n) {
+        quant::dot_rows(*w.f, base + n * w.rb, K, aqp.data(), rows, qsum.data(), qs);
+        for (int64_t r = 0; r < rows; ++r) emit(r, n, qsum[r]);
+      }
+      return;
+    }
+#if TOPG_BF16DP
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (dp) {
+        gemm::dot_rows_bf16dp(reinterpret_cast<const bf16* const*>(src.data()), rows, cptr<T>(w.t),
+                              K, K, n0, n1, emit);
+        return;
+      }
+    }
+#endif
+    gemm::dot_rows_range(ap.data(), rows, cptr<T>(w.t), K, K, n0, n1, emit);
+  }
+};
+
+}  // namespace topg::plan

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 VERSION = "0.3.36"
-TARGETS = ("llama-server", "llama-bench", "llama-quantize")
+TARGETS = ("llama-server", "llama-bench", "llama-quantize", "llama-perplexity", "llama-tokenize")
 
 
 class LlamaCppUnavailable(RuntimeError):

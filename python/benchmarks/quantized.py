@@ -40,9 +40,14 @@ from torch_topg.models import load_smollm2
 FORMATS = [None, "q8_0", "int8", "int4_g32", "int4_g64", "int4_g128"]
 
 
+def license_text() -> Path:
+    """Python's own LICENSE.txt (shipped with every CPython): the fixed text."""
+    v = sys.version_info
+    return Path(sys.base_prefix) / "lib" / f"python{v[0]}.{v[1]}" / "LICENSE.txt"
+
+
 def text_ids(tok, chunks: int, ctx: int = 512) -> torch.Tensor:
-    path = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    text = (path / "LICENSE.txt").read_text()
+    text = license_text().read_text()
     ids = tok(text, return_tensors="pt").input_ids[0]
     n = min(chunks, len(ids) // ctx)
     return ids[: n * ctx].view(n, ctx)
@@ -85,11 +90,19 @@ def vs_llama(args) -> None:
     torch.set_num_threads(2)
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     bw = read_bandwidth_stats()
-    rows = side_by_side(ensure_llama_cpp(), args.repeats)
+    llama = ensure_llama_cpp()
+    ppl = []
+    if args.llama_ppl:
+        from quantized_llama import perplexities, ppl_table
+
+        ppl = perplexities(llama, license_text(), args.llama_ppl)
+    rows = side_by_side(llama, args.repeats) if args.llama else []
     notes = [f"- command: `python python/benchmarks/quantized.py {' '.join(sys.argv[1:])}`",
              f"- date {date}; 2 threads; SmolLM2-135M-Instruct; read bandwidth "
-             f"{bw.median / 1e9:.1f} GB/s; per format llama-bench first, then the engine"]  # fmt: skip
-    text = table(rows) + "\n\n" + "\n".join(notes)
+             f"{bw.median / 1e9:.1f} GB/s"
+             + ("; per format llama-bench first, then the engine" if rows else "")]  # fmt: skip
+    text = (table(rows) + "\n\n" if rows else "") + (ppl_table(ppl) + "\n\n" if ppl else "")
+    text += "\n".join(notes)
     rec_rows = [{"key": {"format": r["format"]},
                  "figures": {k: v.to_dict() for k, v in r["topg"].items() if isinstance(v, Stats)},
                  "extra": {"llama": r["llama"], "file": r["file"], "tensors": r["tensors"],
@@ -97,6 +110,8 @@ def vs_llama(args) -> None:
                            "int8_activations": {k: (v.to_dict() if isinstance(v, Stats) else v)
                                                 for k, v in r["topg_a8"].items()}}}
                 for r in rows]  # fmt: skip
+    rec_rows += [{"key": {"format": r["format"], "measure": "perplexity"},
+                  "figures": {}, "extra": r} for r in ppl]  # fmt: skip
     rec = new_record("quantized", rec_rows, machine_info(measure=False), notes=notes, date=date)
     path = write_record(validate(rec), args.out)
     print("\n" + text + f"\nrecord: {path}")
@@ -109,11 +124,13 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--llama", action="store_true", help="decode / prefill against llama.cpp")
+    ap.add_argument("--llama-ppl", type=int, default=0, metavar="CHUNKS",
+                    help="perplexity against llama-perplexity on CHUNKS chunks of 512")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--md", default=None)
     args = ap.parse_args()
-    if args.llama:
+    if args.llama or args.llama_ppl:
         vs_llama(args)
     if not args.chunks and not args.decode:
         return

@@ -129,3 +129,91 @@ def table(rows: list[dict]) -> str:
         lines.append(f"\nllama.cpp: `{rows[0]['llama']['decode_cmd']}` and "
                      f"`{rows[0]['llama']['prefill_cmd']}` (build {rows[0]['llama']['build']})")  # fmt: skip
     return "\n".join(lines)
+
+
+# --- perplexity on identical token ids ---------------------------------------------------
+# llama-perplexity -c 512 tokenizes the text itself (its tokenizer and transformers' split
+# this text differently: 3,768 against 3,823 ids), so the engine side reads llama.cpp's
+# ids (llama-tokenize, same model file) and scores them as perplexity.cpp does: chunks of
+# 512, the logits of positions 256..510 each predicting the next id (255 a chunk), no BOS
+# (SmolLM2's file does not add one).
+PPL_CTX = 512
+
+
+def llama_ids(llama: dict, path: Path, text: Path) -> list[int]:
+    import ast
+    import subprocess
+
+    cmd = [str(llama["llama-tokenize"]), "-m", str(path), "-f", str(text), "--ids", "--log-disable"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+    return list(ast.literal_eval(out.strip()))
+
+
+def llama_ppl(llama: dict, path: Path, text: Path, chunks: int) -> tuple[float, str]:
+    import re
+    import shlex
+    import subprocess
+
+    cmd = [str(llama["llama-perplexity"]), "-m", str(path), "-f", str(text), "-c", str(PPL_CTX),
+           "-t", "2", "--chunks", str(chunks)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", p.stdout + p.stderr)
+    if p.returncode != 0 or m is None:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {p.returncode}: {p.stderr[-400:]}")
+    return float(m.group(1)), shlex.join(cmd)
+
+
+def topg_ppl(model, ids: list[int], chunks: int) -> float:
+    import math
+
+    import torch
+
+    first, nll, count = PPL_CTX // 2, 0.0, 0
+    with torch.inference_mode():
+        for i in range(chunks):
+            row = torch.tensor(ids[i * PPL_CTX : (i + 1) * PPL_CTX])
+            logits = model(row[None]).logits[0, first : PPL_CTX - 1].float()
+            lp = torch.log_softmax(logits, -1)
+            nll -= lp.gather(-1, row[first + 1 :, None]).sum().item()
+            count += PPL_CTX - 1 - first
+    return math.exp(nll / count)
+
+
+def perplexities(llama: dict, text: Path, chunks: int, formats=LLAMA_FORMATS) -> list[dict]:
+    """Per GGUF format: llama-perplexity, and the engine's model loaded packed from the
+    same file (fp32 activations, then int8) on llama.cpp's token ids."""
+    import torch
+
+    from torch_topg.engine.loading import load_config
+    from torch_topg.quant.gguf_direct import load_packed
+
+    rows = []
+    for fmt in formats:
+        path = gguf_file(fmt, llama)
+        ids = llama_ids(llama, path, text)
+        n = min(chunks, len(ids) // PPL_CTX)
+        ref, cmd = llama_ppl(llama, path, text, n)
+        config, _ = load_config(path)
+        row = {"format": fmt, "chunks": n, "llama": ref, "llama_cmd": cmd}
+        for act in (False, True):
+            model = load_packed(path, config, torch.float32, int8_activations=act)
+            row["int8" if act else "fp32"] = topg_ppl(model, ids, n)
+        print(f"{fmt}: perplexity llama.cpp {ref:.4f}, topg {row['fp32']:.4f} "
+              f"({100 * (row['fp32'] / ref - 1):+.2f}%), int8 activations {row['int8']:.4f} "
+              f"({100 * (row['int8'] / ref - 1):+.2f}%)", flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def ppl_table(rows: list[dict]) -> str:
+    lines = ["| file | chunks of 512 | llama-perplexity | topg (fp32 activations) | vs llama.cpp | "
+             "topg (int8 activations) | vs llama.cpp |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r['format']} | {r['chunks']} | {r['llama']:.4f} | {r['fp32']:.4f} | "
+            f"{100 * (r['fp32'] / r['llama'] - 1):+.2f}% | {r['int8']:.4f} | "
+            f"{100 * (r['int8'] / r['llama'] - 1):+.2f}% |"
+        )
+    if rows:
+        lines.append(f"\nllama.cpp: `{rows[0]['llama_cmd']}`")
+    return "\n".join(lines)

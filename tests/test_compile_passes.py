@@ -251,6 +251,30 @@ def test_gated_mlp_fuses_weights_once(dtype, act):
     assert_close(a2, e2, dtype, scale=2)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "int8"])
+def test_gated_mlp_fuses_quantised_gate_up(fmt):
+    """QuantizedLinear gate / up: one linear_q over their packed rows concatenated (the
+    buffers re-pointed into it), then silu_and_mul; equal to eager within fp32
+    tolerance (eager's silu is aten's)."""
+    from torch_topg.quant import QuantizedLinear
+
+    lin = {
+        n: torch.nn.Linear(64, o, bias=False) for n, o in (("gate", 96), ("up", 96), ("down", 64))
+    }
+    mlp = torch.nn.ModuleDict({n: QuantizedLinear.from_linear(m, fmt) for n, m in lin.items()})
+
+    def fn(x):
+        return F.silu(mlp["gate"](x)) * mlp["up"](x)
+
+    x = _rand(3, 64)
+    expected, actual, sites = compile_topg(fn, x)
+    all_replaced(sites, "mlp")
+    assert any("gate/up fused (" + fmt + ")" in s.detail for s in sites)
+    assert_close(actual, expected, torch.float32)
+    g, u = mlp["gate"].qweight, mlp["up"].qweight
+    assert g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
+
+
 @given(
     m=st.integers(1, 20),
     k=st.sampled_from([8, 24]),

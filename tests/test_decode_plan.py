@@ -67,7 +67,10 @@ class Seqs:
 
 
 def _runner(preset: str, dtype: torch.dtype, num_blocks: int = 160, block_size: int = 4):
-    model = tiny(preset).to(dtype)
+    return _model_runner(tiny(preset).to(dtype), num_blocks, block_size)
+
+
+def _model_runner(model, num_blocks: int = 160, block_size: int = 4) -> ModelRunner:
     max_blocks = max(40, 64 // block_size)  # room for 64 tokens
     r = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
                     max_blocks_per_seq=max_blocks, decode_plan=True)  # fmt: skip
@@ -89,10 +92,20 @@ def _quantised_runner(preset: str, fmt: str, dtype: torch.dtype) -> ModelRunner:
     emb = model.model.embed_tokens
     packed = quantize_weight(emb.weight.detach(), "q8_0")
     model.model.embed_tokens = QuantizedEmbedding(packed, "q8_0", emb.embedding_dim)
-    model = model.to(dtype)
-    r = ModelRunner(model, num_blocks=160, block_size=4, max_blocks_per_seq=40, decode_plan=True)
-    r.warmup()
-    return r
+    return _model_runner(model.to(dtype))
+
+
+def _compare_decode_and_verify(r: ModelRunner, seed: int, steps: int, verify: list[list[int]]):
+    """Decode steps at batch 1 and 8, then one verify step of ``verify`` tokens for two
+    sequences, every row sampled; each compared with _compare."""
+    assert r.plan is not None, r.plan_reason
+    for batch in (1, 8):
+        seqs = Seqs(r, prompts(seed, [3 + 5 * i for i in range(batch)]), seed=batch)
+        seqs.prefill()
+        _compare_steps(r, seqs, steps=steps)
+    seqs = Seqs(r, prompts(seed + 1, [9, 4]), seed=9)
+    seqs.prefill()
+    _compare(r, seqs.ragged_batch(verify, [len(v) for v in verify]))
 
 
 def _plan_step(r: ModelRunner, b):
@@ -150,14 +163,7 @@ def test_quantised_model_plan_equals_compiled_graph(preset, fmt, dtype):
     q8_0 embedding: the plan runs linear_q's kernel per row, so logits and KV stay
     bitwise the graph's, at batch 1 and 8, and on a verify step of several tokens."""
     r = _quantised_runner(preset, fmt, dtype)
-    assert r.plan is not None, r.plan_reason
-    for batch in (1, 8):
-        seqs = Seqs(r, prompts(5, [3 + 5 * i for i in range(batch)]), seed=batch)
-        seqs.prefill()
-        _compare_steps(r, seqs, steps=12)
-    seqs = Seqs(r, prompts(6, [9, 4]), seed=9)
-    seqs.prefill()
-    _compare(r, seqs.ragged_batch([[5, 6, 7, 8, 9], [10, 11]], [5, 2]))
+    _compare_decode_and_verify(r, 5, steps=12, verify=[[5, 6, 7, 8, 9], [10, 11]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -166,17 +172,8 @@ def test_int8_activation_linears_plan_equals_compiled_graph(dtype):
     GEMV's input to int8 blocks once and runs linear_q's integer dot per row."""
     from torch_topg.quant import quantize
 
-    model = quantize(tiny("qwen2-tiny"), "q4_1", int8_activations=True).to(dtype)
-    r = ModelRunner(model, num_blocks=160, block_size=4, max_blocks_per_seq=40, decode_plan=True)
-    r.warmup()
-    assert r.plan is not None, r.plan_reason
-    for batch in (1, 8):
-        seqs = Seqs(r, prompts(15, [3 + 5 * i for i in range(batch)]), seed=batch)
-        seqs.prefill()
-        _compare_steps(r, seqs, steps=8)
-    seqs = Seqs(r, prompts(16, [9, 4]), seed=9)
-    seqs.prefill()
-    _compare(r, seqs.ragged_batch([[5, 6, 7, 8, 9, 10, 11], [10, 11]], [7, 2]))
+    r = _model_runner(quantize(tiny("qwen2-tiny"), "q4_1", int8_activations=True).to(dtype))
+    _compare_decode_and_verify(r, 15, steps=8, verify=[[5, 6, 7, 8, 9, 10, 11], [10, 11]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

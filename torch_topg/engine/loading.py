@@ -91,9 +91,12 @@ def has_tokenizer(folder: Path) -> bool:
 
 def load_config(model: str | os.PathLike[str] | None) -> tuple[Any, Any]:
     """(config, tokenizer or None) of ``model``, without its weights."""
+    return _config_tokenizer(*resolve(model))
+
+
+def _config_tokenizer(folder: Path, gguf: str | None) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
-    folder, gguf = resolve(model)
     kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     config = AutoConfig.from_pretrained(folder, **kw)
     check_supported(config)
@@ -110,7 +113,7 @@ def load(
 
     folder, gguf = resolve(model)
     kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    _, tok = load_config(model)
+    _, tok = _config_tokenizer(folder, gguf)
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     return m.to(device).eval(), tok, (None if gguf else folder)
 
@@ -121,14 +124,17 @@ def load_gguf_packed(
     """(model, tokenizer) for ``quantization="gguf"``: built straight from the file's
     packed tensors where the architecture is known (torch_topg/quant/gguf_direct.py),
     else loaded de-quantised by transformers and matched row by row (gguf_model.py)."""
+    from transformers import AutoModelForCausalLM
+
     from torch_topg.quant.gguf_direct import load_packed
     from torch_topg.quant.loading import apply_quantization, gguf_file, resolve_quantization
 
     path = gguf_file(model)
-    config, tok = load_config(model)
+    folder, name = resolve(path)
+    config, tok = _config_tokenizer(folder, name)
     act = resolve_quantization(quantization)[1].get("int8_activations", False)
     m = load_packed(path, config, dtype, int8_activations=act)
-    if m is None:
-        m, tok, _ = load(model, torch.float32, torch.device("cpu"))
-        m = apply_quantization(m, quantization, path).to(dtype=dtype)
+    if m is None:  # the file de-quantised by transformers (config and tokenizer kept)
+        m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, gguf_file=name)
+        m = apply_quantization(m.eval(), quantization, path).to(dtype=dtype)
     return m, tok

@@ -56,61 +56,60 @@ class GatedMLPPass(Pass):
                 sites.append(self._rewrite_q(ctx, graph, n, act, gate, up))
         return sites
 
-    def _act(self, graph, act, y, approx: str):
-        if F.kind(act) == "silu":
-            return graph.call_function(topg("silu_and_mul"), (y,))
-        return graph.call_function(topg("gelu_and_mul"), (y,), {"approximate": approx})
-
-    def _check_act(self, n, act) -> tuple[str, Site | None]:
-        approx = "none"
+    def _refusal(self, n, act, gate, up, bias_at: int) -> tuple[str, Site | None]:
+        """(gelu's approximate, the refusal or None): what both projection kinds need."""
+        if up.args[0] is not gate.args[0]:
+            return "none", self.site(n, False, "gate and up read different inputs")
+        if F.arg(gate, bias_at, "bias") is not None or F.arg(up, bias_at, "bias") is not None:
+            return "none", self.site(n, False, "projection with bias")
+        if len(act.users) != 1 or len(gate.users) != 1 or len(up.users) != 1:
+            return "none", self.site(n, False, "an intermediate is read elsewhere")
         if F.kind(act) == "gelu":
             approx = F.arg(act, 1, "approximate", "none")
             if approx not in ("none", "tanh"):
                 return approx, self.site(n, False, f"gelu approximate={approx!r}")
-        elif act.kwargs.get("inplace") or (len(act.args) > 1 and act.args[1] is True):
-            return approx, self.site(n, False, "in-place activation")
-        return approx, None
+            return approx, None
+        if act.kwargs.get("inplace") or (len(act.args) > 1 and act.args[1] is True):
+            return "none", self.site(n, False, "in-place activation")
+        return "none", None
+
+    def _replace(
+        self, graph, n, act, approx: str, op: str, args: tuple, kwargs: dict, detail: str
+    ) -> Site:
+        """``n`` becomes ``act_and_mul(op(*args, **kwargs))``."""
+        with graph.inserting_before(n):
+            y = graph.call_function(topg(op), args, kwargs)
+            if F.kind(act) == "silu":
+                h = graph.call_function(topg("silu_and_mul"), (y,))
+            else:
+                h = graph.call_function(topg("gelu_and_mul"), (y,), {"approximate": approx})
+        F.copy_meta(h, n)
+        n.replace_all_uses_with(h)
+        graph.erase_node(n)
+        return self.site(n, True, f"{F.kind(act)}(gate) * up, gate/up fused{detail}")
 
     def _rewrite_q(self, ctx, graph, n, act, gate, up) -> Site:
         """``act(linear_q(x, Qg, f)) * linear_q(x, Qu, f)`` -> one ``linear_q`` + act op."""
-        x = gate.args[0]
-        if up.args[0] is not x:
-            return self.site(n, False, "gate and up read different inputs")
-        if F.arg(gate, 3, "bias") is not None or F.arg(up, 3, "bias") is not None:
-            return self.site(n, False, "projection with bias")
-        if len(act.users) != 1 or len(gate.users) != 1 or len(up.users) != 1:
-            return self.site(n, False, "an intermediate is read elsewhere")
+        approx, refused = self._refusal(n, act, gate, up, bias_at=3)
+        if refused is not None:
+            return refused
         fmt, act8 = F.arg(gate, 2, "format"), F.arg(gate, 4, "int8_activations", False)
         if F.arg(up, 2, "format") != fmt or F.arg(up, 4, "int8_activations", False) != act8:
             return self.site(n, False, "gate and up quantised differently")
-        approx, refused = self._check_act(n, act)
-        if refused is not None:
-            return refused
         qg, qu = ctx.buffer(F.arg(gate, 1, "weight")), ctx.buffer(F.arg(up, 1, "weight"))
         if qg is None or qu is None:
             return self.site(n, False, "packed weights are not module buffers")
         if qg.shape != qu.shape or qg.dtype != qu.dtype or qg.device != qu.device:
             return self.site(n, False, "gate and up packed weights differ in shape/device")
         w = ctx.fuse_weights([qg, qu], "gate_up_q")
-        with graph.inserting_before(n):
-            y = graph.call_function(topg("linear_q"), (x, w, fmt, None), {"int8_activations": act8})
-            h = self._act(graph, act, y, approx)
-        F.copy_meta(h, n)
-        n.replace_all_uses_with(h)
-        graph.erase_node(n)
-        return self.site(n, True, f"{F.kind(act)}(gate) * up, gate/up fused ({fmt})")
+        return self._replace(graph, n, act, approx, "linear_q", (gate.args[0], w, fmt, None),
+                             {"int8_activations": act8}, f" ({fmt})")  # fmt: skip
 
     def _rewrite(self, ctx, graph, n, act, gate, up) -> Site:
-        x = gate.args[0]
-        if up.args[0] is not x:
-            return self.site(n, False, "gate and up read different inputs")
-        if F.arg(gate, 2, "bias") is not None or F.arg(up, 2, "bias") is not None:
-            return self.site(n, False, "projection with bias")
-        if len(act.users) != 1 or len(gate.users) != 1 or len(up.users) != 1:
-            return self.site(n, False, "an intermediate is read elsewhere")
-        approx, refused = self._check_act(n, act)
+        approx, refused = self._refusal(n, act, gate, up, bias_at=2)
         if refused is not None:
             return refused
+        x = gate.args[0]
         wg, wu = ctx.parameter(F.arg(gate, 1, "weight")), ctx.parameter(F.arg(up, 1, "weight"))
         if wg is None or wu is None:
             return self.site(n, False, "weights are not model parameters")
@@ -119,10 +118,4 @@ class GatedMLPPass(Pass):
         if F.dtype(x) != wg.dtype or wg.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return self.site(n, False, f"dtype {F.dtype(x)} with weight {wg.dtype}")
         w = ctx.fuse_weights([wg, wu], "gate_up")
-        with graph.inserting_before(n):
-            y = graph.call_function(topg("linear"), (x, w, None))
-            h = self._act(graph, act, y, approx)
-        F.copy_meta(h, n)
-        n.replace_all_uses_with(h)
-        graph.erase_node(n)
-        return self.site(n, True, f"{F.kind(act)}(gate) * up, gate/up fused")
+        return self._replace(graph, n, act, approx, "linear", (x, w, None), {}, "")

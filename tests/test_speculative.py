@@ -381,10 +381,13 @@ def test_probe_and_shadow_update_a_switched_off_sequence():
     ctl = AdaptiveController(k_max=4, cost=_flat(0.02, 0.01), probe_every=3)
     for _ in range(30):
         ctl.observe("s", 4, 0)
+    assert ctl.plan([("s", 4)], 1) == [0]  # no step time observed yet: no budget
+    for _ in range(1000):  # 20 s of one-token steps: a budget of 0.4 s of probes
+        ctl.observe_step(1, 0.02)
     plans = [ctl.plan([("s", 4)], 1)[0] for _ in range(6)]
-    assert plans == [0, 0, 1, 0, 0, 1]
+    assert plans == [0, 1, 0, 0, 1, 0]
     ctl.probe_k = 0  # prompt lookup: the whole match
-    assert [ctl.plan([("s", 3)], 1)[0] for _ in range(3)] == [0, 0, 3]
+    assert [ctl.plan([("s", 3)], 1)[0] for _ in range(3)] == [0, 3, 0]
     before = ctl.acceptance("s")
     tokens = [5, 6, 7, 8, 9]
     ctl.set_shadow("s", [7, 8, 9], start=2)
@@ -394,6 +397,29 @@ def test_probe_and_shadow_update_a_switched_off_sequence():
     assert ctl.acceptance("s") > before
     ctl.forget("s")
     assert ctl.acceptance("s") == ctl.global_acceptance
+
+
+def test_probes_are_rationed_by_the_budget():
+    """At most one probe per step, and the cost curve's extra time of all probes stays
+    within probe_budget of the observed step time."""
+    cost = _flat(0.02, 0.01)  # every proposal adds half a one-token step: none pays
+    ctl = AdaptiveController(k_max=4, cost=cost, probe_every=2, probe_k=0)
+    seqs = [(f"s{i}", 3) for i in range(8)]
+    for key, _ in seqs:
+        for _ in range(30):
+            ctl.observe(key, 4, 0)
+    probes = spent = elapsed = 0.0
+    for _ in range(400):
+        ks = ctl.plan(seqs, base_tokens=8)
+        assert sum(1 for k in ks if k) <= 1  # one probing sequence per step
+        probes += sum(ks) > 0
+        spent += cost(8 + sum(ks)) - cost(8)
+        step = cost(8 + sum(ks))
+        ctl.observe_step(8 + sum(ks), step)
+        elapsed += step
+        assert spent <= ctl.probe_budget * elapsed + 1e-12
+    assert probes > 0  # probing did not stop for good
+    assert spent / elapsed == pytest.approx(ctl.probe_budget, rel=0.25)
 
 
 def test_spec_stats():

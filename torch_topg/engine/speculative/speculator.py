@@ -184,7 +184,7 @@ class Speculator:
 
     # --- 5. measure ----------------------------------------------------------------
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        self.ctl.cost.observe(out.num_tokens, seconds)
+        self.ctl.observe_step(out.num_tokens, seconds)
         self._steps += 1
         if self._steps % 64 == 0:
             self._prune()

@@ -1,5 +1,5 @@
-"""Bad inputs and NaN / inf / empty inputs of ``linear_q`` and ``embedding_q`` (the
-quantised-weight ops), in the conventions of tests/op_bad_inputs.py, which lists them
+"""Bad inputs and NaN / inf / empty inputs of ``linear_q``, ``embedding_q`` and
+``fused_moe_q`` (the quantised-weight ops), in the conventions of tests/op_bad_inputs.py, which lists them
 (its helpers are imported inside the functions: that module imports this one)."""
 
 from __future__ import annotations
@@ -57,6 +57,56 @@ def bad_embedding_q(g: Gen, other: str) -> list[BadInput]:
         BadInput("id past the rows", (g.ints([0, 8]), w, "q8_0", 64, F32), match=ID_PAST_ROWS, value_check=True),
         BadInput("negative id", (g.ints([-1, 2]), w, "q8_0", 64, F32), match=ID_PAST_ROWS, value_check=True),
     ]  # fmt: skip
+
+
+def _experts(g: Gen, fmt: str, e: int, n: int, k: int) -> torch.Tensor:
+    return torch.stack([packed_weight(g, fmt, n, k) for _ in range(e)])
+
+
+def bad_fused_moe_q(g: Gen, other: str) -> list[BadInput]:
+    from op_bad_inputs import CONTIG, CRASH_DEVICE, FLOAT, INDEX, _arg
+
+    x, wgu, wd = g.randn(4, 64), _experts(g, "q8_0", 3, 64, 64), _experts(g, "q8_0", 3, 64, 32)
+    tw, ids = g.rand(4, 2), g.ints([[0, 2], [1, 1], [2, 0], [0, 1]], torch.int64)
+    dev, hs, known = x.device, "hidden_states", ", ".join(f"'{f}'" for f in FORMATS)
+    a = (wgu, wd, tw, ids)
+    return [
+        BadInput("int hidden", (x.int(), *a, "q8_0"), match=_arg(hs, FLOAT)),
+        BadInput("unknown format", (x, *a, "q5_0"), match=re.escape(f"format 'q5_0' is not one of {known}")),
+        BadInput("unknown down format", (x, *a, "q8_0"), {"down_format": "f16"}, match=re.escape(f"format 'f16' is not one of {known}")),
+        BadInput("hidden not a multiple of the block", (g.randn(4, 40), *a, "q8_0"), match=re.escape("the hidden size 40 is not a multiple of 32 (the block of q8_0)")),
+        BadInput("float w_gate_up", (x, g.randn(3, 64, 64), wd, tw, ids, "q8_0"), match=_arg("w_gate_up", "dtype uint8")),
+        BadInput("2-d w_gate_up", (x, wgu[0], wd, tw, ids, "q8_0"), match=_arg("w_gate_up", "3 dimensions")),
+        BadInput("odd w_gate_up", (x, wgu[:, :63], wd, tw, ids, "q8_0"), match=_arg("w_gate_up", "an even size at dim 1 ([gate; up] rows)")),
+        BadInput("w_gate_up row bytes", (x, *a, "q4_0"), match=_arg("w_gate_up", "size 36 at dim 2 (the bytes of a q4_0 row of 64 weights)")),
+        BadInput("w_gate_up device", (x, wgu.to(other), wd, tw, ids, "q8_0"), match=_arg("w_gate_up", f"device {dev} (the device of 'hidden_states')"), crashes_native=CRASH_DEVICE),
+        BadInput("strided w_gate_up", (x, _experts(g, "q8_0", 3, 64, 128)[:, :, ::2], wd, tw, ids, "q8_0"), match=_arg("w_gate_up", CONTIG)),
+        BadInput("inter not a multiple of the block", (x, wgu, wd, tw, ids, "q8_0"), {"down_format": "q4_k"}, match=re.escape("the intermediate size 32 is not a multiple of 256 (the block of q4_k)")),
+        BadInput("w_down row bytes of another format", (x, *a, "q8_0"), {"down_format": "int8"}, match=_arg("w_down", "size 36 at dim 2 (the bytes of a int8 row of 32 weights)")),
+        BadInput("w_down experts", (x, wgu, wd[:2], tw, ids, "q8_0"), match=_arg("w_down", "size 3 at dim 0 (the experts of 'w_gate_up')")),
+        BadInput("w_down hidden", (x, wgu, wd[:, :60].contiguous(), tw, ids, "q8_0"), match=_arg("w_down", "size 64 at dim 1 (the hidden size of 'hidden_states')")),
+        BadInput("topk_weights tokens", (x, wgu, wd, tw[:3], ids, "q8_0"), match=_arg("topk_weights", "size 4 at dim 0 (the tokens of 'hidden_states')")),
+        BadInput("topk_weights dtype", (x, wgu, wd, tw.bfloat16(), ids, "q8_0"), match=_arg("topk_weights", "dtype float32 (the dtype of 'hidden_states')")),
+        BadInput("float topk_ids", (x, wgu, wd, tw, ids.float(), "q8_0"), match=_arg("topk_ids", INDEX)),
+        BadInput("topk_ids k", (x, wgu, wd, tw, g.ints([[0, 1, 2]] * 4, torch.int64), "q8_0"), match=_arg("topk_ids", "size 2 at dim 1 (the top-k of 'topk_weights')")),
+        BadInput("activation", (x, *a, "q8_0"), {"activation": "relu"}, match=re.escape("activation 'relu' is not one of 'silu', 'gelu', 'gelu_tanh'")),
+        BadInput("expert id", (x, wgu, wd, tw, g.ints([[0, 3], [1, 1], [2, 0], [0, 1]], torch.int64), "q8_0"), match=r"argument 'topk_ids' holds .*expert id.*" + re.escape("[0, 3) (the experts of 'w_gate_up')"), value_check=True),
+    ]  # fmt: skip
+
+
+def special_fused_moe_q(g: Gen) -> list[Special]:
+    from op_bad_inputs import _put
+
+    x = g.randn(5, 64)
+    wgu, wd = _experts(g, "q4_1", 3, 64, 64), _experts(g, "int4_g32", 3, 64, 32)
+    tw, ids = g.rand(5, 2), g.ints([[0, 2], [1, 1], [2, 0], [0, 1], [2, 1]], torch.int64)
+    a = (wgu, wd, tw, ids, "q4_1")
+    kw = {"down_format": "int4_g32"}
+    return [
+        Special("nan token: its row only", (_put(x, (2, 7), NAN), *a), kw),
+        Special("inf token", (_put(x, (4, 0), INF), *a), kw),
+        Special("no tokens", (x[:0], wgu, wd, tw[:0], ids[:0], "q4_1"), kw),
+    ]
 
 
 def special_linear_q(g: Gen) -> list[Special]:

@@ -372,6 +372,26 @@ def _linear_q(g: Gen) -> list[Sample]:
     return out  # fmt: skip
 
 
+def _fused_moe_q(g: Gen) -> list[Sample]:
+    out = []
+    e, t, k, h, i = 3, 5, 2, 64, 40
+    experts = lambda fmt, n, kk: torch.stack([packed_weight(g, fmt, n, kk) for _ in range(e)])  # noqa: E731
+    for dt, (fmt, down, act) in zip(
+        DTYPES,
+        [("q4_1", "int4_g32", "silu"), ("q8_0", "int8", "gelu"), ("int4_g64", None, "gelu_tanh")],
+        strict=True,
+    ):
+        wgu, wd = experts(fmt, 2 * i, h), experts(down or fmt, h, i)
+        x, ids, tw = g.randn(t, h, dtype=dt), g.randint(e, t, k), g.rand(t, k)
+        kw = {"down_format": down, "activation": act}
+        out.append(Sample(f"{dt} {fmt} {act}", (x, wgu, wd, tw, ids, fmt), kw, dtype=dt, scale=2))
+        kw8 = {**kw, "int8_activations": True}
+        out.append(
+            Sample(f"{dt} {fmt} int8 act", (x, wgu, wd, tw, ids.int(), fmt), kw8, dtype=dt, scale=2)
+        )
+    return out  # fmt: skip
+
+
 def _embedding_q(g: Gen) -> list[Sample]:
     out = []
     for dt, (fmt, d) in zip(DTYPES, [("q8_0", 64), ("q6_k", 256), ("int4_g64", 70)], strict=True):
@@ -409,6 +429,7 @@ SAMPLES: dict[str, Callable[[Gen], list[Sample]]] = {
     "fused_moe": _fused_moe,
     "linear": _linear,
     "linear_q": _linear_q,
+    "fused_moe_q": _fused_moe_q,
     "embedding_q": _embedding_q,
     "all_reduce": _all_reduce,
     "fused_all_reduce_add_rms_norm": _fused_all_reduce,

@@ -10,6 +10,7 @@ from torch_topg.ops.attention import attention, paged_attention, reshape_and_cac
 from torch_topg.ops.collectives import all_reduce, fused_all_reduce_add_rms_norm
 from torch_topg.ops.embedding_q import embedding_q
 from torch_topg.ops.fused_moe import fused_moe
+from torch_topg.ops.fused_moe_q import fused_moe_q
 from torch_topg.ops.linear import linear
 from torch_topg.ops.linear_q import linear_q
 from torch_topg.ops.moe_topk import moe_topk
@@ -25,6 +26,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_all_reduce_add_rms_norm",
     "fused_moe",
+    "fused_moe_q",
     "gelu_and_mul",
     "linear",
     "linear_q",

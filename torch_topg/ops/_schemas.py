@@ -67,6 +67,12 @@ SCHEMAS: dict[str, str] = {
         "linear_q(Tensor input, Tensor weight, str format, Tensor? bias=None, *, "
         "bool int8_activations=False) -> Tensor"
     ),
+    # w_gate_up: uint8 [E, 2I, row bytes of H], w_down: uint8 [E, H, row bytes of I]
+    "fused_moe_q": (
+        "fused_moe_q(Tensor hidden_states, Tensor w_gate_up, Tensor w_down, "
+        "Tensor topk_weights, Tensor topk_ids, str format, *, str? down_format=None, "
+        "str activation='silu', bool int8_activations=False) -> Tensor"
+    ),
     "embedding_q": (
         "embedding_q(Tensor input, Tensor weight, str format, int embedding_dim, "
         "ScalarType dtype=float) -> Tensor"

@@ -15,6 +15,7 @@ from torch_topg.reference.attention import (
 from torch_topg.reference.collectives import all_reduce, fused_all_reduce_add_rms_norm
 from torch_topg.reference.embedding_q import embedding_q
 from torch_topg.reference.fused_moe import fused_moe
+from torch_topg.reference.fused_moe_q import fused_moe_q
 from torch_topg.reference.linear import linear
 from torch_topg.reference.linear_q import linear_q
 from torch_topg.reference.moe_topk import moe_topk
@@ -29,6 +30,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_all_reduce_add_rms_norm",
     "fused_moe",
+    "fused_moe_q",
     "gelu_and_mul",
     "linear",
     "linear_q",

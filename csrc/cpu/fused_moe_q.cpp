@@ -1,0 +1,291 @@
+// CPU kernel: topg::fused_moe_q, fused_moe over packed weight-only quantised experts
+// (formats: torch_topg/quant/formats.py; block math: quant_kernels.h).
+//
+//   1. counting sort of the T * k (token, slot) assignments by expert (moe_kernels.h);
+//   2. gate/up per hit expert: h[r] = act(x Wg^T) * (x Wu^T) over its gathered rows, in
+//      fp32, rows padded with zeros to the down format's padded(I); with
+//      int8_activations the rows of x and of h are rounded to int8 per block of 32
+//      first, as linear_q does for its input;
+//   3. down: out[tok[r]] += weight[r] * h[r] Wd^T into an fp32 output.
+// An expert with at most kGemvRows rows (decode) takes linear_q's GEMV: each packed row
+// read once for all its rows (quant::dot_rows, or integer dot products against int8
+// activations); its work is split over intermediate features (gate/up) and output columns
+// (down), so every output element has one writer. An expert with more rows (prefill)
+// de-quantises its weights in chunks and multiplies with at::mm (quant::gemm_dequant), one
+// expert at a time. In batch-invariant mode every expert takes the GEMV (a row's sums then
+// do not depend on how many rows share its expert). Experts not hit are never read.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/op_checks.h"
+#include "dispatch.h"
+#include "modes.h"
+#include "moe_kernels.h"
+#include "parallel.h"
+#include "quant_kernels.h"
+#include "quant_ops.h"
+
+namespace topg {
+namespace {
+
+using quant::Format;
+
+// One weight's kind and packed rows; rows of expert e start at base + e * rows_per_expert.
+struct Packed {
+  Format f;
+  const uint8_t* base;
+  int64_t k, rb, rows_per_expert;
+  const uint8_t* row(int64_t e, int64_t n) const { return base + (e * rows_per_expert + n) * rb; }
+};
+
+// Activation rows as the GEMV reads them: fp32 padded rows, and with int8 activations
+// their int8 blocks (codes, scales, code sums per 32), row i at i * kp (codes) / i * kp / 32.
+struct ActRows {
+  int64_t kp = 0;
+  const float* x = nullptr;
+  const int8_t* q = nullptr;
+  const float *d = nullptr, *s = nullptr;
+};
+
+// sums[m] = row . a[rows[m]] for m < M (M <= kGemvRows), as linear_q's GEMV computes it.
+inline void gemv_rows(const Packed& w, const uint8_t* row, const ActRows& a, const int64_t* rows,
+                      int64_t M, bool q8, float* sums, quant::RowsScratch& sc) {
+  if (q8) {
+    const int64_t nb = a.kp / 32;
+    for (int64_t m = 0; m < M; ++m)
+      sums[m] = quant::dot_row_q8(w.f, row, w.k, a.q + rows[m] * a.kp, a.d + rows[m] * nb,
+                                  a.s + rows[m] * nb);
+    return;
+  }
+  const float* xs[quant::kGemvRows];
+  for (int64_t m = 0; m < M; ++m) xs[m] = a.x + rows[m] * a.kp;
+  quant::dot_rows(w.f, row, w.k, xs, M, sums, sc);
+}
+
+struct Expert {
+  int64_t e, row0, rows;
+  bool gemv;
+};
+
+void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
+           const moe::Routing& route, int64_t E, int64_t H, int64_t I, moe::Act act, float* out32) {
+  const int64_t n_rows = int64_t(route.tok.size()), Ip = wd.f.padded(I);
+  const int64_t* tok = route.tok.data();
+  const float* rw = route.weight.data();
+  std::vector<Expert> hit;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = route.offset[e + 1] - route.offset[e];
+    if (rows > 0)
+      hit.push_back({e, route.offset[e], rows, rows <= quant::kGemvRows || batch_invariant()});
+  }
+  // h: one fp32 row of Ip per sorted assignment (zeros past I); int8 blocks of it with a8.
+  std::vector<float> h(size_t(n_rows * Ip), 0.f), hd, hs;
+  std::vector<int8_t> hq;
+  const bool q8_gu = a8 && quant::int8_dot(wgu.f.fmt), q8_d = a8 && quant::int8_dot(wd.f.fmt);
+
+  // --- gate/up ----------------------------------------------------------------------
+  for (const Expert& ex : hit) {  // many rows: de-quantise and multiply, expert by expert
+    if (ex.gemv) continue;
+    at::Tensor xg = at::empty({ex.rows, xa.kp}, at::kFloat);
+    float* xgp = xg.data_ptr<float>();
+    for (int64_t r = 0; r < ex.rows; ++r)
+      std::copy_n(xa.x + tok[ex.row0 + r] * xa.kp, xa.kp, xgp + r * xa.kp);
+    at::Tensor gu = at::empty({ex.rows, 2 * I}, at::kFloat);
+    quant::gemm_dequant(wgu.f, xg, H, wgu.row(ex.e, 0), 2 * I, at::Tensor(), gu);
+    const float* g = gu.data_ptr<float>();
+    at::parallel_for(0, ex.rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t n = 0; n < I; ++n)
+          h[size_t((ex.row0 + r) * Ip + n)] =
+              moe::act(act, g[r * 2 * I + n]) * g[r * 2 * I + I + n];
+    });
+  }
+  struct Item {
+    int ex;
+    int64_t n0, n1;
+  };
+  std::vector<Item> items;  // GEMV experts: (expert, block of intermediate features)
+  constexpr int64_t kFeat = 32;
+  for (size_t i = 0; i < hit.size(); ++i)
+    if (hit[i].gemv)
+      for (int64_t n = 0; n < I; n += kFeat) items.push_back({int(i), n, std::min(I, n + kFeat)});
+  struct Scratch {
+    quant::RowsScratch sc;
+    float g[quant::kGemvRows], u[quant::kGemvRows];
+  };
+  parallel_items_with<Scratch>(int64_t(items.size()), [&](int64_t it, Scratch& s) {
+    const Expert& ex = hit[size_t(items[it].ex)];
+    for (int64_t m0 = 0; m0 < ex.rows; m0 += quant::kGemvRows) {  // > 16 rows: batch-invariant
+      const int64_t M = std::min(quant::kGemvRows, ex.rows - m0);
+      const int64_t* rows = tok + ex.row0 + m0;
+      for (int64_t n = items[it].n0; n < items[it].n1; ++n) {
+        gemv_rows(wgu, wgu.row(ex.e, n), xa, rows, M, q8_gu, s.g, s.sc);
+        gemv_rows(wgu, wgu.row(ex.e, I + n), xa, rows, M, q8_gu, s.u, s.sc);
+        for (int64_t m = 0; m < M; ++m)
+          h[size_t((ex.row0 + m0 + m) * Ip + n)] = moe::act(act, s.g[m]) * s.u[m];
+      }
+    }
+  });
+
+  // h rounded to int8 blocks, and h itself to the rounded values (the fp32 paths' input)
+  ActRows ha{Ip, h.data()};
+  if (a8) {
+    hq.resize(h.size()), hd.resize(h.size() / 32), hs.resize(h.size() / 32);
+    at::parallel_for(0, n_rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* hr = h.data() + r * Ip;
+        quant::quantize_act(hr, Ip, hq.data() + r * Ip, hd.data() + r * Ip / 32,
+                            hs.data() + r * Ip / 32);
+        for (int64_t i = 0; i < Ip; ++i)
+          hr[i] = float(hq[size_t(r * Ip + i)]) * hd[size_t((r * Ip + i) / 32)];
+      }
+    });
+    ha.q = hq.data(), ha.d = hd.data(), ha.s = hs.data();
+  }
+
+  // --- down -------------------------------------------------------------------------
+  for (const Expert& ex : hit) {
+    if (ex.gemv) continue;
+    at::Tensor hx = at::from_blob(h.data() + ex.row0 * Ip, {ex.rows, Ip}, at::kFloat);
+    at::Tensor y = at::empty({ex.rows, H}, at::kFloat);
+    quant::gemm_dequant(wd.f, hx, I, wd.row(ex.e, 0), H, at::Tensor(), y);
+    const float* yp = y.data_ptr<float>();
+    at::parallel_for(0, H, 256, [&](int64_t c0, int64_t c1) {
+      for (int64_t r = 0; r < ex.rows; ++r) {
+        float* o = out32 + tok[ex.row0 + r] * H;
+        const float wr = rw[ex.row0 + r];
+        for (int64_t n = c0; n < c1; ++n) o[n] += wr * yp[r * H + n];
+      }
+    });
+  }
+  // GEMV experts: items own output columns; an expert's rows index h by sorted position
+  std::vector<int64_t> ident(static_cast<size_t>(n_rows));
+  for (int64_t r = 0; r < n_rows; ++r) ident[size_t(r)] = r;
+  constexpr int64_t kCols = 32;
+  struct DownScratch {
+    quant::RowsScratch sc;
+    float sums[quant::kGemvRows];
+  };
+  parallel_items_with<DownScratch>((H + kCols - 1) / kCols, [&](int64_t c, DownScratch& s) {
+    const int64_t n0 = c * kCols, n1 = std::min(H, n0 + kCols);
+    for (const Expert& ex : hit) {
+      if (!ex.gemv) continue;
+      for (int64_t m0 = 0; m0 < ex.rows; m0 += quant::kGemvRows) {
+        const int64_t M = std::min(quant::kGemvRows, ex.rows - m0), r0 = ex.row0 + m0;
+        for (int64_t n = n0; n < n1; ++n) {
+          gemv_rows(wd, wd.row(ex.e, n), ha, ident.data() + r0, M, q8_d, s.sums, s.sc);
+          for (int64_t m = 0; m < M; ++m) out32[tok[r0 + m] * H + n] += rw[r0 + m] * s.sums[m];
+        }
+      }
+    }
+  });
+}
+
+template <typename Id>
+void check_ids(const Id* ids, int64_t n, int64_t E) {
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= E)
+      TOPG_CHECK(false, "fused_moe_q", "argument 'topk_ids' holds expert id ", int64_t(ids[i]),
+                 " at flat index ", i, ", expected ids in [0, ", E,
+                 ") (the experts of 'w_gate_up')");
+}
+
+// A packed expert stack [E, rows, row_bytes(k)]: 3-D uint8 on the device of `ref`, contiguous.
+void check_stack(const char* op, const char* name, const at::Tensor& w, const at::Tensor& ref,
+                 const Format& f, c10::string_view format, int64_t k) {
+  const Arg a(op, name, w);
+  a.dim(3).dtype(at::kByte).same_device(ref, "hidden_states");
+  const std::string what =
+      "the bytes of a " + std::string(format) + " row of " + std::to_string(k) + " weights";
+  a.size(2, f.row_bytes(k), what.c_str()).contiguous();
+}
+
+at::Tensor fused_moe_q_cpu(const at::Tensor& hidden, const at::Tensor& w_gate_up,
+                           const at::Tensor& w_down, const at::Tensor& topk_weights_,
+                           const at::Tensor& topk_ids_, c10::string_view format,
+                           const std::optional<c10::string_view>& down_format_,
+                           c10::string_view activation, bool int8_activations) {
+  const char* op = "fused_moe_q";
+  const Arg x(op, "hidden_states", hidden);
+  x.dim(2).floating();
+  const Format fgu = quant::parse_format(op, format);
+  const c10::string_view down_name = down_format_.has_value() ? *down_format_ : format;
+  const Format fd = quant::parse_format(op, down_name);
+  const int64_t ntok = hidden.size(0), H = hidden.size(1);
+  auto whole_blocks = [&](const Format& f, c10::string_view name, int64_t k, const char* what) {
+    TOPG_CHECK(f.block == 0 || quant::pads(f) || k % f.block == 0, op, what, " ", k,
+               " is not a multiple of ", f.block, " (the block of ", std::string(name), ")");
+  };
+  whole_blocks(fgu, format, H, "the hidden size");
+  Arg(op, "w_gate_up", w_gate_up).dim(3);
+  TOPG_CHECK(w_gate_up.size(1) % 2 == 0, op, "argument 'w_gate_up' ", describe(w_gate_up),
+             " expected an even size at dim 1 ([gate; up] rows)");
+  check_stack(op, "w_gate_up", w_gate_up, hidden, fgu, format, H);
+  const int64_t E = w_gate_up.size(0), I = w_gate_up.size(1) / 2;
+  whole_blocks(fd, down_name, I, "the intermediate size");
+  check_stack(op, "w_down", w_down, hidden, fd, down_name, I);
+  Arg(op, "w_down", w_down)
+      .size(0, E, "the experts of 'w_gate_up'")
+      .size(1, H, "the hidden size of 'hidden_states'");
+  Arg(op, "topk_weights", topk_weights_).dim(2).size(0, ntok, "the tokens of 'hidden_states'");
+  if (topk_weights_.scalar_type() != at::kFloat)
+    Arg(op, "topk_weights", topk_weights_).same_dtype(hidden, "hidden_states");
+  Arg(op, "topk_weights", topk_weights_).same_device(hidden, "hidden_states");
+  Arg(op, "topk_ids", topk_ids_)
+      .dim(2)
+      .index()
+      .same_device(hidden, "hidden_states")
+      .size(0, ntok, "the tokens of 'hidden_states'")
+      .size(1, topk_weights_.size(1), "the top-k of 'topk_weights'");
+  moe::Act act = moe::Act::silu;
+  if (activation == "gelu")
+    act = moe::Act::gelu;
+  else if (activation == "gelu_tanh")
+    act = moe::Act::gelu_tanh;
+  else
+    TOPG_CHECK(activation == "silu", op, "activation '", std::string(activation),
+               "' is not one of 'silu', 'gelu', 'gelu_tanh'");
+
+  const int64_t k = topk_ids_.size(1);
+  const at::Tensor ids = topk_ids_.contiguous(), tw = topk_weights_.contiguous();
+  const at::Tensor xc = hidden.contiguous();
+  at::Tensor out = at::empty({ntok, H}, xc.options());
+  if (ntok == 0 || H == 0) return out;
+  TOPG_DISPATCH_FLOAT(xc.scalar_type(), op, T, [&] {
+    moe::Routing route;
+    auto sort = [&]<typename Id>(const Id* id) {
+      check_ids(id, ntok * k, E);
+      route = tw.scalar_type() == at::kFloat ? moe::sort_by_expert(id, cptr<float>(tw), ntok, k, E)
+                                             : moe::sort_by_expert(id, cptr<T>(tw), ntok, k, E);
+    };
+    if (ids.scalar_type() == at::kInt)
+      sort(cptr<int32_t>(ids));
+    else
+      sort(cptr<int64_t>(ids));
+    std::vector<float> out32(size_t(ntok * H), 0.f);
+    if (I > 0) {
+      const quant::Rows xr =
+          quant::prepare_rows(cptr<T>(xc), ntok, H, fgu.padded(H), int8_activations);
+      ActRows xa{xr.Kp, xr.x32.data()};
+      if (int8_activations) xa.q = xr.xq.data(), xa.d = xr.xd.data(), xa.s = xr.xsum.data();
+      const Packed wgu{fgu, cptr<uint8_t>(w_gate_up), H, fgu.row_bytes(H), 2 * I};
+      const Packed wd{fd, cptr<uint8_t>(w_down), I, fd.row_bytes(I), H};
+      moe_q(wgu, wd, xa, int8_activations, route, E, H, I, act, out32.data());
+    }
+    T* o = ptr<T>(out);
+    for (int64_t i = 0; i < ntok * H; ++i) o[i] = from_float<T>(out32[size_t(i)]);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace topg
+
+TORCH_LIBRARY_IMPL(topg, CPU, m) { m.impl("fused_moe_q", &topg::fused_moe_q_cpu); }

@@ -1,0 +1,93 @@
+// Host-side pieces shared by the quantised-weight ops (linear_q.cpp, fused_moe_q.cpp):
+// format names, packed-weight checks, activation rows in the kernels' layouts, and the
+// de-quantise-and-multiply path for many rows.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
+#include <string>
+#include <vector>
+
+#include "common/checks.h"
+#include "dispatch.h"
+#include "parallel.h"
+#include "quant_kernels.h"
+
+namespace topg::quant {
+
+// The GEMV's row limit: the decode plan's steps (gemm::kDotMaxRows, 16), so the plan and
+// linear_q run the same kernel (and agree bitwise) on every step the plan takes; more rows
+// take gemm_dequant.
+inline constexpr int64_t kGemvRows = 16;
+
+inline Format parse_format(const char* op, c10::string_view name) {
+  if (const Format* f = quant::find_format(std::string(name))) return *f;
+  std::string known;
+  for (const auto& nf : quant::kFormats)
+    known += std::string(known.empty() ? "" : ", ") + "'" + nf.name + "'";
+  TOPG_CHECK(false, op, "format '", std::string(name), "' is not one of ", known);
+}
+
+// The packed weight [rows, row_bytes(k)]: 2-D uint8, on the device of `ref`, contiguous.
+inline void check_packed(const char* op, const at::Tensor& weight, const at::Tensor& ref,
+                         const Format& f, c10::string_view format, int64_t k) {
+  const Arg w(op, "weight", weight);
+  w.dim(2).dtype(at::kByte).same_device(ref, "input");
+  const std::string what =
+      "the bytes of a " + std::string(format) + " row of " + std::to_string(k) + " weights";
+  w.size(1, f.row_bytes(k), what.c_str()).contiguous();
+}
+
+// The kernels' inputs from the activations [M, K]: fp32 rows [M, padded(K)] (zeros past
+// K), and with int8_activations the int8 codes, scales and code sums
+// per 32 (quant::quantize_act); the fp32 rows then hold the rounded values (q * d).
+struct Rows {
+  int64_t M = 0, Kp = 0;
+  std::vector<float> x32, xd, xsum;
+  std::vector<int8_t> xq;
+  const float* x(int64_t m) const { return x32.data() + m * Kp; }
+};
+
+template <typename T>
+Rows prepare_rows(const T* x, int64_t M, int64_t K, int64_t Kp, bool int8_activations) {
+  Rows r;
+  r.M = M, r.Kp = Kp;
+  const int64_t nb = Kp / 32;
+  r.x32.assign(size_t(M * Kp), 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < K; ++i) r.x32[size_t(m * Kp + i)] = to_float(x[m * K + i]);
+  if (int8_activations) {
+    r.xq.resize(size_t(M * Kp));
+    r.xd.resize(size_t(M * nb));
+    r.xsum.resize(size_t(M * nb));
+    for (int64_t m = 0; m < M; ++m) {
+      quant::quantize_act(r.x32.data() + m * Kp, Kp, r.xq.data() + m * Kp, r.xd.data() + m * nb,
+                          r.xsum.data() + m * nb);
+      for (int64_t i = 0; i < Kp; ++i)
+        r.x32[size_t(m * Kp + i)] = float(r.xq[size_t(m * Kp + i)]) * r.xd[size_t(m * nb + i / 32)];
+    }
+  }
+  return r;
+}
+
+// out2d[M, N] (fp32) = x32 [M, padded(K)] times the packed weight's N rows de-quantised,
+// in chunks of ~4 MiB of fp32 weights (the de-quantisation is amortised over M), + bias.
+inline void gemm_dequant(const Format& f, const at::Tensor& x32, int64_t K, const uint8_t* w,
+                         int64_t N, const at::Tensor& bias, at::Tensor& out2d) {
+  const int64_t Kp = f.padded(K), rb = f.row_bytes(K);
+  const int64_t chunk = std::max<int64_t>(64, (int64_t(1) << 22) / (Kp * 4));  // ~4 MiB fp32
+  at::Tensor wf = at::empty({std::min(chunk, N), Kp}, x32.options());
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t nc = std::min(chunk, N - n0);
+    float* dst = wf.data_ptr<float>();
+    parallel_items(nc,
+                   [&](int64_t r) { quant::dequant_row(f, w + (n0 + r) * rb, K, dst + r * Kp); });
+    at::Tensor y = at::mm(x32, wf.narrow(0, 0, nc).t());
+    if (bias.defined()) y.add_(bias.narrow(0, n0, nc).to(at::kFloat));
+    out2d.narrow(1, n0, nc).copy_(y);
+  }
+}
+
+}  // namespace topg::quant

@@ -4,13 +4,15 @@
   q4_1, q4_k, q6_k as stored in the file; groupwise ``int4_g{32,64,128}``; per-channel
   ``int8``) and :func:`dequantize`, bit-exact against gguf-py's de-quantiser;
 * :mod:`~torch_topg.quant.packing`: :func:`quantize_weight`, float -> packed;
-* :mod:`~torch_topg.quant.modules`: :func:`quantize` (a model's linears in place, also
-  ``torch_topg.quantize``), :class:`QuantizedLinear`, :func:`save_quantized`,
-  :func:`load_quantized`.
+* :mod:`~torch_topg.quant.modules`: :func:`quantize` (a model's linears and MoE experts
+  in place, also ``torch_topg.quantize``), :class:`QuantizedLinear`, :func:`save_quantized`,
+  :func:`load_quantized`;
+* :mod:`~torch_topg.quant.experts`: :class:`QuantizedExperts` (``topg::fused_moe_q``).
 
 docs/quantization.md describes the layouts.
 """
 
+from torch_topg.quant.experts import QuantizedExperts
 from torch_topg.quant.formats import (
     FORMATS,
     GGUF_FORMATS,
@@ -32,6 +34,7 @@ __all__ = [
     "GGUF_FORMATS",
     "OWN_FORMATS",
     "QuantFormat",
+    "QuantizedExperts",
     "QuantizedLinear",
     "dequantize",
     "get_format",

@@ -3,12 +3,14 @@
 
 A transform applied from outside, as gpt-fast does: the model's own code is unchanged,
 each ``nn.Linear`` (the LM head only when asked) becomes a module with the same
-``in_features`` / ``out_features`` / ``bias`` whose forward is ``linear_q``. Fused expert
-weights (MoE) are left as they are (``fused_moe_q`` does not exist yet).
+``in_features`` / ``out_features`` / ``bias`` whose forward is ``linear_q``, and each
+fused experts module (MoE) a :class:`~torch_topg.quant.experts.QuantizedExperts` whose
+forward is ``fused_moe_q``.
 
 Saved as one safetensors file (``torch_topg/utils/safetensors_file.py``): the model's
 state dict, where a quantised linear contributes ``<name>.qweight`` (uint8) and, naming
-its format, ``<name>.qformat`` (the format name's ASCII bytes, uint8).
+its format, ``<name>.qformat`` (the format name's ASCII bytes, uint8); quantised experts
+contribute ``<name>.qgate_up`` / ``<name>.qdown`` and their ``<name>.qformat``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
+from torch_topg.quant.experts import QuantizedExperts, experts_problem, is_experts
 from torch_topg.quant.formats import FORMATS, INT4_GROUPS, dequantize, get_format
 from torch_topg.quant.packing import quantize_weight
 from torch_topg.utils.safetensors_file import read_safetensors, write_safetensors
@@ -163,8 +166,10 @@ def quantize(
     lm_head: bool = False,
     skip: Iterable[str] = (),
     int8_activations: bool = False,
+    experts: bool = True,
 ) -> torch.nn.Module:
-    """Replace ``model``'s ``nn.Linear`` modules in place by :class:`QuantizedLinear`.
+    """Replace ``model``'s ``nn.Linear`` modules in place by :class:`QuantizedLinear`, and
+    its fused experts modules by :class:`QuantizedExperts`.
 
     Args:
         model: any module (a transformers causal LM, typically).
@@ -176,10 +181,14 @@ def quantize(
         skip: module names (as in ``named_modules``) left unquantised.
         int8_activations: the modules round their activations to int8 per block of 32
             (``linear_q``'s option; faster CPU GEMV, ~0.5% off). Never on the LM head.
+        experts: also quantise MoE experts (transformers 5 modules with 3-D
+            ``gate_up_proj`` / ``down_proj``) that ``fused_moe`` can run.
 
     Returns:
         ``model``. A linear whose ``in_features`` the format cannot pack (GGUF formats
-        need a multiple of 32) is left as it is.
+        need a multiple of 32) is left as it is, and so is an experts module whose sizes
+        the format cannot pack or whose variant ``fused_moe`` does not cover (a bias, no
+        gate, interleaved rows, a custom activation).
     """
     fmt = resolve_format(method, group_size)
     f = FORMATS[fmt]
@@ -194,6 +203,10 @@ def quantize(
         if f.k_problem(m.in_features) is None:
             act = int8_activations and name not in heads
             _set(model, name, QuantizedLinear.from_linear(m, fmt, act))
+    if experts:
+        for name, m in [(n, m) for n, m in model.named_modules() if is_experts(m)]:
+            if name not in leave and experts_problem(m, fmt) is None:
+                _set(model, name, QuantizedExperts.from_experts(m, fmt, int8_activations))
     return model
 
 
@@ -201,7 +214,7 @@ def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` plus one ``<name>.qformat`` per quantised linear."""
     state = dict(model.state_dict())
     for name, m in model.named_modules():
-        if isinstance(m, QuantizedLinear):
+        if isinstance(m, (QuantizedLinear, QuantizedExperts)):
             key = f"{name}.qformat" if name else "qformat"
             state[key] = torch.tensor(list(m.format.encode()), dtype=torch.uint8)
     return state
@@ -224,6 +237,14 @@ def load_quantized(
         name = key.removesuffix("qformat").removesuffix(".")
         fmt = bytes(tensors.pop(key).tolist()).decode()
         old = model.get_submodule(name)
+        if is_experts(old) or isinstance(old, QuantizedExperts):
+            if isinstance(old, QuantizedExperts):
+                q = QuantizedExperts(old.num_experts, old.hidden_dim, old.intermediate_dim,
+                                     fmt, old.activation, old.int8_activations)  # fmt: skip
+            else:
+                q = QuantizedExperts.like(old, fmt)
+            _set(model, name, q)
+            continue
         if not isinstance(old, (torch.nn.Linear, QuantizedLinear)):
             raise ValueError(
                 f"load_quantized: {path}: {name!r} is quantised ({fmt}) in the file but is "

@@ -51,3 +51,23 @@ def test_prefetch_depth_2_equals_resident(folder, compile):
     assert handle.closed and "_topg_offload" not in eng.model.__dict__
     if compile:
         assert eng.stats()["compile"]["while_serving"] == 0
+
+
+@pytest.mark.parametrize("quantization", ["int4", {"method": "int8", "int8_activations": True}])
+def test_prefetch_depth_with_quantised_layers(folder, quantization):
+    """Packed layers (``QuantizedLinear`` buffers) stream like float ones: from the
+    offloader's disk copy of the quantised model, with the all-resident outputs."""
+    opts = dict(block_size=4, max_num_batched_tokens=16, quantization=quantization)
+    with Engine.from_pretrained(folder, **opts) as eng:
+        want = _generate(eng)
+    eng = Engine.from_pretrained(folder, prefetch_depth=1, **opts)
+    handle = eng.model._topg_offload
+    try:
+        assert type(eng.model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+        got = _generate(eng)
+        st = handle.stats()
+    finally:
+        eng.shutdown()
+    assert got == want
+    assert st["pool_bytes"] == 2 * st["largest_layer_bytes"]
+    assert st["bytes_moved"] > 5 * st["largest_layer_bytes"]

@@ -306,13 +306,14 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
             ``embedding_q``), ``"int8"`` / ``"int4"`` (linears quantised at load, int4 in
             groups of 64), or ``{"method": ..., "int8_activations": True, "group_size":
             128}`` (int8 activations: integer dot products as llama.cpp, faster, ~0.5%
-            off); docs/quantization.md. Not with tp_size > 1 or prefetch_depth.
+            off); docs/quantization.md. With prefetch_depth the packed layers stream
+            from a disk copy of the quantised model; not with tp_size > 1 yet.
     """
     _check_options(options)
     quantization = options.pop("quantization", None)
     method, _ = resolve_quantization(quantization)
-    if method and (options.get("tp_size", 1) != 1 or options.get("prefetch_depth", 0)):
-        raise ValueError("quantization: not supported with tp_size > 1 or prefetch_depth yet")
+    if method and options.get("tp_size", 1) != 1:
+        raise ValueError("quantization: not supported with tp_size > 1 yet")
     device = _device(options.pop("device", None))
     dtype = _dtype(options.pop("dtype", None), device)
     tp_size = options.get("tp_size", 1)
@@ -327,7 +328,7 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     # streams the layers) to `device`, so a model larger than the GPU can load.
     if method == "gguf":  # the file's packed tensors as they are
         m, tok = load_gguf_packed(model, dtype, quantization)
-        m, folder = m.to(device=device), None
+        m, folder = m.to(device=torch.device("cpu") if depth else device), None
     else:
         m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
         m = apply_quantization(m, quantization)
@@ -335,9 +336,10 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     if depth:
         import torch_topg
 
-        handle = torch_topg.offload(
-            m, device=device, source=str(folder) if folder else "disk", prefetch_depth=depth
-        )
+        # a quantised model's packed buffers are not the checkpoint's tensors: the
+        # layers stream from the offloader's own disk copy of the model as it is now
+        source = str(folder) if folder and not method else "disk"
+        handle = torch_topg.offload(m, device=device, source=source, prefetch_depth=depth)
         cleanup.append(handle.close)
     spec = resolve_speculative(options.pop("speculative", None), m, tok, device, dtype)
     cfg = make_config(m.config, device=device, dtype=dtype, speculative=spec, **options)

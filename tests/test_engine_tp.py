@@ -91,6 +91,41 @@ def test_tp2_equals_tp1_token_for_token(llama3kv):
     _no_group_no_children(procs)
 
 
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen2moe-tiny"])
+def test_tp2_moe_checkpoint_equals_tp1(tmp_path, preset):
+    """MoE checkpoints as transformers 5 saves them (and as the Hub has them): one tensor
+    per expert (Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``, Qwen-MoE's
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``), read into the fused experts' shards."""
+    build_model(preset).save_pretrained(tmp_path)
+    ps = prompts(8, [6, 21])
+    want = _tp1(tmp_path, ps, 10, block_size=4)
+    with Engine.from_pretrained(tmp_path, tp_size=2, compile=False, block_size=4) as eng:
+        got = [o.token_ids for o in eng.generate(ps, max_new_tokens=10, **GREEDY)]
+    assert got == want
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "mixtral-tiny"])
+def test_tp2_quantised_equals_tp1_quantised(tmp_path, preset):
+    """quantization= with tp_size=2: each rank packs its own shards. With int4 groups of
+    32 and shards on group boundaries (intermediate 128: 64 + 64; o_proj's input 32 + 32)
+    the packed weights are those of one process, so the greedy tokens are too."""
+    build_model(preset, intermediate_size=128).save_pretrained(tmp_path)
+    ps = prompts(7, [5, 19, 11])
+    q = {"method": "int4", "group_size": 32}
+    want = _tp1(tmp_path, ps, 10, block_size=4, quantization=q)
+    with Engine.from_pretrained(tmp_path, tp_size=2, compile=False, block_size=4,
+                                quantization=q) as eng:  # fmt: skip
+        layer = eng.model.model.layers[0]
+        assert type(layer.self_attn.o_proj).__name__ == "QuantizedRowParallelLinear"
+        if preset == "mixtral-tiny":
+            assert type(layer.mlp.experts).__name__ == "QuantizedExperts"
+            assert layer.mlp.experts.intermediate_dim == 64
+        else:
+            assert layer.mlp.down_proj.shard == (0, 64)
+        got = [o.token_ids for o in eng.generate(ps, max_new_tokens=10, **GREEDY)]
+    assert got == want
+
+
 def test_dead_worker_fails_the_step_not_a_hang(llama3kv):
     eng = Engine.from_pretrained(llama3kv, tp_size=2, compile=False, block_size=4)
     procs = list(eng.runner.group.procs)

@@ -176,3 +176,33 @@ def test_failing_rank_stops_the_others(tmp_path):
     assert r1.returncode not in (0, None) and "boom on purpose" in r1.output
     assert r0.returncode not in (0, None), r0.output
     assert "another rank failed (rank 1: ValueError: boom on purpose)" in r0.output, r0.output
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen2moe-tiny"])
+def test_checkpoint_per_expert_tensors_read_as_fused_slices(tmp_path, preset):
+    """A per-expert checkpoint (what transformers 5 saves, and the Hub's MoE layout) read
+    as slices of the fused ``gate_up_proj`` / ``down_proj`` and Mixtral's renamed router."""
+    from torch_topg.models import build_model
+    from torch_topg.parallel.loading import CheckpointSource, Slice
+
+    model = build_model(preset)
+    model.save_pretrained(tmp_path)
+    moe = model.model.layers[1].mlp
+    gu, down = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+    inter = down.shape[2]
+    name = "model.layers.1.mlp"
+    src = CheckpointSource(tmp_path)
+    try:
+        rows = ((3, 17), (inter + 3, inter + 17))
+        got = src.read(Slice(f"{name}.experts.gate_up_proj", 1, rows))
+        assert torch.equal(got, torch.cat([gu[:, 3:17], gu[:, inter + 3 : inter + 17]], 1))
+        assert torch.equal(src.read(Slice(f"{name}.experts.gate_up_proj")), gu)
+        straddle = src.read(Slice(f"{name}.experts.gate_up_proj", 1, ((inter - 2, inter + 2),)))
+        assert torch.equal(straddle, gu[:, inter - 2 : inter + 2])
+        got = src.read(Slice(f"{name}.experts.down_proj", 2, ((5, 20),)))
+        assert torch.equal(got, down[:, :, 5:20])
+        assert torch.equal(src.read(Slice(f"{name}.gate.weight")), moe.gate.weight.detach())
+        with pytest.raises(KeyError, match="missing from checkpoint"):
+            src.read(Slice("model.layers.1.mlp.experts.nothing"))
+    finally:
+        src.close()

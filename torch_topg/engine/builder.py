@@ -307,13 +307,16 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
             groups of 64), or ``{"method": ..., "int8_activations": True, "group_size":
             128}`` (int8 activations: integer dot products as llama.cpp, faster, ~0.5%
             off); docs/quantization.md. With prefetch_depth the packed layers stream
-            from a disk copy of the quantised model; not with tp_size > 1 yet.
+            from a disk copy of the quantised model; with tp_size > 1 each rank packs
+            its own shards ("int8" / "int4"; "gguf" needs one process).
     """
     _check_options(options)
     quantization = options.pop("quantization", None)
     method, _ = resolve_quantization(quantization)
-    if method and options.get("tp_size", 1) != 1:
-        raise ValueError("quantization: not supported with tp_size > 1 yet")
+    if method == "gguf" and options.get("tp_size", 1) != 1:
+        raise ValueError("quantization 'gguf': not supported with tp_size > 1 (a GGUF file "
+                         "runs in one process; quantise a safetensors folder with 'int8' / "
+                         "'int4' instead)")  # fmt: skip
     device = _device(options.pop("device", None))
     dtype = _dtype(options.pop("dtype", None), device)
     tp_size = options.get("tp_size", 1)
@@ -322,7 +325,8 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     if tp_size != 1:
         from torch_topg.engine.tp import start_tp_engine
 
-        return start_tp_engine(cls, model, device=device, dtype=dtype, **options)
+        return start_tp_engine(cls, model, device=device, dtype=dtype,
+                               quantization=quantization, **options)  # fmt: skip
     depth = options.get("prefetch_depth", 0)
     # Offloaded: the weights stay on the host; offload() moves the resident parts (and
     # streams the layers) to `device`, so a model larger than the GPU can load.

@@ -66,6 +66,7 @@ class Spec:
     max_blocks_per_seq: int
     compile: bool
     deterministic: bool
+    quantization: Any = None  # Engine quantization= ("int8", "int4" or their dict form)
 
 
 # --- the wire format ---------------------------------------------------------------------
@@ -274,14 +275,18 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.rsplit(".", 1)[-1])
 
 
-def _build_model(folder: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _build_model(
+    folder: str | Path, dtype: torch.dtype, device: torch.device, quantization: Any = None
+) -> torch.nn.Module:
     from transformers import AutoConfig
 
     from torch_topg.parallel import empty_model, tensor_parallel
+    from torch_topg.quant.loading import apply_quantization
 
     config = AutoConfig.from_pretrained(folder)
     model = tensor_parallel(empty_model(config, dtype), checkpoint=folder, device=device)
-    return model.eval()
+    # each rank packs its own shards (a row-parallel shard's K: its input features)
+    return apply_quantization(model, quantization).eval()
 
 
 def local_kv_heads(model: torch.nn.Module) -> int:
@@ -332,7 +337,7 @@ def follow(device: str | torch.device | None = None) -> None:
 
 
 def _follow(spec: Spec, cmd: Any, device: torch.device) -> None:
-    model = _build_model(spec.folder, _dtype(spec.dtype), device)
+    model = _build_model(spec.folder, _dtype(spec.dtype), device, spec.quantization)
     runner = ModelRunner(
         model, num_blocks=spec.num_blocks, block_size=spec.block_size,
         max_blocks_per_seq=spec.max_blocks_per_seq, kv_heads=local_kv_heads(model),
@@ -473,6 +478,7 @@ def start_tp_engine(
     dtype: torch.dtype,
     tp_size: int,
     prefetch_depth: int = 0,
+    quantization: Any = None,
     **options: Any,
 ) -> Any:
     """Rank 0 of a tensor-parallel engine (see the module docstring)."""
@@ -531,9 +537,9 @@ def start_tp_engine(
             _spawn(group, tp_size, device, threads)
         group.cmd = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         spec = Spec(str(folder), device.type, str(dtype), cfg.num_blocks, cfg.block_size,
-                    max_blocks, cfg.compile, cfg.deterministic)  # fmt: skip
+                    max_blocks, cfg.compile, cfg.deterministic, quantization)  # fmt: skip
         dist.broadcast_object_list([asdict(spec)], src=0, group=group.cmd)
-        m = _build_model(folder, dtype, device)
+        m = _build_model(folder, dtype, device, quantization)
         _load_generation_config(m, folder)
         tok = None
         if has_tokenizer(folder):

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_topg.ops.collectives import all_reduce
+from torch_topg.ops.linear_q import linear_q
+from torch_topg.quant.modules import QuantizedLinear
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -77,6 +79,39 @@ class RowParallelLinear(nn.Linear):
             y = all_reduce(y, self.group_name)
         if self.bias is not None:
             y = y + self.bias  # once, after the sum (not once per rank)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, shard={self.shard} of {self.full_in_features}, "
+            f"reduce={self.reduce}"
+        )
+
+    def quantized(self, format: str, int8_activations: bool = False) -> QuantizedLinear:
+        """This shard packed in ``format`` (``torch_topg.quantize`` calls it): the same
+        sum over the group, the bias added once after it."""
+        return QuantizedRowParallelLinear.from_row(self, format, int8_activations)
+
+
+class QuantizedRowParallelLinear(QuantizedLinear):
+    """A :class:`RowParallelLinear` whose shard is packed: ``linear_q`` over this rank's
+    input features, the partial sums reduced over the group, then the bias."""
+
+    @classmethod
+    def from_row(
+        cls, row: RowParallelLinear, format: str, int8_activations: bool = False
+    ) -> QuantizedRowParallelLinear:
+        q = cls.from_linear(row, format, int8_activations)
+        q.full_in_features, q.shard = row.full_in_features, row.shard
+        q.group_name, q.reduce = row.group_name, row.reduce
+        return q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear_q(x, self.qweight, self.format, int8_activations=self.int8_activations)
+        if self.reduce:
+            y = all_reduce(y, self.group_name)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y
 
     def extra_repr(self) -> str:

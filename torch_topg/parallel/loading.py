@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,6 +104,9 @@ class CheckpointSource(Source):
 
     def read(self, s: Slice) -> torch.Tensor:
         if s.name not in self.st:
+            legacy = _per_expert(self.st, s)
+            if legacy is not None:
+                return legacy
             raise KeyError(f"tensor_parallel: '{s.name}' is missing from checkpoint {self.path}")
         self.st.check([s.name])  # truncated since it was opened: an error, not SIGBUS
         t = self.st.tensor(s.name)
@@ -113,6 +117,63 @@ class CheckpointSource(Source):
 
     def close(self) -> None:
         self.st.close()
+
+
+#: Per-expert checkpoint names (gate, up, down) of transformers 5's fused experts: the
+#: layout Mixtral / Qwen-MoE checkpoints on the Hub have, and the one transformers 5's
+#: ``save_pretrained`` still writes (it converts back on save).
+_PER_EXPERT = (
+    ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+     "block_sparse_moe.experts.{e}.w2.weight"),
+    ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+     "mlp.experts.{e}.down_proj.weight"),
+)  # fmt: skip
+#: Renamed modules: the fused model's name -> the checkpoint's (Mixtral's router).
+_RENAMED = (("mlp.gate.weight", "block_sparse_moe.gate.weight"),)
+
+
+def _per_expert(st: SafetensorsSource, s: Slice) -> torch.Tensor | None:
+    """``s`` of a fused experts tensor (``<layer>.mlp.experts.gate_up_proj`` ``[E, 2I, H]``
+    or ``down_proj`` ``[E, H, I]``) built from a per-expert checkpoint, each expert's rows
+    sliced before they are stacked (no full copy of the layer); or a renamed tensor. None:
+    the checkpoint has neither."""
+    for new, old in _RENAMED:
+        if s.name.endswith(new) and (alt := s.name[: -len(new)] + old) in st:
+            st.check([alt])
+            t = st.tensor(alt)
+            parts = [t.narrow(s.dim, a, b - a) for a, b in s.ranges] or [t]
+            return torch.cat(parts, s.dim) if len(parts) > 1 else parts[0].clone()
+    m = re.fullmatch(r"(.+\.)mlp\.experts\.(gate_up_proj|down_proj)", s.name)
+    if m is None:
+        return None
+    prefix, which = m.groups()
+    for gate, up, down in _PER_EXPERT:
+        if prefix + gate.format(e=0) not in st:
+            continue
+        n = 0
+        while prefix + gate.format(e=n) in st:
+            n += 1
+        if s.ranges and s.dim not in (1, 2):
+            raise ValueError(f"tensor_parallel: '{s.name}' sliced along dim {s.dim} (experts)")
+        kinds = (down,) if which == "down_proj" else (gate, up)
+        st.check([prefix + k.format(e=e) for e in range(n) for k in kinds])
+        experts = []
+        for e in range(n):
+            if which == "down_proj":  # [H, I]: ranges along I (dim 2 of the fused tensor)
+                d = st.tensor(prefix + down.format(e=e))
+                parts = [d.narrow(1, a, b - a) for a, b in s.ranges] or [d]
+            else:  # [gate; up] rows: ranges along 2I (dim 1)
+                g, u = st.tensor(prefix + gate.format(e=e)), st.tensor(prefix + up.format(e=e))
+                inter = g.shape[0]
+                parts = []
+                for a, b in s.ranges or ((0, 2 * inter),):
+                    if a < inter:
+                        parts.append(g[a : min(b, inter)])
+                    if b > inter:
+                        parts.append(u[max(a, inter) - inter : b - inter])
+            experts.append(torch.cat(parts, 1 if which == "down_proj" else 0))
+        return torch.stack(experts)
+    return None
 
 
 def _inside(folder: Path, name: object, index: Path | None) -> Path:

@@ -202,7 +202,10 @@ def quantize(
     for name, m in todo:
         if f.k_problem(m.in_features) is None:
             act = int8_activations and name not in heads
-            _set(model, name, QuantizedLinear.from_linear(m, fmt, act))
+            # a layer with its own packed form (a row-parallel shard: reduce, then bias)
+            own = getattr(m, "quantized", None)
+            q = own(fmt, act) if callable(own) else QuantizedLinear.from_linear(m, fmt, act)
+            _set(model, name, q)
     if experts:
         for name, m in [(n, m) for n, m in model.named_modules() if is_experts(m)]:
             if name not in leave and experts_problem(m, fmt) is None:

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "common/op_checks.h"
+#include "common/quant_checks.h"
 #include "dispatch.h"
 #include "modes.h"
 #include "moe_kernels.h"
@@ -191,20 +191,7 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
 template <typename Id>
 void check_ids(const Id* ids, int64_t n, int64_t E) {
   for (int64_t i = 0; i < n; ++i)
-    if (ids[i] < 0 || ids[i] >= E)
-      TOPG_CHECK(false, "fused_moe_q", "argument 'topk_ids' holds expert id ", int64_t(ids[i]),
-                 " at flat index ", i, ", expected ids in [0, ", E,
-                 ") (the experts of 'w_gate_up')");
-}
-
-// A packed expert stack [E, rows, row_bytes(k)]: 3-D uint8 on the device of `ref`, contiguous.
-void check_stack(const char* op, const char* name, const at::Tensor& w, const at::Tensor& ref,
-                 const Format& f, c10::string_view format, int64_t k) {
-  const Arg a(op, name, w);
-  a.dim(3).dtype(at::kByte).same_device(ref, "hidden_states");
-  const std::string what =
-      "the bytes of a " + std::string(format) + " row of " + std::to_string(k) + " weights";
-  a.size(2, f.row_bytes(k), what.c_str()).contiguous();
+    if (ids[i] < 0 || ids[i] >= E) quant::bad_expert_id_q(int64_t(ids[i]), i, E);
 }
 
 at::Tensor fused_moe_q_cpu(const at::Tensor& hidden, const at::Tensor& w_gate_up,
@@ -213,46 +200,14 @@ at::Tensor fused_moe_q_cpu(const at::Tensor& hidden, const at::Tensor& w_gate_up
                            const std::optional<c10::string_view>& down_format_,
                            c10::string_view activation, bool int8_activations) {
   const char* op = "fused_moe_q";
-  const Arg x(op, "hidden_states", hidden);
-  x.dim(2).floating();
-  const Format fgu = quant::parse_format(op, format);
-  const c10::string_view down_name = down_format_.has_value() ? *down_format_ : format;
-  const Format fd = quant::parse_format(op, down_name);
-  const int64_t ntok = hidden.size(0), H = hidden.size(1);
-  auto whole_blocks = [&](const Format& f, c10::string_view name, int64_t k, const char* what) {
-    TOPG_CHECK(f.block == 0 || quant::pads(f) || k % f.block == 0, op, what, " ", k,
-               " is not a multiple of ", f.block, " (the block of ", std::string(name), ")");
-  };
-  whole_blocks(fgu, format, H, "the hidden size");
-  Arg(op, "w_gate_up", w_gate_up).dim(3);
-  TOPG_CHECK(w_gate_up.size(1) % 2 == 0, op, "argument 'w_gate_up' ", describe(w_gate_up),
-             " expected an even size at dim 1 ([gate; up] rows)");
-  check_stack(op, "w_gate_up", w_gate_up, hidden, fgu, format, H);
-  const int64_t E = w_gate_up.size(0), I = w_gate_up.size(1) / 2;
-  whole_blocks(fd, down_name, I, "the intermediate size");
-  check_stack(op, "w_down", w_down, hidden, fd, down_name, I);
-  Arg(op, "w_down", w_down)
-      .size(0, E, "the experts of 'w_gate_up'")
-      .size(1, H, "the hidden size of 'hidden_states'");
-  Arg(op, "topk_weights", topk_weights_).dim(2).size(0, ntok, "the tokens of 'hidden_states'");
-  if (topk_weights_.scalar_type() != at::kFloat)
-    Arg(op, "topk_weights", topk_weights_).same_dtype(hidden, "hidden_states");
-  Arg(op, "topk_weights", topk_weights_).same_device(hidden, "hidden_states");
-  Arg(op, "topk_ids", topk_ids_)
-      .dim(2)
-      .index()
-      .same_device(hidden, "hidden_states")
-      .size(0, ntok, "the tokens of 'hidden_states'")
-      .size(1, topk_weights_.size(1), "the top-k of 'topk_weights'");
-  moe::Act act = moe::Act::silu;
-  if (activation == "gelu")
-    act = moe::Act::gelu;
-  else if (activation == "gelu_tanh")
-    act = moe::Act::gelu_tanh;
-  else
-    TOPG_CHECK(activation == "silu", op, "activation '", std::string(activation),
-               "' is not one of 'silu', 'gelu', 'gelu_tanh'");
-
+  const quant::MoeQSizes sz =
+      quant::fused_moe_q(hidden, w_gate_up, w_down, topk_weights_, topk_ids_, format, down_format_,
+                         activation, at::kCPU);
+  const Format fgu = sz.fgu, fd = sz.fd;
+  const int64_t ntok = sz.tokens, H = sz.hidden, E = sz.experts, I = sz.inter;
+  const moe::Act act = sz.act == 1   ? moe::Act::gelu
+                       : sz.act == 2 ? moe::Act::gelu_tanh
+                                     : moe::Act::silu;
   const int64_t k = topk_ids_.size(1);
   const at::Tensor ids = topk_ids_.contiguous(), tw = topk_weights_.contiguous();
   const at::Tensor xc = hidden.contiguous();

@@ -80,26 +80,10 @@ void linear_q_dot(const Format& f, const Rows& x, int64_t K, const uint8_t* w, i
 at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10::string_view format,
                         const std::optional<at::Tensor>& bias_, bool int8_activations) {
   const char* op = "linear_q";
-  const Arg x(op, "input", input_);
-  x.min_dim(1).floating();
-  const Format f = parse_format(op, format);
-  const int64_t K = input_.size(-1);
-  if (f.block != 0 && !pads(f) && K % f.block != 0)
-    x.fail("a last dimension that is a multiple of " + std::to_string(f.block) + " (the block of " +
-           std::string(format) + ")");
-  check_packed(op, weight, input_, f, format, K);
-  const int64_t N = weight.size(0);
-  if (bias_.has_value())
-    Arg(op, "bias", *bias_)
-        .dim(1)
-        .same_dtype(input_, "input")
-        .same_device(input_, "input")
-        .size(0, N, "the output features of 'weight'");
-  std::vector<int64_t> out_shape(input_.sizes().begin(), input_.sizes().end());
-  out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, input_.options());
-  int64_t M = 1;
-  for (int64_t d = 0; d + 1 < input_.dim(); ++d) M *= input_.size(d);
+  const quant::LinearQSizes sz = quant::linear_q(input_, weight, format, bias_, at::kCPU);
+  const Format f = sz.f;
+  const int64_t M = sz.M, K = sz.K, N = sz.N;
+  at::Tensor out = at::empty(sz.out_shape, input_.options());
   if (M == 0 || N == 0) return out;
   const at::Tensor input = input_.contiguous();
   const at::Tensor bias = bias_.has_value() ? bias_->contiguous() : at::Tensor();
@@ -129,15 +113,7 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
 at::Tensor embedding_q_cpu(const at::Tensor& input_, const at::Tensor& weight,
                            c10::string_view format, int64_t embedding_dim, at::ScalarType dtype) {
   const char* op = "embedding_q";
-  Arg(op, "input", input_).index();
-  const Format f = parse_format(op, format);
-  TOPG_CHECK(is_float_dtype(dtype), op, "dtype ", dtype_name(dtype),
-             " is not one of float32, bfloat16, float16");
-  TOPG_CHECK(embedding_dim >= 0, op, "embedding_dim ", embedding_dim, " is negative");
-  TOPG_CHECK(f.block == 0 || pads(f) || embedding_dim % f.block == 0, op, "embedding_dim ",
-             embedding_dim, " is not a multiple of ", f.block, " (the block of ",
-             std::string(format), ")");
-  check_packed(op, weight, input_, f, format, embedding_dim);
+  const Format f = quant::embedding_q(input_, weight, format, embedding_dim, dtype, at::kCPU);
   std::vector<int64_t> out_shape(input_.sizes().begin(), input_.sizes().end());
   out_shape.push_back(embedding_dim);
   at::Tensor out = at::empty(out_shape, input_.options().dtype(dtype));

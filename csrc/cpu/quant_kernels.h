@@ -17,44 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "common/quant_formats.h"
 #include "vec.h"
 
 namespace topg::quant {
-
-enum class Fmt : int { q8_0, q4_0, q4_1, q4_k, q6_k, int8, int4 };
-
-struct Format {
-  Fmt fmt;
-  int64_t block;        // weights per block (0: the whole row, int8)
-  int64_t block_bytes;  // bytes per block (int8: the row's float32 scale)
-  // Blocks per row of k weights; the activations are padded with zeros to blocks * block.
-  int64_t blocks(int64_t k) const { return block == 0 ? 1 : (k + block - 1) / block; }
-  int64_t row_bytes(int64_t k) const {
-    return block == 0 ? block_bytes + k : blocks(k) * block_bytes;
-  }
-  // fp32 activations per row a kernel reads (a multiple of 32).
-  int64_t padded(int64_t k) const { return block == 0 ? (k + 31) / 32 * 32 : blocks(k) * block; }
-};
-
-// The format names of torch_topg/quant/formats.py.
-struct NamedFormat {
-  const char* name;
-  Format f;
-};
-inline constexpr NamedFormat kFormats[] = {
-    {"q8_0", {Fmt::q8_0, 32, 34}},       {"q4_0", {Fmt::q4_0, 32, 18}},
-    {"q4_1", {Fmt::q4_1, 32, 20}},       {"q4_k", {Fmt::q4_k, 256, 144}},
-    {"q6_k", {Fmt::q6_k, 256, 210}},     {"int8", {Fmt::int8, 0, 4}},
-    {"int4_g32", {Fmt::int4, 32, 20}},   {"int4_g64", {Fmt::int4, 64, 36}},
-    {"int4_g128", {Fmt::int4, 128, 68}},
-};
-inline const Format* find_format(const std::string& name) {
-  for (const auto& nf : kFormats)
-    if (name == nf.name) return &nf.f;
-  return nullptr;
-}
-// Formats whose rows take any k (the last group padded); the GGUF ones need whole blocks.
-inline bool pads(const Format& f) { return f.fmt == Fmt::int8 || f.fmt == Fmt::int4; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;

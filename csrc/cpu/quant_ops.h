@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/quant_checks.h"
 #include "dispatch.h"
 #include "parallel.h"
 #include "quant_kernels.h"
@@ -21,24 +22,6 @@ namespace topg::quant {
 // linear_q run the same kernel (and agree bitwise) on every step the plan takes; more rows
 // take gemm_dequant.
 inline constexpr int64_t kGemvRows = 16;
-
-inline Format parse_format(const char* op, c10::string_view name) {
-  if (const Format* f = quant::find_format(std::string(name))) return *f;
-  std::string known;
-  for (const auto& nf : quant::kFormats)
-    known += std::string(known.empty() ? "" : ", ") + "'" + nf.name + "'";
-  TOPG_CHECK(false, op, "format '", std::string(name), "' is not one of ", known);
-}
-
-// The packed weight [rows, row_bytes(k)]: 2-D uint8, on the device of `ref`, contiguous.
-inline void check_packed(const char* op, const at::Tensor& weight, const at::Tensor& ref,
-                         const Format& f, c10::string_view format, int64_t k) {
-  const Arg w(op, "weight", weight);
-  w.dim(2).dtype(at::kByte).same_device(ref, "input");
-  const std::string what =
-      "the bytes of a " + std::string(format) + " row of " + std::to_string(k) + " weights";
-  w.size(1, f.row_bytes(k), what.c_str()).contiguous();
-}
 
 // The kernels' inputs from the activations [M, K]: fp32 rows [M, padded(K)] (zeros past
 // K), and with int8_activations the int8 codes, scales and code sums

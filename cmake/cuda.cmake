@@ -11,7 +11,9 @@ set(TOPG_CUDA_SOURCES
     csrc/cuda/attention.cu
     csrc/cuda/cache.cu
     csrc/cuda/fused_moe.cu
+    csrc/cuda/fused_moe_q.cu
     csrc/cuda/linear.cu
+    csrc/cuda/linear_q.cu
     csrc/cuda/moe_topk.cu
     csrc/cuda/norm.cu
     csrc/cuda/paged_attention.cu

@@ -100,17 +100,7 @@ OPS: dict[str, OpSpec] = {}
 #: reference fallback on that device; tests/test_library.py and the CUDA lane's check
 #: skip it there, naming the reason, and fail once the kernel exists and the entry is
 #: stale. docs/ops.md shows the same.
-PENDING_KERNELS: dict[str, dict[str, str]] = {
-    "linear_q": {
-        "CUDA": "issue 21: CUDA GEMV / de-quantise-into-shared-memory kernels not written",
-    },
-    "embedding_q": {
-        "CUDA": "issue 21: not written",
-    },
-    "fused_moe_q": {
-        "CUDA": "issue 21: not written (the CPU kernel runs linear_q's GEMV per expert)",
-    },
-}
+PENDING_KERNELS: dict[str, dict[str, str]] = {}
 
 
 def pending(name: str, dispatch_key: str) -> str | None:

@@ -16,23 +16,28 @@ from torch_topg.quant.formats import dequantize, get_format
 from torch_topg.quant.packing import quantize_weight
 
 
-def experts_problem(module: torch.nn.Module, format: str) -> str | None:
-    """Why ``module`` cannot become a :class:`QuantizedExperts` in ``format`` (None: it can)."""
+def experts_problem(
+    module: torch.nn.Module, format: str, down_format: str | None = None
+) -> str | None:
+    """Why ``module`` cannot become a :class:`QuantizedExperts` with gate / up rows in
+    ``format`` and down rows in ``down_format`` (default ``format``); None: it can."""
     from torch_topg.compile.experts import unsupported
 
     why = unsupported(module)
     if why is not None:
         return why
-    f = get_format(format)
     _, two_i, h = module.gate_up_proj.shape
-    for what, k in (("hidden size", h), ("intermediate size", two_i // 2)):
-        problem = f.k_problem(k)
+    for what, k, fmt in (("hidden size", h, format),
+                         ("intermediate size", two_i // 2, down_format or format)):  # fmt: skip
+        problem = get_format(fmt).k_problem(k)
         if problem is not None:
             return f"{what} {k} must be {problem}"
     return None
 
 
-def _activation(module: torch.nn.Module) -> str:
+def experts_activation(module: torch.nn.Module) -> str:
+    """``fused_moe``'s name of ``module``'s activation (``"silu"`` when not recognised:
+    :func:`experts_problem` refuses those modules first)."""
     from torch_topg.compile.experts import _activation as activation_of
 
     return activation_of(module) or "silu"
@@ -44,7 +49,8 @@ class QuantizedExperts(torch.nn.Module):
     Attributes:
         qgate_up: uint8 buffer ``[E, 2I, row_bytes(H)]`` (gate rows, then up rows).
         qdown: uint8 buffer ``[E, H, row_bytes(I)]``.
-        format, activation, int8_activations: ``fused_moe_q``'s arguments.
+        format, down_format, activation, int8_activations: ``fused_moe_q``'s arguments
+            (``down_format``: the format of ``qdown``, e.g. Q6_K in a Q4_K_M file).
     """
 
     def __init__(
@@ -56,32 +62,39 @@ class QuantizedExperts(torch.nn.Module):
         activation: str = "silu",
         int8_activations: bool = False,
         device: torch.device | str | None = None,
+        down_format: str | None = None,
     ) -> None:
         super().__init__()
-        f = get_format(format)
-        for what, k in (("hidden_dim", hidden_dim), ("intermediate_dim", intermediate_dim)):
-            problem = f.k_problem(k)
+        down_format = down_format or format
+        f, fd = get_format(format), get_format(down_format)
+        for what, k, ff in (("hidden_dim", hidden_dim, f),
+                            ("intermediate_dim", intermediate_dim, fd)):  # fmt: skip
+            problem = ff.k_problem(k)
             if problem is not None:
                 raise ValueError(f"QuantizedExperts: {what} {k} must be {problem}")
         self.num_experts, self.hidden_dim = num_experts, hidden_dim
-        self.intermediate_dim, self.format = intermediate_dim, format
+        self.intermediate_dim, self.format, self.down_format = intermediate_dim, format, down_format
         self.activation, self.int8_activations = activation, int8_activations
         gu = (num_experts, 2 * intermediate_dim, f.row_bytes(hidden_dim))
-        down = (num_experts, hidden_dim, f.row_bytes(intermediate_dim))
+        down = (num_experts, hidden_dim, fd.row_bytes(intermediate_dim))
         self.register_buffer("qgate_up", torch.zeros(gu, dtype=torch.uint8, device=device))
         self.register_buffer("qdown", torch.zeros(down, dtype=torch.uint8, device=device))
 
     @classmethod
     def like(
-        cls, module: torch.nn.Module, format: str, int8_activations: bool = False
+        cls,
+        module: torch.nn.Module,
+        format: str,
+        int8_activations: bool = False,
+        down_format: str | None = None,
     ) -> QuantizedExperts:
         """An empty one with ``module``'s shapes and activation (loading fills it)."""
-        problem = experts_problem(module, format)
+        problem = experts_problem(module, format, down_format)
         if problem is not None:
             raise ValueError(f"QuantizedExperts: cannot replace {type(module).__name__}: {problem}")
         e, two_i, h = module.gate_up_proj.shape
-        return cls(e, h, two_i // 2, format, _activation(module), int8_activations,
-                   device=module.gate_up_proj.device)  # fmt: skip
+        return cls(e, h, two_i // 2, format, experts_activation(module), int8_activations,
+                   device=module.gate_up_proj.device, down_format=down_format)  # fmt: skip
 
     @classmethod
     def from_experts(
@@ -99,7 +112,7 @@ class QuantizedExperts(torch.nn.Module):
         """float32 ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``."""
         return (
             dequantize(self.qgate_up, self.format, self.hidden_dim),
-            dequantize(self.qdown, self.format, self.intermediate_dim),
+            dequantize(self.qdown, self.down_format, self.intermediate_dim),
         )
 
     def forward(
@@ -112,14 +125,16 @@ class QuantizedExperts(torch.nn.Module):
             weights = weights.float()
         return fused_moe_q(
             hidden_states, self.qgate_up, self.qdown, weights, top_k_index, self.format,
-            activation=self.activation, int8_activations=self.int8_activations,
+            down_format=self.down_format, activation=self.activation,
+            int8_activations=self.int8_activations,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
             f"intermediate_dim={self.intermediate_dim}, format={self.format}, "
-            f"activation={self.activation}, int8_activations={self.int8_activations}"
+            + (f"down_format={self.down_format}, " if self.down_format != self.format else "")
+            + f"activation={self.activation}, int8_activations={self.int8_activations}"
         )
 
 

@@ -27,11 +27,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_topg.quant.formats import BY_GGUF_TYPE
+from torch_topg.quant.experts import QuantizedExperts, experts_activation, experts_problem
+from torch_topg.quant.formats import BY_GGUF_TYPE, dequantize
 from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear
 
 #: GGUF ``general.architecture`` values built here, and whether q / k rows are permuted.
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "qwen2moe": False,
+                 "qwen3moe": False}  # fmt: skip
+
+#: MoE sizes the file states and transformers' GGUF config reader does not map (it
+#: leaves the class defaults: a file with other sizes would not load): metadata key
+#: suffix -> config attribute.
+_MOE_SIZES = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+#: Stacked expert tensors: file name -> which part of ``mlp.experts``.
+_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+            "ffn_down_exps.weight": "down"}  # fmt: skip
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -45,6 +58,11 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the MoE router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 
 
@@ -61,12 +79,46 @@ def _target(name: str) -> str | None:
     if m is None:
         return None
     rest = m.group(2)
+    if rest in _EXPERTS:
+        return f"model.layers.{m.group(1)}.mlp.experts:{_EXPERTS[rest]}"
     if rest in _LAYER:
         return f"model.layers.{m.group(1)}.{_LAYER[rest]}"
     base, _, kind = rest.rpartition(".")
     if base in _LAYER and kind in ("weight", "bias"):
         return f"model.layers.{m.group(1)}.{_LAYER[base]}.{kind}"
     return None
+
+
+def _set_experts(
+    model: torch.nn.Module,
+    path: str,
+    parts: dict[str, tuple[torch.Tensor, str | None]],
+    dtype: torch.dtype,
+    int8_activations: bool,
+) -> bool:
+    """``mlp.experts`` at ``path`` from the file's stacked gate / up / down tensors: a
+    :class:`QuantizedExperts` over the packed rows (gate and up rows concatenated per
+    expert, a copy of the packed bytes), or float weights; False: not buildable here."""
+    if set(parts) != {"gate", "up", "down"}:
+        return False
+    (gate, fg), (up, fu), (down, fd) = parts["gate"], parts["up"], parts["down"]
+    old = model.get_submodule(path)
+    if fg is None and fu is None and fd is None:  # float experts
+        for attr, value in (("gate_up_proj", torch.cat([gate, up], 1)), ("down_proj", down)):
+            current = getattr(old, attr, None)
+            if current is None or tuple(current.shape) != tuple(value.shape):
+                return False
+            setattr(old, attr, torch.nn.Parameter(value.to(dtype), requires_grad=False))
+        return True
+    if fg is None or fg != fu or fd is None or experts_problem(old, fg, fd) is not None:
+        return False
+    e, inter, hidden = gate.shape[0], gate.shape[1], down.shape[1]
+    new = QuantizedExperts(e, hidden, inter, fg, experts_activation(old),
+                           int8_activations, down_format=fd, device="meta")  # fmt: skip
+    new.qgate_up = torch.cat([gate, up], 1).contiguous()
+    new.qdown = down.contiguous()
+    _set(model, path, new)
+    return True
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:
@@ -97,13 +149,18 @@ def load_packed(
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
     if arch not in ARCHITECTURES:
         return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key, attr in _MOE_SIZES.items():
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is not None and hasattr(text, attr):
+            setattr(text, attr, int(field.parts[-1][0]))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = {"attn_q": text.num_attention_heads,
              "attn_k": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}  # fmt: skip
     packed: dict[str, tuple[torch.Tensor, str, int]] = {}  # module path -> rows, format, k
     floats: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, tuple[torch.Tensor, str | None]]] = {}  # path -> part
     for t in reader.tensors:
         target = _target(t.name)
         if target is None:
@@ -111,6 +168,16 @@ def load_packed(
         data = np.array(t.data)
         fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
         shape = [int(s) for s in reversed(t.shape)]  # GGUF lists the innermost first
+        if ":" in target:  # [E, rows, k] stacked experts: packed rows, or floats
+            path, part = target.split(":")
+            if fmt is not None and len(shape) == 3:
+                stack = torch.from_numpy(data).reshape(shape[0], shape[1], -1)
+            elif fmt is None and t.tensor_type.name in ("F32", "F16", "BF16"):
+                stack = torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type)).reshape(shape)
+            else:
+                return None
+            experts.setdefault(path, {})[part] = (stack, fmt)
+            continue
         if fmt is not None and len(shape) == 2:
             rows = torch.from_numpy(data).reshape(shape[0], -1)
         elif fmt is None and t.tensor_type.name in ("F32", "F16", "BF16"):
@@ -125,8 +192,14 @@ def load_packed(
         else:
             floats[target] = rows.to(dtype)
     head_tied = "lm_head" not in packed and "lm_head.weight" not in floats
+    for path, parts in experts.items():
+        if not _set_experts(model, path, parts, dtype, int8_activations):
+            return None
     for name, (rows, fmt, k) in packed.items():
         old = model.get_submodule(name)
+        if not isinstance(old, (torch.nn.Embedding, torch.nn.Linear)):  # e.g. an MoE router
+            floats[f"{name}.weight"] = dequantize(rows, fmt, k).to(dtype)
+            continue
         if isinstance(old, torch.nn.Embedding):
             new: torch.nn.Module = QuantizedEmbedding(rows, fmt, k)
             new.dtype_ref = torch.empty(0, dtype=dtype)
@@ -151,10 +224,11 @@ def load_packed(
     for name, value in floats.items():
         owner, _, attr = name.rpartition(".")
         mod = model.get_submodule(owner)
-        if getattr(mod, attr, None) is None or tuple(getattr(mod, attr).shape) != tuple(
-            value.shape
-        ):
+        current = getattr(mod, attr, None)
+        if current is None or current.numel() != value.numel():
             return None
+        # the shared-expert gate is [1, H] in the model and [H] in the file
+        value = value.reshape(current.shape)
         setattr(mod, attr, torch.nn.Parameter(value, requires_grad=False))
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is not None:  # its buffers were made on meta: make them again

@@ -214,12 +214,16 @@ def quantize(
 
 
 def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` plus one ``<name>.qformat`` per quantised linear."""
+    """``model.state_dict()`` plus one ``<name>.qformat`` per quantised module (experts
+    whose down rows are in another format: ``"<format>,<down format>"``)."""
     state = dict(model.state_dict())
     for name, m in model.named_modules():
         if isinstance(m, (QuantizedLinear, QuantizedExperts)):
             key = f"{name}.qformat" if name else "qformat"
-            state[key] = torch.tensor(list(m.format.encode()), dtype=torch.uint8)
+            fmt = m.format
+            if isinstance(m, QuantizedExperts) and m.down_format != m.format:
+                fmt = f"{fmt},{m.down_format}"
+            state[key] = torch.tensor(list(fmt.encode()), dtype=torch.uint8)
     return state
 
 
@@ -241,11 +245,13 @@ def load_quantized(
         fmt = bytes(tensors.pop(key).tolist()).decode()
         old = model.get_submodule(name)
         if is_experts(old) or isinstance(old, QuantizedExperts):
+            fmt, _, down = fmt.partition(",")
             if isinstance(old, QuantizedExperts):
                 q = QuantizedExperts(old.num_experts, old.hidden_dim, old.intermediate_dim,
-                                     fmt, old.activation, old.int8_activations)  # fmt: skip
+                                     fmt, old.activation, old.int8_activations,
+                                     down_format=down or None)  # fmt: skip
             else:
-                q = QuantizedExperts.like(old, fmt)
+                q = QuantizedExperts.like(old, fmt, down_format=down or None)
             _set(model, name, q)
             continue
         if not isinstance(old, (torch.nn.Linear, QuantizedLinear)):

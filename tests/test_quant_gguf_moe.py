@@ -1,0 +1,139 @@
+"""A Qwen2-MoE GGUF file run packed (``quantization="gguf"``): its stacked expert tensors
+become ``QuantizedExperts`` (``fused_moe_q``), the shared expert ``QuantizedLinear`` s,
+the router float. The file is written here with gguf-py from a seeded tiny model, in
+llama.cpp's tensor names and layout (the SmolLM2 file's tokenizer, Q8_0 / Q4_0 blocks
+packed by ``torch_topg.quant.quantize_weight``, which are GGUF's own)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from engine_utils import hf_greedy
+
+from torch_topg.engine import Engine
+from torch_topg.engine.loading import load_gguf_packed
+from torch_topg.models import build_model, smollm2_available
+from torch_topg.models.hf import gguf_path
+from torch_topg.quant import QuantizedExperts, QuantizedLinear, dequantize, quantize_weight
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(
+    smollm2_available() is not None, reason=f"the tokenizer's source: {smollm2_available()}"
+)
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
+    """``model`` (a Qwen2-MoE) as a GGUF file, its matrices packed in ``fmt``; returns the
+    float weights the file stands for (de-quantised), by transformers name."""
+    c = model.config
+    qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[fmt]
+    w = gguf.GGUFWriter(str(path), "qwen2moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    src = gguf.GGUFReader(str(gguf_path()))
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    dense: dict[str, torch.Tensor] = {}
+
+    def packed(name: str, value: torch.Tensor, key: str) -> None:
+        rows = value.detach().float().reshape(-1, value.shape[-1])
+        q = quantize_weight(rows, fmt)
+        dense[key] = dequantize(q, fmt, rows.shape[1]).reshape(value.shape)
+        w.add_tensor(name, q.reshape(*value.shape[:-1], -1).numpy(), raw_dtype=qtype)
+
+    def plain(name: str, value: torch.Tensor, key: str) -> None:
+        dense[key] = value.detach().float()
+        w.add_tensor(name, value.detach().float().numpy())
+
+    sd = dict(model.state_dict())
+    packed("token_embd.weight", sd["model.embed_tokens.weight"], "model.embed_tokens.weight")
+    plain("output_norm.weight", sd["model.norm.weight"], "model.norm.weight")
+    packed("output.weight", sd["lm_head.weight"], "lm_head.weight")
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+             "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj"}  # fmt: skip
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        plain(
+            f"blk.{i}.attn_norm.weight",
+            sd[p + "input_layernorm.weight"],
+            p + "input_layernorm.weight",
+        )
+        plain(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm.weight")  # fmt: skip
+        for short, long in names.items():
+            packed(f"blk.{i}.{short}.weight", sd[p + long + ".weight"], p + long + ".weight")
+            if p + long + ".bias" in sd:
+                plain(f"blk.{i}.{short}.bias", sd[p + long + ".bias"], p + long + ".bias")
+        plain(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"], p + "mlp.gate.weight")
+        gate = sd[p + "mlp.shared_expert_gate.weight"]
+        plain(f"blk.{i}.ffn_gate_inp_shexp.weight", gate.reshape(-1), p + "mlp.shared_expert_gate.weight")  # fmt: skip
+        dense[p + "mlp.shared_expert_gate.weight"] = gate.detach().float()
+        gu, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]
+        inter = down.shape[2]
+        packed(f"blk.{i}.ffn_gate_exps.weight", gu[:, :inter], p + "gate")
+        packed(f"blk.{i}.ffn_up_exps.weight", gu[:, inter:], p + "up")
+        packed(f"blk.{i}.ffn_down_exps.weight", down, p + "mlp.experts.down_proj")
+        dense[p + "mlp.experts.gate_up_proj"] = torch.cat(
+            [dense.pop(p + "gate"), dense.pop(p + "up")], 1
+        )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dense
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_qwen2moe_gguf_runs_packed(tmp_path, fmt):
+    # sizes transformers' GGUF reader does not map (its Qwen2-MoE defaults differ)
+    model = build_model("qwen2moe-tiny", vocab_size=49152, moe_intermediate_size=64,
+                        shared_expert_intermediate_size=96)  # fmt: skip
+    path = tmp_path / f"moe-{fmt}.gguf"
+    dense = _write(model, path, fmt)
+    reference = build_model("qwen2moe-tiny", vocab_size=49152, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=96)  # fmt: skip
+    reference.load_state_dict(dense, strict=False)  # the file's weights, de-quantised
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed, tok = load_gguf_packed(path, torch.float32, "gguf")
+    assert tok is not None
+    layer = packed.model.layers[1].mlp
+    assert isinstance(layer.experts, QuantizedExperts) and layer.experts.format == fmt
+    assert layer.experts.intermediate_dim == 64  # from the file, not the class default
+    assert isinstance(layer.shared_expert.down_proj, QuantizedLinear)
+    assert layer.gate.weight.dtype == torch.float32
+    ids = torch.tensor([[1, 5, 9, 200, 3000, 17, 42]])
+    with torch.no_grad():
+        got, want = packed(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the packed bytes are the file's, not a re-quantisation
+    down = next(
+        t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down_exps.weight"
+    )
+    np.testing.assert_array_equal(
+        layer.experts.qdown.numpy(), np.asarray(down.data).reshape(4, 64, -1)
+    )
+    if fmt == "q4_0":  # the engine on the file (one format: each load parses the tokenizer)
+        prompt = ids[0].tolist()
+        with Engine.from_pretrained(path, quantization="gguf", max_model_len=128) as eng:
+            out = eng.generate([prompt], max_new_tokens=6, **GREEDY)[0].token_ids
+        assert out == hf_greedy(reference, prompt, 6)

@@ -18,6 +18,7 @@ from torch_topg.engine.loading import load_gguf_packed
 from torch_topg.models import build_model, smollm2_available
 from torch_topg.models.hf import gguf_path
 from torch_topg.quant import QuantizedExperts, QuantizedLinear, dequantize, quantize_weight
+from torch_topg.quant.gguf_direct import _unpermute
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(
@@ -31,8 +32,9 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
     """``model`` (a Qwen2-MoE) as a GGUF file, its matrices packed in ``fmt``; returns the
     float weights the file stands for (de-quantised), by transformers name."""
     c = model.config
+    mixtral = c.model_type == "mixtral"  # llama.cpp writes it as architecture "llama"
     qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[fmt]
-    w = gguf.GGUFWriter(str(path), "qwen2moe")
+    w = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen2moe")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -41,10 +43,11 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_expert_count(c.num_experts)
+    w.add_expert_count(c.num_local_experts if mixtral else c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if not mixtral:
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     src = gguf.GGUFReader(str(gguf_path()))
     for key, field in src.fields.items():
         if key.startswith("tokenizer."):
@@ -52,10 +55,15 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
             w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     dense: dict[str, torch.Tensor] = {}
 
+    heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
+
     def packed(name: str, value: torch.Tensor, key: str) -> None:
         rows = value.detach().float().reshape(-1, value.shape[-1])
         q = quantize_weight(rows, fmt)
         dense[key] = dequantize(q, fmt, rows.shape[1]).reshape(value.shape)
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        if mixtral and kind in heads:  # llama.cpp's converter permutes q / k rows per head
+            q = q.index_select(0, torch.argsort(_unpermute(q.shape[0], heads[kind])))
         w.add_tensor(name, q.reshape(*value.shape[:-1], -1).numpy(), raw_dtype=qtype)
 
     def plain(name: str, value: torch.Tensor, key: str) -> None:
@@ -67,10 +75,11 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
     plain("output_norm.weight", sd["model.norm.weight"], "model.norm.weight")
     packed("output.weight", sd["lm_head.weight"], "lm_head.weight")
     names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-             "ffn_up_shexp": "mlp.shared_expert.up_proj",
-             "ffn_down_shexp": "mlp.shared_expert.down_proj"}  # fmt: skip
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}  # fmt: skip
+    if not mixtral:
+        names.update({"ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                      "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                      "ffn_down_shexp": "mlp.shared_expert.down_proj"})  # fmt: skip
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         plain(
@@ -84,9 +93,10 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
             if p + long + ".bias" in sd:
                 plain(f"blk.{i}.{short}.bias", sd[p + long + ".bias"], p + long + ".bias")
         plain(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"], p + "mlp.gate.weight")
-        gate = sd[p + "mlp.shared_expert_gate.weight"]
-        plain(f"blk.{i}.ffn_gate_inp_shexp.weight", gate.reshape(-1), p + "mlp.shared_expert_gate.weight")  # fmt: skip
-        dense[p + "mlp.shared_expert_gate.weight"] = gate.detach().float()
+        if not mixtral:
+            gate = sd[p + "mlp.shared_expert_gate.weight"]
+            plain(f"blk.{i}.ffn_gate_inp_shexp.weight", gate.reshape(-1), p + "mlp.shared_expert_gate.weight")  # fmt: skip
+            dense[p + "mlp.shared_expert_gate.weight"] = gate.detach().float()
         gu, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]
         inter = down.shape[2]
         packed(f"blk.{i}.ffn_gate_exps.weight", gu[:, :inter], p + "gate")
@@ -137,3 +147,22 @@ def test_qwen2moe_gguf_runs_packed(tmp_path, fmt):
         with Engine.from_pretrained(path, quantization="gguf", max_model_len=128) as eng:
             out = eng.generate([prompt], max_new_tokens=6, **GREEDY)[0].token_ids
         assert out == hf_greedy(reference, prompt, 6)
+
+
+def test_mixtral_gguf_runs_packed(tmp_path):
+    """A Mixtral-type file (architecture "llama" with experts, q / k rows permuted as
+    llama.cpp's converter does): transformers reads it as a dense Llama; topg builds
+    Mixtral and runs its experts packed."""
+    model = build_model("mixtral-tiny", vocab_size=49152)
+    path = tmp_path / "mixtral-q8_0.gguf"
+    dense = _write(model, path, "q8_0")
+    reference = build_model("mixtral-tiny", vocab_size=49152)
+    reference.load_state_dict(dense, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed, _ = load_gguf_packed(path, torch.float32, "gguf")
+    assert packed.config.model_type == "mixtral" and packed.config.num_local_experts == 4
+    assert isinstance(packed.model.layers[0].mlp.experts, QuantizedExperts)
+    ids = torch.tensor([[1, 5, 9, 200, 3000, 17, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)

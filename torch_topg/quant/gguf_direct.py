@@ -89,6 +89,31 @@ def _target(name: str) -> str | None:
     return None
 
 
+def mixtral_config(path: str | os.PathLike[str], config: Any) -> Any:
+    """A ``MixtralConfig`` for a Mixtral-type file (architecture ``llama`` with
+    ``llama.expert_count`` > 0), which transformers' GGUF reader turns into a dense
+    ``LlamaConfig``; ``config`` itself for any other file."""
+    import gguf
+    from transformers import MixtralConfig
+
+    if getattr(config, "model_type", None) != "llama":
+        return config
+    fields = gguf.GGUFReader(path).fields
+    experts = fields.get("llama.expert_count")
+    if experts is None or int(experts.parts[-1][0]) == 0:
+        return config
+    used = fields.get("llama.expert_used_count")
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+            "rms_norm_eps", "rope_parameters", "rope_theta", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id", "head_dim")  # fmt: skip
+    kw = {k: getattr(config, k) for k in keep if getattr(config, k, None) is not None}
+    kw["num_local_experts"] = int(experts.parts[-1][0])
+    if used is not None:
+        kw["num_experts_per_tok"] = int(used.parts[-1][0])
+    return MixtralConfig(**kw)
+
+
 def _set_experts(
     model: torch.nn.Module,
     path: str,

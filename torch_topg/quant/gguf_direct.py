@@ -250,9 +250,10 @@ def load_packed(
         owner, _, attr = name.rpartition(".")
         mod = model.get_submodule(owner)
         current = getattr(mod, attr, None)
-        if current is None or current.numel() != value.numel():
+        # the shape, up to unit dimensions (the shared-expert gate: [1, H] in the model,
+        # [H] in the file)
+        if current is None or tuple(current.squeeze().shape) != tuple(value.squeeze().shape):
             return None
-        # the shared-expert gate is [1, H] in the model and [H] in the file
         value = value.reshape(current.shape)
         setattr(mod, attr, torch.nn.Parameter(value, requires_grad=False))
     rotary = getattr(model.model, "rotary_emb", None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -15,15 +16,10 @@ from engine_utils import hf_greedy
 
 from torch_topg.engine import Engine
 from torch_topg.engine.loading import load_gguf_packed
-from torch_topg.models import build_model, smollm2_available
+from torch_topg.models import build_model
 from torch_topg.models.hf import gguf_path
 from torch_topg.quant import QuantizedExperts, QuantizedLinear, dequantize, quantize_weight
 from torch_topg.quant.gguf_direct import _unpermute
-
-gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(
-    smollm2_available() is not None, reason=f"the tokenizer's source: {smollm2_available()}"
-)
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

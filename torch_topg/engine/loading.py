@@ -126,13 +126,12 @@ def load_gguf_packed(
     else loaded de-quantised by transformers and matched row by row (gguf_model.py)."""
     from transformers import AutoModelForCausalLM
 
-    from torch_topg.quant.gguf_direct import load_packed, mixtral_config
+    from torch_topg.quant.gguf_direct import load_packed
     from torch_topg.quant.loading import apply_quantization, gguf_file, resolve_quantization
 
     path = gguf_file(model)
     folder, name = resolve(path)
     config, tok = _config_tokenizer(folder, name)
-    config = mixtral_config(path, config)  # a Mixtral file reads as a dense Llama
     act = resolve_quantization(quantization)[1].get("int8_activations", False)
     m = load_packed(path, config, dtype, int8_activations=act)
     if m is None:  # the file de-quantised by transformers (config and tokenizer kept)

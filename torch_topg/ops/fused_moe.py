@@ -57,7 +57,7 @@ def _check_fused_moe(
 ) -> None:
     op = "fused_moe"
     Arg(op, "hidden_states", hidden_states).dim(2).floating()
-    tokens, hidden = hidden_states.shape
+    hidden = hidden_states.shape[1]
     Arg(op, "w_gate_up", w_gate_up).dim(3).same_dtype(hidden_states, "hidden_states")
     Arg(op, "w_gate_up", w_gate_up).same_device(hidden_states, "hidden_states").size(
         2, hidden, "the hidden size of 'hidden_states'"
@@ -73,6 +73,18 @@ def _check_fused_moe(
     ).size(1, hidden, "the hidden size of 'hidden_states'").size(
         2, two_inter // 2, "half of dim 1 of 'w_gate_up'"
     ).contiguous()
+    check_routing(op, hidden_states, topk_weights, topk_ids, activation)
+
+
+def check_routing(
+    op: str,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+) -> None:
+    """The routing arguments and the activation of ``fused_moe`` / ``fused_moe_q``."""
+    tokens = hidden_states.shape[0]
     tw = Arg(op, "topk_weights", topk_weights).dim(2)
     if topk_weights.dtype != torch.float32:
         tw.same_dtype(hidden_states, "hidden_states")

@@ -8,7 +8,7 @@ import torch
 from torch_topg import reference
 from torch_topg.ops._checks import Arg, check_op
 from torch_topg.ops._library import eager_entry, register
-from torch_topg.ops.fused_moe import ACTIVATIONS
+from torch_topg.ops.fused_moe import check_routing
 from torch_topg.quant.formats import FORMATS
 
 _fused_moe_q = eager_entry("fused_moe_q")
@@ -89,7 +89,7 @@ def _check_fused_moe_q(
     dfmt = format if down_format is None else down_format
     _check_format(op, format)
     _check_format(op, dfmt)
-    tokens, hidden = hidden_states.shape
+    hidden = hidden_states.shape[1]
 
     def whole_blocks(fmt: str, k: int, what: str) -> None:
         f = FORMATS[fmt]
@@ -111,22 +111,7 @@ def _check_fused_moe_q(
     _check_stack(op, "w_down", w_down, hidden_states, dfmt, inter).size(
         0, experts, "the experts of 'w_gate_up'"
     ).size(1, hidden, "the hidden size of 'hidden_states'")
-    tw = (
-        Arg(op, "topk_weights", topk_weights)
-        .dim(2)
-        .size(0, tokens, "the tokens of 'hidden_states'")
-    )
-    if topk_weights.dtype != torch.float32:
-        tw.same_dtype(hidden_states, "hidden_states")
-    tw.same_device(hidden_states, "hidden_states")
-    Arg(op, "topk_ids", topk_ids).dim(2).index().same_device(hidden_states, "hidden_states").size(
-        0, tokens, "the tokens of 'hidden_states'"
-    ).size(1, topk_weights.shape[1], "the top-k of 'topk_weights'")
-    check_op(
-        activation in ACTIVATIONS,
-        op,
-        f"activation '{activation}' is not one of 'silu', 'gelu', 'gelu_tanh'",
-    )
+    check_routing(op, hidden_states, topk_weights, topk_ids, activation)
 
 
 def _fake_fused_moe_q(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -89,16 +89,14 @@ def _target(name: str) -> str | None:
     return None
 
 
-def mixtral_config(path: str | os.PathLike[str], config: Any) -> Any:
-    """A ``MixtralConfig`` for a Mixtral-type file (architecture ``llama`` with
-    ``llama.expert_count`` > 0), which transformers' GGUF reader turns into a dense
-    ``LlamaConfig``; ``config`` itself for any other file."""
-    import gguf
+def mixtral_config(fields: Any, config: Any) -> Any:
+    """A ``MixtralConfig`` for a Mixtral-type file (its reader's ``fields``: architecture
+    ``llama`` with ``llama.expert_count`` > 0), which transformers' GGUF reader turns into
+    a dense ``LlamaConfig``; ``config`` itself for any other file."""
     from transformers import MixtralConfig
 
     if getattr(config, "model_type", None) != "llama":
         return config
-    fields = gguf.GGUFReader(path).fields
     experts = fields.get("llama.expert_count")
     if experts is None or int(experts.parts[-1][0]) == 0:
         return config
@@ -174,6 +172,7 @@ def load_packed(
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
     if arch not in ARCHITECTURES:
         return None
+    config = mixtral_config(reader.fields, config)  # a Mixtral file reads as a dense Llama
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key, attr in _MOE_SIZES.items():
         field = reader.fields.get(f"{arch}.{key}")

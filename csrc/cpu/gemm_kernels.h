@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "gemv_avx512.h"
 #include "vec.h"
 
 namespace topg::gemm {
@@ -196,7 +197,9 @@ inline void dot_row_seq(const float* const* a, const float* w, int64_t K, float*
   }
   for (int i = 0; i < MB; ++i) {
     float s = ((acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3])).sum();
-    for (int64_t kk = k; kk < K; ++kk) s += a[i][kk] * w[kk];
+    // an explicit fma: whether `s += a * w` is contracted is the compiler's choice, and
+    // it differs between this function and the AVX-512 one (gemv_avx512.h)
+    for (int64_t kk = k; kk < K; ++kk) s = std::fma(a[i][kk], w[kk], s);
     out[i] = s;
   }
 }
@@ -217,6 +220,14 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
     // 2 threads, weights cold, 3 alternating runs: [3072, 576] 29-30 vs 21-26 GB/s,
     // [49152, 576] 29-32 vs 26-28 GB/s. bf16 keeps the blocks: its AVX2 form is bound by
     // widening the weights, not by the reads (gemv_bf16dp.h has the AVX-512 BF16 form).
+    // From 3 rows with AVX-512F: 8 rows a pass and the rows ahead prefetched
+    // (gemv_avx512.h), bitwise the same sums.
+#if TOPG_F32X16
+    if (M >= kF32x16MinRows && use_avx512()) {
+      dot_rows_f32x16(a, M, w, ldw, K, n0, n1, emit);
+      return;
+    }
+#endif
     for (int64_t n = n0; n < n1; ++n) {
       const float* row = w + n * ldw;
       for (int64_t m = 0; m < M; m += 3) {

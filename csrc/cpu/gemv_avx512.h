@@ -1,0 +1,204 @@
+// fp32 dot path for 3..16 A rows with AVX-512F, for CPUs that have it (Zen 4, Skylake-X
+// and later), chosen at run time; the library itself is built for x86-64-v3.
+//
+// Bitwise the sums of dot_row_seq (gemm_kernels.h): that kernel keeps four 8-lane partial
+// sums per A row, partial j taking the vectors k = 32 s + 8 j; here one 16-lane register
+// holds partials 0 and 1 and another partials 2 and 3, so every lane sees the same fused
+// multiply-adds in the same order, and the reduction adds the halves as dot_row_seq adds
+// its partials. A row's sum therefore does not depend on how many rows run beside it (nor
+// on this path being taken), which the engine's exactness tests rely on (a speculative
+// verify step of k + 1 rows must give the one-row step's logits).
+//
+// Why: with more than two A rows the AVX2 path is compute-bound (3 A rows a pass, the
+// 16 ymm registers) and its weight reads do not overlap the arithmetic: a cold [3072, 576]
+// weight against 8 rows took the one-row time plus the warm eight-row time. Here a pass
+// takes up to 8 rows (16 accumulators of the 32 zmm registers) and the rows 4 ahead are
+// prefetched into L2 during the first pass (see dot_group for long rows). Measured (2 threads,
+// weights cold, EPYC Zen 4 VM; standalone kernel, medians of 200 calls): [3072, 576] x 8 rows 472
+// -> 289-306 us, x 4 rows 233 -> 188-191 us, x 16 rows 917 -> 778-796 us; [49152, 576] x 8 rows 7.3
+// -> 4.3 ms; [576, 1536] x 8 rows 297 -> 241 us. At 1 and 2 rows the hardware prefetcher alone is
+// as fast or faster (209 vs 221 us, 211 vs 225 us), so those keep the AVX2 path.
+// TOPG_DISABLE_AVX512=1 turns it off (with the AVX-512 BF16 path).
+#pragma once
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+
+#include "vec.h"
+
+namespace topg::gemm {
+
+// The CPU has AVX-512 F / BW / VL / DQ and TOPG_DISABLE_AVX512 is not set.
+inline bool use_avx512() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool on = [] {
+    const char* off = std::getenv("TOPG_DISABLE_AVX512");
+    if (off && off[0] && off[0] != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
+// Rows of A from which the AVX-512 fp32 path is taken, and rows per pass.
+constexpr int64_t kF32x16MinRows = 3;
+constexpr int kF32x16Rows = 8;
+// Weight rows taken together: the first pass over a group prefetches the next group.
+constexpr int kF32x16Group = 4;
+// A pass whose A rows (rows x K fp32) exceed this no longer sits in L1 beside the weight
+// row: the group's rows then run in K chunks of kF32x16Chunk, the sums parked in memory
+// between chunks. Measured (2 threads, cold, standalone kernel): [576, 1536] x 8 rows
+// 255-277 -> 154-232 us chunked; x 4 rows (24 KiB of A) 105 whole against 132 chunked.
+constexpr int64_t kF32x16L1Bytes = 24 << 10;
+constexpr int64_t kF32x16Chunk = 384;  // a multiple of 32: the lanes' k order is kept
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TOPG_F32X16 1
+#define TOPG_TARGET_F32X16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+// acc[i][0] lanes 0-7 / 8-15: dot_row_seq's partials 0 / 1 of A row i, acc[i][1]: 2 / 3.
+template <int MB>
+using Acc16 = __m512[MB][2];
+
+// acc += the products of k in [k0, k1) (multiples of 32); pf: a row to prefetch into L2
+// over the same k (nullptr: none), two cache lines per 32 k.
+template <int MB>
+TOPG_TARGET_F32X16 inline void fma_span(Acc16<MB>& acc, const float* const* a, const float* w,
+                                        int64_t k0, int64_t k1, const float* pf) {
+  for (int64_t k = k0; k < k1; k += 32) {
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + k + 16), _MM_HINT_T1);
+    }
+    const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+    for (int i = 0; i < MB; ++i) {
+      acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(a[i] + k), w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(a[i] + k + 16), w1, acc[i][1]);
+    }
+  }
+}
+
+// The rest of k from k (K rounded down to 32) and the reduction: out[i], bitwise
+// dot_row_seq<MB>'s sums.
+template <int MB>
+TOPG_TARGET_F32X16 inline void finish(Acc16<MB>& acc, const float* const* a, const float* w,
+                                      int64_t k, int64_t K, float* out) {
+  // dot_row_seq's tail of 1..3 vectors of 8 goes to partials 0, 1, 2 in turn: masked
+  // lanes keep their accumulator untouched (not even a + 0, which would turn -0 into +0).
+  if (const int64_t vecs = (K - k) / 8; vecs > 0) {
+    const __mmask16 m0 = vecs >= 2 ? 0xffff : 0x00ff, m1 = vecs == 3 ? 0x00ff : 0;
+    const __m512 w0 = _mm512_maskz_loadu_ps(m0, w + k), w1 = _mm512_maskz_loadu_ps(m1, w + k + 16);
+    for (int i = 0; i < MB; ++i) {
+      acc[i][0] = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m0, a[i] + k), w0, acc[i][0], m0);
+      acc[i][1] =
+          _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m1, a[i] + k + 16), w1, acc[i][1], m1);
+    }
+    k += 8 * vecs;
+  }
+  for (int i = 0; i < MB; ++i) {
+    const __m256 p01 =
+        _mm256_add_ps(_mm512_castps512_ps256(acc[i][0]), _mm512_extractf32x8_ps(acc[i][0], 1));
+    const __m256 p23 =
+        _mm256_add_ps(_mm512_castps512_ps256(acc[i][1]), _mm512_extractf32x8_ps(acc[i][1], 1));
+    float s = Vec8(_mm256_add_ps(p01, p23)).sum();
+    for (int64_t kk = k; kk < K; ++kk) s = std::fma(a[i][kk], w[kk], s);  // as dot_row_seq
+    out[i] = s;
+  }
+}
+
+// out[r * MB + i] = a[i] . w[r] for g <= kF32x16Group weight rows w + r * ldw. The first
+// npf rows prefetch the row kF32x16Group below them.
+template <int MB>
+TOPG_TARGET_F32X16 void dot_group(const float* const* a, const float* w, int64_t ldw, int64_t K,
+                                  int g, int npf, float* out) {
+  const int64_t kv = K / 32 * 32;
+  const auto ahead = [&](int r) { return r < npf ? w + (r + kF32x16Group) * ldw : nullptr; };
+  if (MB * K * int64_t(sizeof(float)) <= kF32x16L1Bytes) {
+    for (int r = 0; r < g; ++r) {
+      Acc16<MB> acc;
+      for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+      fma_span<MB>(acc, a, w + r * ldw, 0, kv, ahead(r));
+      finish<MB>(acc, a, w + r * ldw, kv, K, out + r * MB);
+    }
+    return;
+  }
+  __m512 park[kF32x16Group][MB][2];
+  for (int r = 0; r < g; ++r)
+    for (int i = 0; i < MB; ++i) park[r][i][0] = park[r][i][1] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < kv; k0 += kF32x16Chunk) {
+    const int64_t k1 = std::min(kv, k0 + kF32x16Chunk);
+    for (int r = 0; r < g; ++r) {
+      Acc16<MB> acc;
+      for (int i = 0; i < MB; ++i) acc[i][0] = park[r][i][0], acc[i][1] = park[r][i][1];
+      fma_span<MB>(acc, a, w + r * ldw, k0, k1, ahead(r));
+      for (int i = 0; i < MB; ++i) park[r][i][0] = acc[i][0], park[r][i][1] = acc[i][1];
+    }
+  }
+  for (int r = 0; r < g; ++r) {
+    Acc16<MB> acc;
+    for (int i = 0; i < MB; ++i) acc[i][0] = park[r][i][0], acc[i][1] = park[r][i][1];
+    finish<MB>(acc, a, w + r * ldw, kv, K, out + r * MB);
+  }
+}
+
+// For weight rows [n0, n1) of W (fp32 [N, K], row stride ldw) and M fp32 rows a[0..M):
+// emit(m, n, sum) for every pair; groups of 4 weight rows against up to 8 A rows a pass.
+template <typename Emit>
+TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const float* w,
+                                        int64_t ldw, int64_t K, int64_t n0, int64_t n1,
+                                        Emit&& emit) {
+  constexpr int G = kF32x16Group;
+  float sums[G * kF32x16Rows];
+  for (int64_t n = n0; n < n1; n += G) {
+    const int g = int(std::min<int64_t>(G, n1 - n));
+    const int npf = int(std::clamp<int64_t>(n1 - n - G, 0, g));
+    const float* rows = w + n * ldw;
+    for (int64_t m = 0; m < M; m += kF32x16Rows) {
+      const int mb = int(std::min<int64_t>(kF32x16Rows, M - m));
+      const int pf = m == 0 ? npf : 0;
+      switch (mb) {
+        case 1:
+          dot_group<1>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+        case 2:
+          dot_group<2>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+        case 3:
+          dot_group<3>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+        case 4:
+          dot_group<4>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+        case 5:
+          dot_group<5>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+        case 6:
+          dot_group<6>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+        case 7:
+          dot_group<7>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+        default:
+          dot_group<8>(a + m, rows, ldw, K, g, pf, sums);
+          break;
+      }
+      for (int r = 0; r < g; ++r)
+        for (int i = 0; i < mb; ++i) emit(m + i, n + r, sums[r * mb + i]);
+    }
+  }
+}
+#else
+#define TOPG_F32X16 0
+#endif
+
+}  // namespace topg::gemm

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/quant_formats.h"
+#include "gemv_avx512.h"
 #include "vec.h"
 
 namespace topg::quant {
@@ -348,6 +349,60 @@ inline void runs_dot(const float* wbuf, const int64_t* xoff, int64_t runs, const
 }
 #endif
 
+#if TOPG_AVX2 && TOPG_F32X16
+// runs_dot for R <= 8 rows with AVX-512F (3+ rows, gemm::use_avx512()): one 16-lane
+// register holds runs_dot's accumulators 0 and 1 of a row, another 2 and 3, so every lane
+// runs the same FMAs in the same order and acc comes out bitwise equal (the reasoning of
+// gemv_avx512.h). Measured in linear_q, q4_1 [3072, 576] x 8 rows, weights cold: see
+// docs/quantization.md.
+template <int R>
+TOPG_TARGET_F32X16 inline void runs_dot_x16(const float* wbuf, const int64_t* xoff, int64_t runs,
+                                            const float* const* x, __m256 (*acc)[4]) {
+  __m512 a[R][2];  // locals: kept in registers (acc may alias the inputs)
+  const float* xr[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) xr[r] = x[r], a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t n = 0; n < runs; ++n) {
+    const float* w = wbuf + 32 * n;
+    const int64_t o = xoff[n];
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + o), a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr[r] + o + 16), a[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm512_castps512_ps256(a[r][0]), acc[r][1] = _mm512_extractf32x8_ps(a[r][0], 1);
+    acc[r][2] = _mm512_castps512_ps256(a[r][1]), acc[r][3] = _mm512_extractf32x8_ps(a[r][1], 1);
+  }
+}
+
+// Calls runs_dot_x16<r> for r in 1..8.
+inline void runs_dot_x16_n(int r, const float* wbuf, const int64_t* xoff, int64_t runs,
+                           const float* const* x, __m256 (*acc)[4]) {
+  switch (r) {
+    case 1:
+      return runs_dot_x16<1>(wbuf, xoff, runs, x, acc);
+    case 2:
+      return runs_dot_x16<2>(wbuf, xoff, runs, x, acc);
+    case 3:
+      return runs_dot_x16<3>(wbuf, xoff, runs, x, acc);
+    case 4:
+      return runs_dot_x16<4>(wbuf, xoff, runs, x, acc);
+    case 5:
+      return runs_dot_x16<5>(wbuf, xoff, runs, x, acc);
+    case 6:
+      return runs_dot_x16<6>(wbuf, xoff, runs, x, acc);
+    case 7:
+      return runs_dot_x16<7>(wbuf, xoff, runs, x, acc);
+    default:
+      return runs_dot_x16<8>(wbuf, xoff, runs, x, acc);
+  }
+}
+#endif
+
 // Scratch for dot_rows: wbuf padded(k) floats, xoff padded(k) / 32 entries.
 struct RowsScratch {
   std::vector<float> w;
@@ -371,10 +426,20 @@ inline void dot_rows(const Format& f, const uint8_t* row, int64_t k, const float
     float scale = 1.f;
     int64_t tail0 = k;  // int8: weights past the last whole 32-run, summed one by one
     if (f.fmt == Fmt::int8) std::memcpy(&scale, row, 4), tail0 = k / 32 * 32;
-    __m256 acc[3][4];
-    for (int64_t m0 = 0; m0 < M; m0 += 3) {
-      const int64_t r = std::min<int64_t>(3, M - m0);
-      if (r == 3)
+    __m256 acc[8][4];
+#if TOPG_F32X16
+    const int64_t pass = M >= gemm::kF32x16MinRows && gemm::use_avx512() ? 8 : 3;
+#else
+    constexpr int64_t pass = 3;
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+      const int64_t r = std::min<int64_t>(pass, M - m0);
+#if TOPG_F32X16
+      if (pass == 8)
+        runs_dot_x16_n(int(r), s.w.data(), s.xoff.data(), runs, x + m0, acc);
+      else
+#endif
+          if (r == 3)
         runs_dot<3>(s.w.data(), s.xoff.data(), runs, x + m0, acc);
       else if (r == 2)
         runs_dot<2>(s.w.data(), s.xoff.data(), runs, x + m0, acc);

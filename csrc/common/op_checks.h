@@ -392,6 +392,28 @@ inline void max_seqlen(const std::vector<int64_t>& cu, std::optional<int64_t> gi
 // ---------------------------------------------------------------- mixture of experts
 enum class MoeAct { silu, gelu, gelu_tanh };
 
+// The routing arguments of a fused MoE op (fused_moe, fused_moe_q): topk_weights and
+// topk_ids, one row per token of `hidden` ([tokens, H]), and the activation's name.
+inline MoeAct moe_routing(const char* op, const at::Tensor& hidden, const at::Tensor& topk_weights,
+                          const at::Tensor& topk_ids, c10::string_view activation) {
+  const int64_t tokens = hidden.size(0);
+  Arg(op, "topk_weights", topk_weights).dim(2).size(0, tokens, "the tokens of 'hidden_states'");
+  if (topk_weights.scalar_type() != at::kFloat)
+    Arg(op, "topk_weights", topk_weights).same_dtype(hidden, "hidden_states");
+  Arg(op, "topk_weights", topk_weights).same_device(hidden, "hidden_states");
+  Arg(op, "topk_ids", topk_ids)
+      .dim(2)
+      .index()
+      .same_device(hidden, "hidden_states")
+      .size(0, tokens, "the tokens of 'hidden_states'")
+      .size(1, topk_weights.size(1), "the top-k of 'topk_weights'");
+  if (activation == "gelu") return MoeAct::gelu;
+  if (activation == "gelu_tanh") return MoeAct::gelu_tanh;
+  TOPG_CHECK(activation == "silu", op, "activation '", std::string(activation),
+             "' is not one of 'silu', 'gelu', 'gelu_tanh'");
+  return MoeAct::silu;
+}
+
 struct MoeSizes {
   int64_t tokens = 0, hidden = 0, experts = 0, inter = 0, top_k = 0;
   MoeAct act = MoeAct::silu;
@@ -420,32 +442,16 @@ inline MoeSizes fused_moe(const at::Tensor& hidden, const at::Tensor& w_gate_up,
       .size(1, s.hidden, "the hidden size of 'hidden_states'")
       .size(2, s.inter, "half of dim 1 of 'w_gate_up'")
       .contiguous();
-  Arg(op, "topk_weights", topk_weights).dim(2).size(0, s.tokens, "the tokens of 'hidden_states'");
-  if (topk_weights.scalar_type() != at::kFloat)
-    Arg(op, "topk_weights", topk_weights).same_dtype(hidden, "hidden_states");
-  Arg(op, "topk_weights", topk_weights).same_device(hidden, "hidden_states");
-  Arg(op, "topk_ids", topk_ids)
-      .dim(2)
-      .index()
-      .same_device(hidden, "hidden_states")
-      .size(0, s.tokens, "the tokens of 'hidden_states'")
-      .size(1, topk_weights.size(1), "the top-k of 'topk_weights'");
+  s.act = moe_routing(op, hidden, topk_weights, topk_ids, activation);
   s.top_k = topk_ids.size(1);
-  if (activation == "silu")
-    s.act = MoeAct::silu;
-  else if (activation == "gelu")
-    s.act = MoeAct::gelu;
-  else if (activation == "gelu_tanh")
-    s.act = MoeAct::gelu_tanh;
-  else
-    TOPG_CHECK(false, op, "activation '", std::string(activation),
-               "' is not one of 'silu', 'gelu', 'gelu_tanh'");
   return s;
 }
 
-[[noreturn]] inline void bad_expert_id(int64_t id, int64_t flat_index, int64_t experts) {
-  TOPG_CHECK(false, "fused_moe", "argument 'topk_ids' holds expert id ", id, " at flat index ",
-             flat_index, ", expected ids in [0, ", experts, ") (the experts of 'w_gate_up')");
+// An expert id out of range, found by a kernel while it reads topk_ids.
+[[noreturn]] inline void bad_expert_id(int64_t id, int64_t flat_index, int64_t experts,
+                                       const char* op = "fused_moe") {
+  TOPG_CHECK(false, op, "argument 'topk_ids' holds expert id ", id, " at flat index ", flat_index,
+             ", expected ids in [0, ", experts, ") (the experts of 'w_gate_up')");
 }
 
 struct TopkSizes {

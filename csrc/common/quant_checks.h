@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/op_checks.h"
 #include "common/quant_formats.h"
 
 namespace topg::quant {
@@ -82,7 +83,7 @@ inline Format embedding_q(const at::Tensor& input, const at::Tensor& weight,
 struct MoeQSizes {
   Format fgu, fd;
   int64_t tokens = 0, hidden = 0, experts = 0, inter = 0, top_k = 0;
-  int act = 0;  // 0 silu, 1 gelu, 2 gelu_tanh
+  checks::MoeAct act = checks::MoeAct::silu;
 };
 
 // A packed expert stack [E, rows, row_bytes(k)]: 3-D uint8 on the device of `ref`, contiguous.
@@ -122,30 +123,9 @@ inline MoeQSizes fused_moe_q(const at::Tensor& hidden, const at::Tensor& w_gate_
   Arg(op, "w_down", w_down)
       .size(0, s.experts, "the experts of 'w_gate_up'")
       .size(1, s.hidden, "the hidden size of 'hidden_states'");
-  Arg(op, "topk_weights", topk_weights).dim(2).size(0, s.tokens, "the tokens of 'hidden_states'");
-  if (topk_weights.scalar_type() != at::kFloat)
-    Arg(op, "topk_weights", topk_weights).same_dtype(hidden, "hidden_states");
-  Arg(op, "topk_weights", topk_weights).same_device(hidden, "hidden_states");
-  Arg(op, "topk_ids", topk_ids)
-      .dim(2)
-      .index()
-      .same_device(hidden, "hidden_states")
-      .size(0, s.tokens, "the tokens of 'hidden_states'")
-      .size(1, topk_weights.size(1), "the top-k of 'topk_weights'");
+  s.act = checks::moe_routing(op, hidden, topk_weights, topk_ids, activation);
   s.top_k = topk_ids.size(1);
-  if (activation == "gelu")
-    s.act = 1;
-  else if (activation == "gelu_tanh")
-    s.act = 2;
-  else
-    TOPG_CHECK(activation == "silu", op, "activation '", std::string(activation),
-               "' is not one of 'silu', 'gelu', 'gelu_tanh'");
   return s;
-}
-
-[[noreturn]] inline void bad_expert_id_q(int64_t id, int64_t flat_index, int64_t experts) {
-  TOPG_CHECK(false, "fused_moe_q", "argument 'topk_ids' holds expert id ", id, " at flat index ",
-             flat_index, ", expected ids in [0, ", experts, ") (the experts of 'w_gate_up')");
 }
 
 }  // namespace topg::quant

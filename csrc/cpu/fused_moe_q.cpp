@@ -191,7 +191,7 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
 template <typename Id>
 void check_ids(const Id* ids, int64_t n, int64_t E) {
   for (int64_t i = 0; i < n; ++i)
-    if (ids[i] < 0 || ids[i] >= E) quant::bad_expert_id_q(int64_t(ids[i]), i, E);
+    if (ids[i] < 0 || ids[i] >= E) checks::bad_expert_id(int64_t(ids[i]), i, E, "fused_moe_q");
 }
 
 at::Tensor fused_moe_q_cpu(const at::Tensor& hidden, const at::Tensor& w_gate_up,
@@ -205,9 +205,9 @@ at::Tensor fused_moe_q_cpu(const at::Tensor& hidden, const at::Tensor& w_gate_up
                          activation, at::kCPU);
   const Format fgu = sz.fgu, fd = sz.fd;
   const int64_t ntok = sz.tokens, H = sz.hidden, E = sz.experts, I = sz.inter;
-  const moe::Act act = sz.act == 1   ? moe::Act::gelu
-                       : sz.act == 2 ? moe::Act::gelu_tanh
-                                     : moe::Act::silu;
+  const moe::Act act = sz.act == checks::MoeAct::gelu        ? moe::Act::gelu
+                       : sz.act == checks::MoeAct::gelu_tanh ? moe::Act::gelu_tanh
+                                                             : moe::Act::silu;
   const int64_t k = topk_ids_.size(1);
   const at::Tensor ids = topk_ids_.contiguous(), tw = topk_weights_.contiguous();
   const at::Tensor xc = hidden.contiguous();

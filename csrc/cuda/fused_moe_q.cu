@@ -125,7 +125,7 @@ at::Tensor fused_moe_q_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_u
       const at::Tensor bad =
           at::nonzero(ids.reshape({-1}).lt(0).logical_or(ids.reshape({-1}).ge(E)));
       const int64_t i = bad[0][0].item<int64_t>();
-      quant::bad_expert_id_q(ids.reshape({-1})[i].item<int64_t>(), i, E);
+      checks::bad_expert_id(ids.reshape({-1})[i].item<int64_t>(), i, E, op);
     }
   }
   const int64_t n_assign = T_ * k;
@@ -151,12 +151,14 @@ at::Tensor fused_moe_q_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_u
             .findSchemaOrThrow("topg::fused_moe", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, c10::string_view)>()
-            .call(x.to(at::kFloat), wgu, wd, tw.to(at::kFloat), ids, acts[sz.act]);
+            .call(x.to(at::kFloat), wgu, wd, tw.to(at::kFloat), ids, acts[int(sz.act)]);
     return y.to(x.scalar_type());
   }
   at::Tensor out = at::empty({T_, H}, x.options());
   const int64_t xp = sz.fgu.padded(H), hp = sz.fd.padded(I);
-  const Act act = sz.act == 1 ? Act::gelu : sz.act == 2 ? Act::gelu_tanh : Act::silu;
+  const Act act = sz.act == checks::MoeAct::gelu        ? Act::gelu
+                  : sz.act == checks::MoeAct::gelu_tanh ? Act::gelu_tanh
+                                                        : Act::silu;
   TOPG_CHECK(n_assign <= 65535, op, "too many (token, expert) assignments for one call (", n_assign,
              ")");
   TOPG_CUDA_DISPATCH_FLOAT(x.scalar_type(), op, T, [&] {

@@ -162,3 +162,33 @@ def test_mixtral_gguf_runs_packed(tmp_path):
     ids = torch.tensor([[1, 5, 9, 200, 3000, 17, 42]])
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_mixtral_gguf_default_loads_dequantised(tmp_path):
+    """``quantization=None`` (the default) on a Mixtral-type file: transformers alone
+    builds a dense Llama with random MLPs from it; topg builds Mixtral with the file's
+    de-quantised weights (the logits of the model they came from), and so does the
+    engine (its greedy tokens)."""
+    from transformers import AutoConfig
+
+    from torch_topg.quant.gguf_direct import load_dequantized
+
+    model = build_model("mixtral-tiny", vocab_size=49152)
+    path = tmp_path / "mixtral-q8_0.gguf"
+    dense = _write(model, path, "q8_0")
+    reference = build_model("mixtral-tiny", vocab_size=49152)
+    reference.load_state_dict(dense, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+        assert config.model_type == "llama"  # transformers' reading
+        loaded = load_dequantized(path, config, torch.float32)
+    assert type(loaded).__name__ == "MixtralForCausalLM"
+    assert not any(isinstance(m, QuantizedExperts) for m in loaded.modules())
+    ids = torch.tensor([[1, 5, 9, 200, 3000, 17, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    prompt = ids[0].tolist()
+    with Engine.from_pretrained(path, max_model_len=128) as eng:  # the file's tokenizer: ~20 s
+        out = eng.generate([prompt], max_new_tokens=6, **GREEDY)[0].token_ids
+    assert out == hf_greedy(reference, prompt, 6)

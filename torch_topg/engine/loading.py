@@ -113,7 +113,13 @@ def load(
 
     folder, gguf = resolve(model)
     kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    _, tok = _config_tokenizer(folder, gguf)
+    config, tok = _config_tokenizer(folder, gguf)
+    if gguf:  # a Mixtral-type file, which transformers reads as a dense Llama
+        from torch_topg.quant.gguf_direct import load_dequantized
+
+        m = load_dequantized(folder / gguf, config, dtype)
+        if m is not None:
+            return m.to(device).eval(), tok, None
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     return m.to(device).eval(), tok, (None if gguf else folder)
 

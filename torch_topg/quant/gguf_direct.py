@@ -159,15 +159,17 @@ def load_packed(
     config: Any,
     dtype: torch.dtype,
     int8_activations: bool = False,
+    reader: Any = None,
 ) -> torch.nn.Module | None:
     """The causal LM of ``config`` (loaded from the same file) with the file's tensors:
     quantised ones packed, the others in ``dtype``; None if the file's architecture is
     not one of :data:`ARCHITECTURES` or a tensor has no place in the model.
-    ``int8_activations``: for the linears other than the LM head."""
+    ``int8_activations``: for the linears other than the LM head. ``reader``: the file's
+    ``gguf.GGUFReader`` if the caller has one (parsing a file's tokenizer takes seconds)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
-    reader = gguf.GGUFReader(path)
+    reader = reader if reader is not None else gguf.GGUFReader(path)
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
     if arch not in ARCHITECTURES:
@@ -261,4 +263,67 @@ def load_packed(
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         return None
+    return model.eval()
+
+
+def _float_state(packed: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of ``packed`` with every packed module de-quantised to float32 under
+    the names of the module it replaced (``weight``; ``gate_up_proj`` / ``down_proj``)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, mod in packed.named_modules():
+        pre = f"{name}." if name else ""
+        if isinstance(mod, QuantizedLinear):
+            state[pre + "weight"] = mod.dequantized_weight()
+        elif isinstance(mod, QuantizedEmbedding):
+            state[pre + "weight"] = dequantize(mod.qweight, mod.format, mod.embedding_dim)
+        elif isinstance(mod, QuantizedExperts):
+            state[pre + "gate_up_proj"], state[pre + "down_proj"] = mod.dequantized()
+    for key, value in packed.state_dict().items():
+        if not key.endswith((".qweight", ".qgate_up", ".qdown")):
+            state.setdefault(key, value)
+    return state
+
+
+def load_dequantized(
+    path: str | os.PathLike[str], config: Any, dtype: torch.dtype
+) -> torch.nn.Module | None:
+    """``quantization=None`` for a file transformers misreads: a Mixtral-type file
+    (architecture ``llama`` with experts), which its GGUF reader builds as a dense Llama
+    whose MLPs are left randomly initialised. Built here as Mixtral (as
+    :func:`load_packed` does), every tensor de-quantised to ``dtype``: the file's values,
+    as transformers gives them for the files it reads. None for every other file (the
+    caller loads it through transformers). Raises if a Mixtral-type file has tensors
+    that cannot be placed, rather than returning a model with missing weights."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "model_type", None) != "llama":  # (the file is not parsed again)
+        return None
+    reader = gguf.GGUFReader(path)
+    if mixtral_config(reader.fields, config) is config:
+        return None
+    packed = load_packed(path, config, torch.float32, reader=reader)
+    if packed is None:
+        raise ValueError(
+            f"{os.fspath(path)}: a Mixtral-type GGUF file (architecture 'llama' with experts) "
+            "with tensors this loader cannot place; transformers would read it as a dense "
+            "Llama with random MLP weights, so it is refused"
+        )
+    state = {k: v.to(dtype) for k, v in _float_state(packed).items()}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(packed.config, dtype=dtype)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"{os.fspath(path)}: no tensor for {missing[:5]} in the de-quantised file")
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, assign=True)
+    text = model.config.get_text_config()
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None:  # its buffers were made on meta: make them again
+        model.model.rotary_emb = type(rotary)(config=text)
+    if getattr(text, "tie_word_embeddings", False):
+        model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{os.fspath(path)}: {left[:5]} left unset after de-quantising")
     return model.eval()

@@ -92,8 +92,21 @@ def expand(path: str) -> list[str]:
 
 def exists(path: str, base: str = "", link: bool = False) -> bool:
     """Whether ``path`` names a tracked file or folder: a link from the document's folder
-    ``base``; anything else from the root, from ``base``, or as the tail of a path."""
+    ``base``; anything else from the root, from ``base``, or as the tail of a path. A
+    pytest node id (``tests/x.py::test_y``) names the file, which must define the test."""
     files = tracked()
+    if "::" in path:
+        file, _, node = path.partition("::")
+        name = node.split("::")[-1].split("[")[0]
+        target = ROOT / file
+        return (
+            exists(file, base, link)
+            and target.is_file()
+            and re.search(
+                rf"^\s*(async\s+)?(def|class)\s+{re.escape(name)}\b", target.read_text(), re.M
+            )
+            is not None
+        )
 
     def found(cand: str) -> bool:
         cand = os.path.normpath(cand).removeprefix("./").rstrip("/")
@@ -173,6 +186,8 @@ def test_the_checker_finds_what_it_should(tmp_path: Path) -> None:
         (4, "python/examples/quickstart.py"),
     ]
     assert exists("csrc/cpu/vec.h") and exists("passes/base.py") and exists("csrc/cuda/<family>.cu")
+    assert exists("tests/test_docs.py::test_the_checker_finds_what_it_should")
+    assert not exists("tests/test_docs.py::test_no_such_test")
     assert exists("tests/test_cuda_*.py") and exists("csrc/tpu/") and exists("gpu.md", "docs")
     assert not exists("csrc/cpu/nonexistent.h") and not exists("docs/gpu.md", "docs", link=True)
     assert exists("gpu.md", "docs", link=True) and exists("docs/gpu.md", "", link=True)

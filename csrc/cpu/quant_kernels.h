@@ -353,8 +353,8 @@ inline void runs_dot(const float* wbuf, const int64_t* xoff, int64_t runs, const
 // runs_dot for R <= 8 rows with AVX-512F (3+ rows, gemm::use_avx512()): one 16-lane
 // register holds runs_dot's accumulators 0 and 1 of a row, another 2 and 3, so every lane
 // runs the same FMAs in the same order and acc comes out bitwise equal (the reasoning of
-// gemv_avx512.h). Measured in linear_q, q4_1 [3072, 576] x 8 rows, weights cold: see
-// docs/quantization.md.
+// gemv_avx512.h). linear_q, [3072, 576] x 8 rows, weights cold: q4_1 470 -> 372 us,
+// q8_0 411 -> 367 us (docs/decode-step.md).
 template <int R>
 TOPG_TARGET_F32X16 inline void runs_dot_x16(const float* wbuf, const int64_t* xoff, int64_t runs,
                                             const float* const* x, __m256 (*acc)[4]) {
@@ -378,28 +378,41 @@ TOPG_TARGET_F32X16 inline void runs_dot_x16(const float* wbuf, const int64_t* xo
     acc[r][2] = _mm512_castps512_ps256(a[r][1]), acc[r][3] = _mm512_extractf32x8_ps(a[r][1], 1);
   }
 }
+#endif
 
-// Calls runs_dot_x16<r> for r in 1..8.
-inline void runs_dot_x16_n(int r, const float* wbuf, const int64_t* xoff, int64_t runs,
-                           const float* const* x, __m256 (*acc)[4]) {
-  switch (r) {
-    case 1:
-      return runs_dot_x16<1>(wbuf, xoff, runs, x, acc);
-    case 2:
-      return runs_dot_x16<2>(wbuf, xoff, runs, x, acc);
-    case 3:
-      return runs_dot_x16<3>(wbuf, xoff, runs, x, acc);
-    case 4:
-      return runs_dot_x16<4>(wbuf, xoff, runs, x, acc);
-    case 5:
-      return runs_dot_x16<5>(wbuf, xoff, runs, x, acc);
-    case 6:
-      return runs_dot_x16<6>(wbuf, xoff, runs, x, acc);
-    case 7:
-      return runs_dot_x16<7>(wbuf, xoff, runs, x, acc);
-    default:
-      return runs_dot_x16<8>(wbuf, xoff, runs, x, acc);
+#if TOPG_AVX2
+// runs_dot for r rows: r <= 8 with the AVX-512F form (wide), else r <= 3.
+inline void runs_dot_n(int r, bool wide, const float* wbuf, const int64_t* xoff, int64_t runs,
+                       const float* const* x, __m256 (*acc)[4]) {
+#if TOPG_F32X16
+  if (wide) {
+    switch (r) {
+      case 1:
+        return runs_dot_x16<1>(wbuf, xoff, runs, x, acc);
+      case 2:
+        return runs_dot_x16<2>(wbuf, xoff, runs, x, acc);
+      case 3:
+        return runs_dot_x16<3>(wbuf, xoff, runs, x, acc);
+      case 4:
+        return runs_dot_x16<4>(wbuf, xoff, runs, x, acc);
+      case 5:
+        return runs_dot_x16<5>(wbuf, xoff, runs, x, acc);
+      case 6:
+        return runs_dot_x16<6>(wbuf, xoff, runs, x, acc);
+      case 7:
+        return runs_dot_x16<7>(wbuf, xoff, runs, x, acc);
+      default:
+        return runs_dot_x16<8>(wbuf, xoff, runs, x, acc);
+    }
   }
+#endif
+  (void)wide;
+  if (r == 3)
+    runs_dot<3>(wbuf, xoff, runs, x, acc);
+  else if (r == 2)
+    runs_dot<2>(wbuf, xoff, runs, x, acc);
+  else
+    runs_dot<1>(wbuf, xoff, runs, x, acc);
 }
 #endif
 
@@ -427,24 +440,11 @@ inline void dot_rows(const Format& f, const uint8_t* row, int64_t k, const float
     int64_t tail0 = k;  // int8: weights past the last whole 32-run, summed one by one
     if (f.fmt == Fmt::int8) std::memcpy(&scale, row, 4), tail0 = k / 32 * 32;
     __m256 acc[8][4];
-#if TOPG_F32X16
-    const int64_t pass = M >= gemm::kF32x16MinRows && gemm::use_avx512() ? 8 : 3;
-#else
-    constexpr int64_t pass = 3;
-#endif
+    const bool wide = TOPG_F32X16 && M >= gemm::kF32x16MinRows && gemm::use_avx512();
+    const int64_t pass = wide ? 8 : 3;
     for (int64_t m0 = 0; m0 < M; m0 += pass) {
       const int64_t r = std::min<int64_t>(pass, M - m0);
-#if TOPG_F32X16
-      if (pass == 8)
-        runs_dot_x16_n(int(r), s.w.data(), s.xoff.data(), runs, x + m0, acc);
-      else
-#endif
-          if (r == 3)
-        runs_dot<3>(s.w.data(), s.xoff.data(), runs, x + m0, acc);
-      else if (r == 2)
-        runs_dot<2>(s.w.data(), s.xoff.data(), runs, x + m0, acc);
-      else
-        runs_dot<1>(s.w.data(), s.xoff.data(), runs, x + m0, acc);
+      runs_dot_n(int(r), wide, s.w.data(), s.xoff.data(), runs, x + m0, acc);
       for (int64_t i = 0; i < r; ++i) {
         if (f.fmt != Fmt::int8) {
           out[m0 + i] = hsum4(acc[i]);

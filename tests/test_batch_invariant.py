@@ -98,3 +98,51 @@ def test_mode_is_restored():
     with batch_invariant(True):
         assert torch.ops.topg._set_batch_invariant.default(True) is True
     assert torch.ops.topg._set_batch_invariant.default(before) is before
+
+
+_AVX2_SCRIPT = """
+import sys, torch, torch_topg
+x, ws, packed = torch.load(sys.argv[1])
+out = [torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w) for w in ws for m in (3, 8, 16)]
+out += [torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f) for q, f, k in packed for m in (3, 8, 16)]
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_avx512_and_avx2_dot_paths_agree_bitwise(tmp_path):
+    """The fp32 dot path of 3-16 rows and linear_q's fp32-activation GEMV take an AVX-512F
+    form where the CPU has it (gemv_avx512.h) and the AVX2 form elsewhere: both must give
+    the same bits, so a model's outputs do not depend on the CPU's vector width. The AVX2
+    form runs in a subprocess with TOPG_DISABLE_AVX512=1 (on a CPU without AVX-512 both
+    sides are AVX2 and the test still runs)."""
+    import os
+    import subprocess
+    import sys
+
+    from torch_topg.quant import quantize_weight
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 1600, generator=g)
+    ws = [torch.randn(21, k, generator=g) / k**0.5 for k in (576, 1536, 1000, 45, 7)]
+    packed = [
+        (quantize_weight(torch.randn(13, k, generator=g), fmt), fmt, k)
+        for fmt, k in (("q4_1", 576), ("q8_0", 1536), ("int8", 1000), ("int4_g64", 576))
+    ]
+    script, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    script.write_text(_AVX2_SCRIPT)
+    torch.save((x, ws, packed), inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    theirs = torch.load(out, weights_only=False)
+    ours = [
+        torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w) for w in ws for m in (3, 8, 16)
+    ]
+    ours += [
+        torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f)
+        for q, f, k in packed
+        for m in (3, 8, 16)
+    ]
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(a, b), f"output {i} differs between the AVX-512 and AVX2 paths"

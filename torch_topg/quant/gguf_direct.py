@@ -266,21 +266,26 @@ def load_packed(
     return model.eval()
 
 
-def _float_state(packed: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict of ``packed`` with every packed module de-quantised to float32 under
-    the names of the module it replaced (``weight``; ``gate_up_proj`` / ``down_proj``)."""
+def _float_state(packed: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state dict of ``packed`` with every packed module de-quantised to ``dtype``
+    under the names of the module it replaced (``weight``; ``gate_up_proj`` /
+    ``down_proj``). Each tensor is cast as it is made: one float32 tensor at a time."""
     state: dict[str, torch.Tensor] = {}
     for name, mod in packed.named_modules():
         pre = f"{name}." if name else ""
         if isinstance(mod, QuantizedLinear):
-            state[pre + "weight"] = mod.dequantized_weight()
+            state[pre + "weight"] = mod.dequantized_weight().to(dtype)
         elif isinstance(mod, QuantizedEmbedding):
-            state[pre + "weight"] = dequantize(mod.qweight, mod.format, mod.embedding_dim)
+            w = dequantize(mod.qweight, mod.format, mod.embedding_dim)
+            state[pre + "weight"] = w.to(dtype)
         elif isinstance(mod, QuantizedExperts):
-            state[pre + "gate_up_proj"], state[pre + "down_proj"] = mod.dequantized()
+            gate_up, down = mod.dequantized()
+            state[pre + "gate_up_proj"] = gate_up.to(dtype)
+            del gate_up
+            state[pre + "down_proj"] = down.to(dtype)
     for key, value in packed.state_dict().items():
         if not key.endswith((".qweight", ".qgate_up", ".qdown")):
-            state.setdefault(key, value)
+            state.setdefault(key, value.to(dtype) if value.is_floating_point() else value)
     return state
 
 
@@ -302,16 +307,17 @@ def load_dequantized(
     reader = gguf.GGUFReader(path)
     if mixtral_config(reader.fields, config) is config:
         return None
-    packed = load_packed(path, config, torch.float32, reader=reader)
+    packed = load_packed(path, config, dtype, reader=reader)
     if packed is None:
         raise ValueError(
             f"{os.fspath(path)}: a Mixtral-type GGUF file (architecture 'llama' with experts) "
             "with tensors this loader cannot place; transformers would read it as a dense "
             "Llama with random MLP weights, so it is refused"
         )
-    state = {k: v.to(dtype) for k, v in _float_state(packed).items()}
+    state, config = _float_state(packed, dtype), packed.config
+    del packed  # the packed bytes: not needed beside the float tensors
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(packed.config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     if missing:

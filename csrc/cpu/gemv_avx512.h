@@ -50,6 +50,16 @@ inline bool use_avx512() {
 #endif
 }
 
+// Calls f.template operator()<R>() with R = r for a run-time r in [1, N] (r > N: N): a
+// kernel templated on its row count, instantiated once per count.
+template <int N, typename F>
+inline void with_rows(int r, F&& f) {
+  if constexpr (N > 1) {
+    if (r < N) return with_rows<N - 1>(r, f);
+  }
+  f.template operator()<N>();
+}
+
 // Rows of A from which the AVX-512 fp32 path is taken, and rows per pass.
 constexpr int64_t kF32x16MinRows = 3;
 constexpr int kF32x16Rows = 8;
@@ -166,32 +176,8 @@ TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const 
     for (int64_t m = 0; m < M; m += kF32x16Rows) {
       const int mb = int(std::min<int64_t>(kF32x16Rows, M - m));
       const int pf = m == 0 ? npf : 0;
-      switch (mb) {
-        case 1:
-          dot_group<1>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-        case 2:
-          dot_group<2>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-        case 3:
-          dot_group<3>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-        case 4:
-          dot_group<4>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-        case 5:
-          dot_group<5>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-        case 6:
-          dot_group<6>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-        case 7:
-          dot_group<7>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-        default:
-          dot_group<8>(a + m, rows, ldw, K, g, pf, sums);
-          break;
-      }
+      with_rows<kF32x16Rows>(mb,
+                             [&]<int MB>() { dot_group<MB>(a + m, rows, ldw, K, g, pf, sums); });
       for (int r = 0; r < g; ++r)
         for (int i = 0; i < mb; ++i) emit(m + i, n + r, sums[r * mb + i]);
     }

@@ -19,21 +19,16 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
+#include "gemv_avx512.h"
 #include "vec.h"
 
 namespace topg::gemm {
 
+// use_avx512() (gemv_avx512.h: the CPU check and TOPG_DISABLE_AVX512) and AVX-512 BF16.
 inline bool use_bf16dp() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool on = [] {
-    const char* off = std::getenv("TOPG_DISABLE_AVX512");
-    if (off && off[0] && off[0] != '0') return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
-  }();
+  static const bool on = use_avx512() && __builtin_cpu_supports("avx512bf16");
   return on;
 #else
   return false;
@@ -86,12 +81,7 @@ TOPG_TARGET_BF16DP void dot_rows_bf16dp(const bf16* const* a, int64_t M, const b
     const bf16* row = w + n * ldw;
     for (int64_t m = 0; m < M; m += 3) {
       const int mb = int(std::min<int64_t>(3, M - m));
-      if (mb == 1)
-        dp_row<1>(a + m, row, K, sums);
-      else if (mb == 2)
-        dp_row<2>(a + m, row, K, sums);
-      else
-        dp_row<3>(a + m, row, K, sums);
+      with_rows<3>(mb, [&]<int MB>() { dp_row<MB>(a + m, row, K, sums); });
       for (int i = 0; i < mb; ++i) emit(m + i, n, sums[i]);
     }
   }

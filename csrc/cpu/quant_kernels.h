@@ -385,34 +385,11 @@ TOPG_TARGET_F32X16 inline void runs_dot_x16(const float* wbuf, const int64_t* xo
 inline void runs_dot_n(int r, bool wide, const float* wbuf, const int64_t* xoff, int64_t runs,
                        const float* const* x, __m256 (*acc)[4]) {
 #if TOPG_F32X16
-  if (wide) {
-    switch (r) {
-      case 1:
-        return runs_dot_x16<1>(wbuf, xoff, runs, x, acc);
-      case 2:
-        return runs_dot_x16<2>(wbuf, xoff, runs, x, acc);
-      case 3:
-        return runs_dot_x16<3>(wbuf, xoff, runs, x, acc);
-      case 4:
-        return runs_dot_x16<4>(wbuf, xoff, runs, x, acc);
-      case 5:
-        return runs_dot_x16<5>(wbuf, xoff, runs, x, acc);
-      case 6:
-        return runs_dot_x16<6>(wbuf, xoff, runs, x, acc);
-      case 7:
-        return runs_dot_x16<7>(wbuf, xoff, runs, x, acc);
-      default:
-        return runs_dot_x16<8>(wbuf, xoff, runs, x, acc);
-    }
-  }
+  if (wide)
+    return gemm::with_rows<8>(r, [&]<int R>() { runs_dot_x16<R>(wbuf, xoff, runs, x, acc); });
 #endif
   (void)wide;
-  if (r == 3)
-    runs_dot<3>(wbuf, xoff, runs, x, acc);
-  else if (r == 2)
-    runs_dot<2>(wbuf, xoff, runs, x, acc);
-  else
-    runs_dot<1>(wbuf, xoff, runs, x, acc);
+  gemm::with_rows<3>(r, [&]<int R>() { runs_dot<R>(wbuf, xoff, runs, x, acc); });
 }
 #endif
 

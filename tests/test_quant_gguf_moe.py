@@ -145,15 +145,21 @@ def test_qwen2moe_gguf_runs_packed(tmp_path, fmt):
         assert out == hf_greedy(reference, prompt, 6)
 
 
+def _mixtral_file(tmp_path):
+    """A tiny Mixtral written as a Q8_0 Mixtral-type file, and the model holding the
+    file's de-quantised weights."""
+    path = tmp_path / "mixtral-q8_0.gguf"
+    dense = _write(build_model("mixtral-tiny", vocab_size=49152), path, "q8_0")
+    reference = build_model("mixtral-tiny", vocab_size=49152)
+    reference.load_state_dict(dense, strict=False)
+    return path, reference
+
+
 def test_mixtral_gguf_runs_packed(tmp_path):
     """A Mixtral-type file (architecture "llama" with experts, q / k rows permuted as
     llama.cpp's converter does): transformers reads it as a dense Llama; topg builds
     Mixtral and runs its experts packed."""
-    model = build_model("mixtral-tiny", vocab_size=49152)
-    path = tmp_path / "mixtral-q8_0.gguf"
-    dense = _write(model, path, "q8_0")
-    reference = build_model("mixtral-tiny", vocab_size=49152)
-    reference.load_state_dict(dense, strict=False)
+    path, reference = _mixtral_file(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         packed, _ = load_gguf_packed(path, torch.float32, "gguf")
@@ -173,11 +179,7 @@ def test_mixtral_gguf_default_loads_dequantised(tmp_path):
 
     from torch_topg.quant.gguf_direct import load_dequantized
 
-    model = build_model("mixtral-tiny", vocab_size=49152)
-    path = tmp_path / "mixtral-q8_0.gguf"
-    dense = _write(model, path, "q8_0")
-    reference = build_model("mixtral-tiny", vocab_size=49152)
-    reference.load_state_dict(dense, strict=False)
+    path, reference = _mixtral_file(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)

@@ -368,5 +368,9 @@ def test_bad_inputs_get_clear_errors():
     run(3, bt, r"block_tables\[0, 0\]")
     with pytest.raises(RuntimeError, match="expected 3 weight tensors|weight tensors, got"):
         torch.classes.topg.DecodePlan(
-            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0]
+            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0], "paged"
+        )
+    with pytest.raises(RuntimeError, match="cache_layout expected 'paged' or 'bhsd', got 'x'"):
+        torch.classes.topg.DecodePlan(
+            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0], "x"
         )

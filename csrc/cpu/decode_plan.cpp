@@ -100,11 +100,17 @@ class DecodePlan : public torch::CustomClassHolder {
   // embed, lm_head and the seven projections (suffix ":a8": int8 activations, as
   // linear_q's int8_activations). kv_caches: [k_0, v_0, ...].
   // dims: layers, hq, hkv, head_dim, block_size, then one window per layer (-1: none).
-  // params: rms eps, attention scale.
+  // params: rms eps, attention scale. cache_layout: "paged" (each cache [blocks,
+  // block_size, hkv, head_dim], the engine's) or "bhsd" ([batch, hkv, max_len, head_dim],
+  // transformers' StaticCache: each batch row one block of block_size = max_len).
   DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string> formats,
              std::vector<at::Tensor> kv_caches, at::Tensor cos_sin, std::vector<int64_t> dims,
-             std::vector<double> params)
+             std::vector<double> params, std::string cache_layout)
       : cos_sin_(std::move(cos_sin)) {
+    TORCH_CHECK(cache_layout == "paged" || cache_layout == "bhsd",
+                "topg::DecodePlan: cache_layout expected 'paged' or 'bhsd', got '", cache_layout,
+                "'");
+    head_major_ = cache_layout == "bhsd";
     TORCH_CHECK(dims.size() >= 5, "topg::DecodePlan: dims expected [layers, hq, hkv, head_dim, ",
                 "block_size, windows...], got ", dims.size(), " values");
     L_ = dims[0], hq_ = dims[1], hkv_ = dims[2], d_ = dims[3], bs_ = dims[4];
@@ -187,11 +193,14 @@ class DecodePlan : public torch::CustomClassHolder {
       expect(y.wg, n + "wg", I_, H_);
       expect(y.wu, n + "wu", I_, H_);
       expect(y.wd, n + "wd", H_, I_);
+      const int64_t c1 = head_major_ ? hkv_ : bs_, c2 = head_major_ ? bs_ : hkv_;
       for (const at::Tensor* c : {&y.kc, &y.vc})
-        TORCH_CHECK(c->dim() == 4 && c->size(1) == bs_ && c->size(2) == hkv_ && c->size(3) == d_ &&
-                        c->scalar_type() == dtype_ && c->is_contiguous(),
-                    "topg::DecodePlan: ", n, "kv cache expected contiguous [blocks, ", bs_, ", ",
-                    hkv_, ", ", d_, "] ", dtype_, ", got ", c->sizes(), " ", c->scalar_type());
+        TORCH_CHECK(c->dim() == 4 && c->size(0) == layers_[0].kc.size(0) && c->size(1) == c1 &&
+                        c->size(2) == c2 && c->size(3) == d_ && c->scalar_type() == dtype_ &&
+                        c->is_contiguous() && c->device().is_cpu(),
+                    "topg::DecodePlan: ", n, "kv cache expected contiguous [",
+                    head_major_ ? "batch" : "blocks", ", ", c1, ", ", c2, ", ", d_, "] ", dtype_,
+                    " on cpu, got ", c->sizes(), " ", c->scalar_type(), " on ", c->device());
     }
     num_blocks_ = layers_[0].kc.size(0);
     counters_ = std::make_unique<team::Counter[]>(kLayerPhases * L_ + 1);
@@ -345,8 +354,9 @@ class DecodePlan : public torch::CustomClassHolder {
   };
   Lin embed_, lm_head_;
   at::Tensor final_norm_, cos_sin_;
-  bool packed_ = false;  // some weight is packed: the A rows are also kept as padded fp32
-  bool a8_ = false;      // some weight takes int8 activations: and as int8 blocks
+  bool packed_ = false;      // some weight is packed: the A rows are also kept as padded fp32
+  bool head_major_ = false;  // cache_layout "bhsd"
+  bool a8_ = false;          // some weight takes int8 activations: and as int8 blocks
   std::vector<Layer> layers_;
   std::vector<Bound> bound_;
   at::ScalarType dtype_;
@@ -522,7 +532,10 @@ void DecodePlan::step(const Step& s) {
               if (part < 2) rotary::rotate_neox(head, &m.cos[b * d], &m.sin[b * d], d / 2);
               if (part > 0) {
                 T* cache = ptr<T>(part == 1 ? y.kc : y.vc);
-                std::memcpy(cache + (s.slots[b] * hkv + h) * d, head, size_t(d) * sizeof(T));
+                const int64_t slot = s.slots[b];
+                const int64_t at =
+                    head_major_ ? ((slot / bs_) * hkv + h) * bs_ + slot % bs_ : slot * hkv + h;
+                std::memcpy(cache + at * d, head, size_t(d) * sizeof(T));
               }
             }
         }
@@ -536,7 +549,7 @@ void DecodePlan::step(const Step& s) {
         a.kc = cptr<T>(y.kc), a.vc = cptr<T>(y.vc);
         a.bt = s.bt, a.bt_ss = s.bt_ss, a.row_seq = row_seq_.data();
         a.hq = hq, a.hkv = hkv, a.d = d, a.block_size = bs_;
-        a.scale = scale_, a.softcap = 0.f, a.window = y.window;
+        a.scale = scale_, a.softcap = 0.f, a.window = y.window, a.head_major = head_major_;
         items(c[kAttn], int64_t(as.items.size()), [&](int64_t i) {
           const auto [b, k] = as.items[size_t(i)];
           const int64_t n = s.lens[b], P = as.size[b], k0 = as.lo[b] / P;
@@ -596,7 +609,7 @@ TORCH_LIBRARY_FRAGMENT(topg, m) {
   topg::team::register_fork_handler();  // at load: every later fork is seen
   m.class_<topg::DecodePlan>("DecodePlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<at::Tensor>,
-                       at::Tensor, std::vector<int64_t>, std::vector<double>>())
+                       at::Tensor, std::vector<int64_t>, std::vector<double>, std::string>())
       .def("run", &topg::DecodePlan::run)
       .def("profile", &topg::DecodePlan::profile)
       .def("reset_profile", &topg::DecodePlan::reset_profile)

@@ -59,9 +59,9 @@ constexpr int64_t kDenseRows = 16;
 template <typename T, typename C = T>
 struct PagedArgs {
   const T* q;
-  int64_t q_ss, q_sh;  // query token / head strides
-  const C* kc;         // [num_blocks, block_size, hkv, d], contiguous
-  const C* vc;
+  int64_t q_ss, q_sh;         // query token / head strides
+  const C* kc;                // [num_blocks, block_size, hkv, d], contiguous (head_major:
+  const C* vc;                // [num_blocks, hkv, block_size, d], transformers' StaticCache)
   const float* ks = nullptr;  // int8 caches only: per token and kv head scales
   const float* vs = nullptr;
   const int32_t* bt;  // block tables, row stride bt_ss
@@ -69,7 +69,11 @@ struct PagedArgs {
   const int32_t* row_seq;  // query row -> its sequence (its row of the block table)
   int64_t hq, hkv, d, block_size;
   float scale, softcap;
-  int64_t window;  // -1 = unlimited
+  int64_t window;           // -1 = unlimited
+  bool head_major = false;  // the cache layout (int8 caches: paged only)
+
+  // Elements between one kv head's row of a token and the next head's.
+  int64_t head_stride() const { return head_major ? block_size * d : d; }
 
   // First key a query at position n - 1 may see.
   int64_t first_key(int64_t n) const {
@@ -242,7 +246,7 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
     const int64_t row = a.hkv * d;
     for (int64_t t = 0; t < n; ++t) {
       const int64_t slot = int64_t(blocks[blk]) * a.block_size + off;
-      ws.rows[t] = slot * row;
+      ws.rows[t] = a.head_major ? int64_t(blocks[blk]) * a.block_size * row + off * d : slot * row;
       if (quant) {
         ws.slots[t] = slot;
         if (t == 0 || off == 0) {  // this block's scales: read after the QK pass
@@ -279,7 +283,7 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
       }
     }
   }
-  const int64_t rsz = d * int64_t(sizeof(C));  // bytes of one kv head's row
+  const int64_t hs = a.head_stride(), rsz = hs * int64_t(sizeof(C));  // head to head
   float* scores = ws.s.data();
   with_head_group(head_group(VG), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
@@ -289,7 +293,7 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
       for (int64_t u = 0; u < nt; u += TS)
         for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
           for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG)
-            qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * d, rows + t + u,
+            qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * hs, rows + t + u,
                          std::min(TS, nt - u), d, scores + h * ps + t + u, ps,
                          h == kvh * VG ? ws.pfk.data() + t + u : nullptr, kvh * rsz);
     }
@@ -355,7 +359,7 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
             for (int g = 0; g < HG; ++g)
               Vec8(scores[(h + g) * ps + t + j] * (vsc ? vsc[j] : 1.f))
                   .store(pb + (j * HG + g) * 8);
-          pv_heads<HG>(pb, a.vc + kvh * d, rows + t, nt, d, acc + h * as, as,
+          pv_heads<HG>(pb, a.vc + kvh * hs, rows + t, nt, d, acc + h * as, as,
                        h == kvh * VG ? ws.pfv.data() + t : nullptr, kvh * rsz);
         }
       }

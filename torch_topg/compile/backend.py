@@ -48,6 +48,9 @@ class GraphReport:
     skipped: str = ""
     #: topg op name -> calls in the final graph (``fused_moe`` comes from tracing).
     topg_ops: dict[str, int] = field(default_factory=dict)
+    #: a static-cache decode graph (``static_plan``): ``active``, ``reason``, ``steps``
+    #: (on the plan) and ``fallback_steps`` (on the graph); empty for other graphs.
+    decode_plan: dict[str, Any] = field(default_factory=dict)
 
 
 def _warn_once(key: tuple[str, str], message: str) -> None:
@@ -273,6 +276,12 @@ def topg_backend(
         fn = compile_fx(gm, example_inputs)
     else:
         fn = gm.forward
+    if opts.decode_plan and not report.skipped:
+        from torch_topg.compile import static_plan
+
+        fn = static_plan.build(gm, example_inputs, fn, report.decode_plan) or fn
+        if not report.decode_plan.get("reason") and not report.decode_plan.get("active"):
+            report.decode_plan.clear()  # not a static-cache decode graph
     return _mark_growing(fn, growing) if growing else fn
 
 

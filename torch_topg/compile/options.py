@@ -20,6 +20,8 @@ class Options:
         experts: substitute transformers' experts implementations with
             ``topg::fused_moe`` while tracing (process-wide; see ``experts.py``).
         verbose: print each pass's sites as the backend runs.
+        decode_plan: run a transformers static-cache decode graph as one
+            ``topg.DecodePlan`` call (``static_plan.py``; CPU). Default True.
     """
 
     strict: bool = False
@@ -27,6 +29,7 @@ class Options:
     disable: tuple[str, ...] = field(default_factory=tuple)
     experts: bool = True
     verbose: bool = False
+    decode_plan: bool = True
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> Options:
@@ -46,7 +49,7 @@ class Options:
                 f"topg backend: option 'disable' names unknown passes {bad}; passes: {PASS_NAMES}"
             )
         options["disable"] = tuple(disable)
-        for name in ("strict", "inductor", "experts", "verbose"):
+        for name in ("strict", "inductor", "experts", "verbose", "decode_plan"):
             if name in options and not isinstance(options[name], bool):
                 raise ValueError(
                     f"topg backend: option '{name}' expected a bool, got {options[name]!r}"

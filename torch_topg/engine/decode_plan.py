@@ -93,9 +93,13 @@ def _rotary_table(base: Any, config: Any, positions: int, dtype: torch.dtype) ->
 
 
 def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: int,
-          max_positions: int) -> Any:  # fmt: skip
+          max_positions: int, cache_layout: str = "paged") -> Any:  # fmt: skip
     """A ``torch.classes.topg.DecodePlan`` for ``model`` over ``kv_caches`` (``[K, V]`` per
     layer); raises :class:`Unsupported` naming what does not fit.
+
+    ``cache_layout``: ``"paged"`` (the engine's ``[blocks, block_size, kv_heads, head_dim]``)
+    or ``"bhsd"`` (transformers' ``StaticCache``, ``[batch, kv_heads, max_len, head_dim]``:
+    each batch row is one block of ``block_size = max_len``).
 
     The plan holds the parameters themselves (not copies): updates of their values are
     seen at the next step, and a parameter converted or moved through ``.data`` (e.g.
@@ -191,13 +195,15 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     if odd:
         raise Unsupported(f"{len(odd)} weight tensors are not contiguous {dtype} (or packed uint8)")
     k0 = kv_caches[0]
-    _, _, hkv, d = k0.shape
+    if k0.dim() != 4:
+        raise Unsupported(f"KV cache tensors are {k0.dim()}-D, expected 4-D")
+    hkv, d = (k0.shape[1], k0.shape[3]) if cache_layout == "bhsd" else (k0.shape[2], k0.shape[3])
     hq = layers[0].self_attn.q_proj.out_features // d
     cos_sin = _rotary_table(base, text, max_positions, dtype)
     dims = [len(layers), hq, hkv, d, block_size, *windows]
     with torch.inference_mode():
         return torch.classes.topg.DecodePlan(
-            weights, formats, list(kv_caches), cos_sin, dims, [eps, scale]
+            weights, formats, list(kv_caches), cos_sin, dims, [eps, scale], cache_layout
         )
 
 

@@ -74,6 +74,21 @@ def test_static_cache_decode_runs_on_the_plan(preset, batch):
     assert plans[0] == {"active": True, "reason": "", "steps": 8 + 4, "fallback_steps": 0}
 
 
+@pytest.mark.skipif(not NATIVE, reason="native library not loaded")
+def test_wrapped_forward_without_position_ids_runs_on_the_plan():
+    """A compiled forward behind ``lambda *a, **k``: ``generate`` then passes no
+    ``position_ids`` and the graph takes them from the cache position."""
+    torch._dynamo.reset()
+    model = tiny("llama-tiny").eval()
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    compiled = copy.deepcopy(model)
+    fn = torch.compile(compiled.forward, backend="topg")
+    compiled.forward = lambda *a, **k: fn(*a, **k)
+    clear_reports()
+    _same(_generate(model, ids, 6), _generate(compiled, ids, 6))
+    assert _plans() == [{"active": True, "reason": "", "steps": 5, "fallback_steps": 0}]
+
+
 @pytest.mark.skipif(not NATIVE, reason="native library not loaded: no plan to fall back from")
 def test_padded_batch_steps_run_on_the_graph():
     torch._dynamo.reset()

@@ -13,7 +13,12 @@ Measured per dtype (fp32, bf16), in this order, so that every comparison is side
 3. where the time goes: the plan's phases (``TOPG_PROFILE=1``, its own timers) and the
    graph's ops (``torch.profiler``), per step at batch 1;
 4. llama.cpp: ``llama-bench -p 0 -n 64 -d 256`` on the same weights (SmolLM2's GGUF
-   converted to F32 / BF16), built natively from llama-cpp-python's vendored sources.
+   converted to F32 / BF16), built natively from llama-cpp-python's vendored sources;
+5. plain transformers through the backend: ``torch.compile(model.forward, backend="topg")``
+   and ``generate(cache_implementation="static")``, 64 new tokens after the same 256-token
+   prompt, ms/token from a streamer's clock (first to last new token); rounds alternate
+   between the default (the decode graph on the plan, ``static_plan.py``) and
+   ``options={"decode_plan": False}`` (the compiled graph).
 
 The limit: bytes a batch-1 step must read (every weight once, the tied embedding once,
 plus K and V of 256 tokens) over the read bandwidth probed before and after.
@@ -48,6 +53,7 @@ from torch_topg.bench.timing import Budget, Stats, compare, summarize  # noqa: E
 TARGET_VS_LLAMA = {"fp32": 1.0, "bf16": 0.9}
 TARGET_OF_LIMIT_FP32 = 0.8
 TARGET_B8_OVER_B1 = 1.6
+TARGET_BACKEND_VS_LLAMA = 1.15
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -63,6 +69,59 @@ def engine_decode_ms(eng, rng: random.Random) -> float:
     out = eng.generate(ids, max_new_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)[0]
     tt = out.outputs[0].token_times
     return (tt[-1] - tt[0]) / (len(tt) - 1) * 1e3
+
+
+class _Clock:
+    """A transformers streamer that keeps the time of each ``put`` (the prompt, then each
+    new token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_static_ms(model, ids: torch.Tensor) -> float:
+    clock = _Clock()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_TOKENS,
+                       min_new_tokens=DECODE_TOKENS, do_sample=False, pad_token_id=0,
+                       cache_implementation="static", streamer=clock)  # fmt: skip
+    t = clock.times[1:]  # the new tokens
+    return (t[-1] - t[0]) / (len(t) - 1) * 1e3
+
+
+def backend_static(dtype: str, repeats: int) -> dict:
+    """transformers ``generate(cache_implementation="static")`` on ``backend="topg"``, with
+    the decode graph on the plan and (``decode_plan=False``) on the compiled graph."""
+    import copy
+
+    from torch_topg.compile import REPORTS, clear_reports
+    from torch_topg.models.hf import load_smollm2
+
+    base, _ = load_smollm2(DTYPES[dtype])
+    models = {}
+    for name, on in (("plan", True), ("graph", False)):
+        m = copy.deepcopy(base)
+        m.forward = torch.compile(m.forward, backend="topg", options={"decode_plan": on})
+        models[name] = m
+    del base
+    rng = random.Random(7)
+    ids = torch.tensor([[rng.randrange(10, 40000) for _ in range(DECODE_CONTEXT)]])
+    clear_reports()
+    for m in models.values():
+        hf_static_ms(m, ids)  # compiles the prefill and decode graphs
+    ms: dict[str, list[float]] = {"plan": [], "graph": []}
+    for _ in range(repeats):
+        for name, m in models.items():
+            ms[name].append(hf_static_ms(m, ids))
+    plans = [r.decode_plan for r in REPORTS if r.decode_plan]
+    return {"backend_plan_ms": summarize(ms["plan"]), "backend_graph_ms": summarize(ms["graph"]),
+            "backend_decode_plan": plans[0] if plans else {}}  # fmt: skip
 
 
 def step_batch(runner, batch: int, seed: int):
@@ -136,6 +195,7 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
     finally:
         plan_eng.shutdown()
         graph_eng.shutdown()
+    res.update(backend_static(dtype, a.repeats))
     if isinstance(llama, str):
         res["llama_error"] = llama
     else:
@@ -180,6 +240,12 @@ def report(results: list[dict], bw: list[Stats], notes: list[str]) -> str:
             f"{res['llama'].fmt() if lm else res.get('llama_error', '-')} | {limit:.2f} | "
             f"{f'{pm.median / lm:.2f}x' if lm else '-'} | {limit / pm.median:.0%} |"
         )
+        bp, bg = res["backend_plan_ms"], res["backend_graph_ms"]
+        lines.append(
+            f'| `backend="topg"` + `generate(cache_implementation="static")` ms/token | '
+            f"{bp.fmt()} | {bg.fmt()} | {res['llama'].fmt() if lm else '-'} | {limit:.2f} | "
+            f"{f'{bp.median / lm:.2f}x' if lm else '-'} | {limit / bp.median:.0%} |"
+        )
         s1, s8 = res["step plan b1"], res["step plan b8"]
         lines.append(f"| step alone, batch 1 (ms) | {s1.fmt()} | {res['step graph b1'].fmt()} | | "
                      f"{limit:.2f} | | {limit / s1.median:.0%} |")  # fmt: skip
@@ -194,6 +260,11 @@ def report(results: list[dict], bw: list[Stats], notes: list[str]) -> str:
             t = TARGET_VS_LLAMA[d]
             lines.append(f"- engine decode {pm.median:.2f} ms vs llama.cpp {lm:.2f} ms = "
                          f"{pm.median / lm:.2f}x (target <= {t}x: {'met' if pm.median / lm <= t else 'missed'})")  # fmt: skip
+            t = TARGET_BACKEND_VS_LLAMA
+            r = bp.median / lm
+            lines.append(f"- `backend=\"topg\"` static-cache generate {bp.median:.2f} ms vs llama.cpp = "
+                         f"{r:.2f}x (target <= {t}x: {'met' if r <= t else 'missed'}); its decode "
+                         f"graph on the plan: {res['backend_decode_plan']}")  # fmt: skip
             lines.append(f"- llama.cpp at {limit / lm:.0%} of the limit; `{res['llama_cmd']}`")
         if d == "fp32":
             ok = limit / pm.median >= TARGET_OF_LIMIT_FP32
@@ -229,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in a.dtype.split(","):
         results.append(run_dtype(d, a, llama))
         print(f"{d}: engine plan {results[-1]['engine_plan_ms'].fmt()} ms, graph "
-              f"{results[-1]['engine_graph_ms'].fmt()} ms, llama.cpp {results[-1].get('llama_ms')} ms", flush=True)  # fmt: skip
+              f"{results[-1]['engine_graph_ms'].fmt()} ms, backend static "
+              f"{results[-1]['backend_plan_ms'].fmt()} ms, llama.cpp {results[-1].get('llama_ms')} ms", flush=True)  # fmt: skip
     remeasure()
     bw.append(read_bandwidth_stats())
     notes = [f"- command: `python python/benchmarks/decode_step.py {' '.join(argv or sys.argv[1:])}`",

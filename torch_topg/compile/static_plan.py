@@ -12,7 +12,8 @@ the compiled graph kept for the steps the plan does not compute (a padded batch)
 What the graph must be, checked from its placeholders' dynamo sources and its nodes (the
 reason is kept otherwise and the compiled graph runs, ``report.decode_plan``):
 
-- inputs ``input_ids`` ``[B, 1]`` (B <= 16) and ``position_ids`` ``[B, 1]``; the model
+- inputs ``input_ids`` ``[B, 1]`` (B <= 16) and ``position_ids`` ``[B, 1]`` (or none:
+  then every row's position is the write position p); the model
   itself reachable from the parameters' sources (``L['self']._modules[...]``) and
   lowerable (:func:`~torch_topg.engine.decode_plan.lower`);
 - the only writes to graph inputs: ``keys.index_copy_(2, idx, k)`` and
@@ -207,7 +208,9 @@ class StaticDecode:
         slots = self.base + p
         self.seq_lens.fill_(p + 1)
         ids = args[self.ids].reshape(-1)
-        pos = args[self.pos].reshape(-1)
+        # No position_ids input (a forward whose signature hides it from generate): the
+        # model takes them from the cache position, p for every row (no padding, checked).
+        pos = args[self.pos].reshape(-1) if self.pos is not None else self.rows * 0 + p
         run = (ids, pos, slots, self.block_tables, self.seq_lens, self.cu, self.rows)
         try:
             logits = self.plan.run(*run)
@@ -285,8 +288,8 @@ def _match(gm: fx.GraphModule, example_inputs: list[Any], ph: list[fx.Node],
     b = x.size(0)
     if b > MAX_ROWS:
         raise NotPlanned(f"batch {b}: the plan runs at most {MAX_ROWS} rows")
-    if pos is None or tuple(example_inputs[pos].shape) != (b, 1):
-        raise NotPlanned("no position_ids input of shape [batch, 1]")
+    if pos is not None and tuple(example_inputs[pos].shape) != (b, 1):
+        raise NotPlanned(f"position_ids {tuple(example_inputs[pos].shape)}: expected [{b}, 1]")
     if mask is not None and not isinstance(example_inputs[mask], torch.Tensor):
         mask = None
     kv, counters, index = [], {}, None

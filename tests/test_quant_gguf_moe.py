@@ -6,6 +6,8 @@ packed by ``torch_topg.quant.quantize_weight``, which are GGUF's own)."""
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 
 import gguf
@@ -22,6 +24,18 @@ from torch_topg.quant import QuantizedExperts, QuantizedLinear, dequantize, quan
 from torch_topg.quant.gguf_direct import _unpermute
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@functools.cache
+def _tokenizer_fields() -> list[tuple]:
+    """The SmolLM2 file's tokenizer entries (read once: a GGUFReader over its 49,152-token
+    vocabulary takes ~5 s)."""
+    src = gguf.GGUFReader(str(gguf_path()))
+    return [
+        (key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+        for key, f in src.fields.items()
+        if key.startswith("tokenizer.")
+    ]
 
 
 def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
@@ -44,11 +58,8 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
     if not mixtral:
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    src = gguf.GGUFReader(str(gguf_path()))
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for key, value, kind, sub in _tokenizer_fields():
+        w.add_key_value(key, value, kind, sub_type=sub)
     dense: dict[str, torch.Tensor] = {}
 
     heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}

@@ -7,7 +7,6 @@ packed by ``torch_topg.quant.quantize_weight``, which are GGUF's own)."""
 from __future__ import annotations
 
 import functools
-
 import warnings
 
 import gguf

@@ -86,8 +86,8 @@ case "$MODE" in
     [ -f "$LIB_DIR/_C.so" ] || QUICK=" --quick"
     STAGES=(
       "build 30 build.log $BUILD_CMD"
-      "benchmarks 100 bench.log $(q "$PY") python/benchmarks/gpu/bench_gpu.py$QUICK --md $(q "$OUT/results.md") --json $(q "$OUT/results.json")"
-      "capture 35 capture.log $PYTEST $CUDA_TESTS -k 'cuda and capture'"
+      "benchmarks 90 bench.log $(q "$PY") python/benchmarks/gpu/bench_gpu.py$QUICK --md $(q "$OUT/results.md") --json $(q "$OUT/results.json")"
+      "capture 50 capture.log $PYTEST $CUDA_TESTS -k 'cuda and capture'"
       "offload 35 offload.log $(q "$PY") python/benchmarks/gpu/offload_h2d.py --quick --md $(q "$OUT/offload.md")"
     )
     RESULTS=(results.md offload.md)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 import time
+from typing import Any
 
 import torch
 
@@ -51,3 +53,37 @@ def whole_pool(engine: Engine):
 def prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class Seqs:
+    """Sequences on a runner's paged cache with blocks handed out in a scattered order."""
+
+    def __init__(self, runner: Any, toks: list[list[int]], seed: int = 0):
+        self.r, self.toks = runner, [list(t) for t in toks]
+        free = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(free)
+        self.free, self.blocks = free, [[] for _ in toks]
+
+    def _grow(self, i: int, n: int) -> None:
+        while len(self.blocks[i]) * self.r.block_size < n:
+            self.blocks[i].append(self.free.pop())
+
+    def prefill(self) -> None:
+        items = []
+        for i, t in enumerate(self.toks):
+            self._grow(i, len(t))
+            items.append((t, 0, len(t), self.blocks[i]))
+        self.r.execute_graph(self.r.pack(items, [True] * len(items)))
+
+    def decode_batch(self, nxt: list[int]):
+        return self.ragged_batch([[x] for x in nxt], [1] * len(nxt))
+
+    def ragged_batch(self, new: list[list[int]], samples: list[int]):
+        """Each sequence computes its tokens ``new[i]`` (a verify step: k + 1 of them);
+        its last ``samples[i]`` rows are sampled."""
+        items = []
+        for i, t in enumerate(self.toks):
+            t.extend(new[i])
+            self._grow(i, len(t))
+            items.append((t, len(t) - len(new[i]), len(new[i]), self.blocks[i]))
+        return self.r.pack(items, samples)

@@ -288,8 +288,11 @@ def _match(gm: fx.GraphModule, example_inputs: list[Any], ph: list[fx.Node],
     b = x.size(0)
     if b > MAX_ROWS:
         raise NotPlanned(f"batch {b}: the plan runs at most {MAX_ROWS} rows")
-    if pos is not None and tuple(example_inputs[pos].shape) != (b, 1):
-        raise NotPlanned(f"position_ids {tuple(example_inputs[pos].shape)}: expected [{b}, 1]")
+    if pos is not None and (
+        tuple(example_inputs[pos].shape) != (b, 1) or example_inputs[pos].dtype != torch.long
+    ):
+        t = example_inputs[pos]
+        raise NotPlanned(f"position_ids {t.dtype} {tuple(t.shape)}: expected int64 [{b}, 1]")
     if mask is not None and not isinstance(example_inputs[mask], torch.Tensor):
         mask = None
     kv, counters, index = [], {}, None

@@ -555,6 +555,7 @@ class Engine:
             **({"speculative": self.spec.summary()} if self.spec is not None else {}),
             "decode_plan": {
                 "active": self.runner.plan is not None,
+                "kind": "cuda_graphs" if self.runner.device.type == "cuda" else "plan",
                 "reason": self.runner.plan_reason,
                 "steps": self.runner.plan_steps,
             },
@@ -586,8 +587,8 @@ def _decode_plan_wanted(config: EngineConfig) -> bool | str:
         return "tp_size > 1: each rank runs its shard on the compiled graph"
     if config.deterministic:
         return "deterministic=True: batch-invariant kernels run on the compiled graph"
-    if config.device.type != "cpu":
-        return f"device {config.device.type}: the plan is CPU-only (CUDA graphs: not yet)"
+    if config.device.type not in ("cpu", "cuda"):
+        return f"device {config.device.type}: no decode plan (CPU) or CUDA graphs for it"
     return True
 
 

@@ -39,6 +39,7 @@ class PackedBatch:
     cu_seqlens_q: torch.Tensor  # int32 [S + 1]
     logits_indices: torch.Tensor  # int64 [R]: rows of the packed batch to sample
     fits_plan: bool = False  # at most PLAN_MAX_TOKENS tokens: the decode plan's steps
+    decode: bool = False  # every sequence one new token, sampled once (CUDA graphs' steps)
 
 
 def kv_layout(config: Any) -> tuple[int, int, int]:
@@ -122,6 +123,11 @@ class ModelRunner:
         if self._plan_wanted is not True:
             self.plan_reason = self._plan_wanted or "decode_plan=False"
             return
+        if self.device.type == "cuda":  # the step as CUDA graphs, captured on first use
+            from torch_topg.engine.cuda_graphs import DecodeGraphs
+
+            self.plan, self.plan_reason = DecodeGraphs(self), ""
+            return
         try:
             self.plan = lower(self.model, self.kv_caches, block_size=self.block_size,
                               max_positions=self.max_blocks_per_seq * self.block_size)  # fmt: skip
@@ -134,6 +140,16 @@ class ModelRunner:
             self.relower()
         if self.plan is None:
             return None
+        from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
+
+        if isinstance(self.plan, DecodeGraphs):  # CUDA (cuda_graphs.py)
+            try:
+                logits = self.plan.run(b)
+            except CaptureFailed as e:
+                self.plan, self.plan_reason = None, str(e)
+                return None
+            self.plan_steps += logits is not None
+            return logits
         args = (b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
                 b.cu_seqlens_q, b.logits_indices)  # fmt: skip
         try:
@@ -228,6 +244,7 @@ class ModelRunner:
         fits_plan = 0 < len(ids) <= PLAN_MAX_TOKENS and all(
             n < PLAN_MAX_TOKENS for _, _, n, _ in items
         )
+        decode = all(n == 1 for _, _, n, _ in items) and all(int(f) == 1 for f in samples)
         last = [
             c - j for c, f in zip(cu[1:], samples, strict=True) for j in range(int(f), 0, -1)
         ] or [cu[-1] - 1]
@@ -250,6 +267,7 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(last, dtype=torch.long, device=dev),
             fits_plan=fits_plan,
+            decode=decode and fits_plan,
         )
 
     def warmup(self) -> None:

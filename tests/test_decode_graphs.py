@@ -12,10 +12,15 @@ import pytest
 import torch
 from engine_utils import Seqs, prompts, tiny
 
+from torch_topg import _native
 from torch_topg.engine.cuda_graphs import BUCKETS, DecodeGraphs, eager_capture
 from torch_topg.engine.model_runner import ModelRunner
 
 pytest.importorskip("transformers")
+# The bucketing and padding do not depend on the kernels: one lane (the native one) runs them.
+pytestmark = pytest.mark.skipif(
+    not _native.load(), reason="TOPG_DISABLE_NATIVE=1: tested in the native lane (same logic)"
+)
 
 
 def _runner() -> ModelRunner:

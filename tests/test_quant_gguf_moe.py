@@ -155,21 +155,22 @@ def test_qwen2moe_gguf_runs_packed(tmp_path, fmt):
         assert out == hf_greedy(reference, prompt, 6)
 
 
-def _mixtral_file(tmp_path):
-    """A tiny Mixtral written as a Q8_0 Mixtral-type file, and the model holding the
-    file's de-quantised weights."""
-    path = tmp_path / "mixtral-q8_0.gguf"
+@pytest.fixture(scope="module")
+def mixtral_file(tmp_path_factory):
+    """A tiny Mixtral written as a Q8_0 Mixtral-type file (once for the module), and the
+    model holding the file's de-quantised weights."""
+    path = tmp_path_factory.mktemp("mixtral") / "mixtral-q8_0.gguf"
     dense = _write(build_model("mixtral-tiny", vocab_size=49152), path, "q8_0")
     reference = build_model("mixtral-tiny", vocab_size=49152)
     reference.load_state_dict(dense, strict=False)
     return path, reference
 
 
-def test_mixtral_gguf_runs_packed(tmp_path):
+def test_mixtral_gguf_runs_packed(mixtral_file):
     """A Mixtral-type file (architecture "llama" with experts, q / k rows permuted as
     llama.cpp's converter does): transformers reads it as a dense Llama; topg builds
     Mixtral and runs its experts packed."""
-    path, reference = _mixtral_file(tmp_path)
+    path, reference = mixtral_file
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         packed, _ = load_gguf_packed(path, torch.float32, "gguf")
@@ -180,7 +181,7 @@ def test_mixtral_gguf_runs_packed(tmp_path):
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_mixtral_gguf_default_loads_dequantised(tmp_path):
+def test_mixtral_gguf_default_loads_dequantised(mixtral_file):
     """``quantization=None`` (the default) on a Mixtral-type file: transformers alone
     builds a dense Llama with random MLPs from it; topg builds Mixtral with the file's
     de-quantised weights (the logits of the model they came from), and so does the
@@ -189,10 +190,10 @@ def test_mixtral_gguf_default_loads_dequantised(tmp_path):
 
     from torch_topg.quant.gguf_direct import load_dequantized
 
-    path, reference = _mixtral_file(tmp_path)
+    path, reference = mixtral_file
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         assert config.model_type == "llama"  # transformers' reading
         loaded = load_dequantized(path, config, torch.float32)
     assert type(loaded).__name__ == "MixtralForCausalLM"

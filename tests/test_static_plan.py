@@ -58,6 +58,8 @@ def _same(ref, out) -> None:
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
 def test_static_cache_decode_runs_on_the_plan(preset, batch):
+    if not NATIVE and (preset, batch) != ("llama-tiny", 1):
+        pytest.skip("TOPG_DISABLE_NATIVE=1: one case shows the graph runs with the reason")
     torch._dynamo.reset()
     model = tiny(preset).eval()
     g = torch.Generator().manual_seed(batch)

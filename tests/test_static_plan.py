@@ -55,11 +55,9 @@ def _same(ref, out) -> None:
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
-def test_static_cache_decode_runs_on_the_plan(preset, batch):
-    if not NATIVE and (preset, batch) != ("llama-tiny", 1):
-        pytest.skip("TOPG_DISABLE_NATIVE=1: one case shows the graph runs with the reason")
+def _run_two_generates(preset: str, batch: int) -> list[dict]:
+    """Two generate calls (new StaticCache tensors of another length), each equal to
+    transformers' own; the decode graphs' reports."""
     torch._dynamo.reset()
     model = tiny(preset).eval()
     g = torch.Generator().manual_seed(batch)
@@ -68,12 +66,25 @@ def test_static_cache_decode_runs_on_the_plan(preset, batch):
     clear_reports()
     for n in (9, 5):  # two generate calls: new StaticCache tensors of another length
         _same(_generate(model, ids, n), _generate(compiled, ids, n))
-    plans = _plans()
+    return _plans()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native library not loaded: no topg.DecodePlan to run")
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
+def test_static_cache_decode_runs_on_the_plan(preset, batch):
+    plans = _run_two_generates(preset, batch)
+    assert plans == [{"active": True, "reason": "", "steps": 8 + 4, "fallback_steps": 0}]
+
+
+def test_the_report_says_whether_the_plan_ran():
+    """Both lanes: on the plan with the native library, else the graph and the reason."""
+    plans = _run_two_generates("llama-tiny", 1)
     assert len(plans) == 1, plans
-    if not NATIVE:  # TOPG_DISABLE_NATIVE=1: the graph runs, and says why
+    if NATIVE:
+        assert plans[0]["active"] is True and plans[0]["steps"] == 12, plans
+    else:  # TOPG_DISABLE_NATIVE=1
         assert plans[0]["active"] is False and "native library" in plans[0]["reason"]
-        return
-    assert plans[0] == {"active": True, "reason": "", "steps": 8 + 4, "fallback_steps": 0}
 
 
 @pytest.mark.skipif(not NATIVE, reason="native library not loaded")

@@ -280,8 +280,6 @@ def topg_backend(
         from torch_topg.compile import static_plan
 
         fn = static_plan.build(gm, example_inputs, fn, report.decode_plan) or fn
-        if not report.decode_plan.get("reason") and not report.decode_plan.get("active"):
-            report.decode_plan.clear()  # not a static-cache decode graph
     return _mark_growing(fn, growing) if growing else fn
 
 

@@ -32,7 +32,6 @@ plan's own lowering (module by module) decides what the model computes, as in th
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,8 @@ from typing import Any
 import torch
 from torch import fx
 
-_INPLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+from torch_topg.compile.backend import _INPLACE_FUNCTIONS, _hint
+
 _MODULES = "._modules['"
 #: the plan's largest step (``kMaxTokens`` in ``csrc/cpu/decode_plan.cpp``).
 MAX_ROWS = 16
@@ -48,11 +48,6 @@ MAX_ROWS = 16
 
 class NotPlanned(Exception):
     """Why a graph does not run on the plan (kept in ``GraphReport.decode_plan``)."""
-
-
-def _hint(x: Any) -> Any:
-    """A size as a plain int (a SymInt's hint, without guarding on it)."""
-    return x.node.hint if isinstance(x, torch.SymInt) else x
 
 
 def _source(n: fx.Node) -> str:
@@ -81,7 +76,7 @@ def _writes(n: fx.Node, ph: set[fx.Node]) -> fx.Node | None:
     if n.op == "call_method" and n.target.endswith("_") and n.args and n.args[0] in ph:
         return n.args[0]
     if n.op == "call_function":
-        if n.target in _INPLACE and n.args and n.args[0] in ph:
+        if n.target in _INPLACE_FUNCTIONS and n.args and n.args[0] in ph:
             return n.args[0]
         schema = getattr(n.target, "_schema", None)
         if schema is not None:
@@ -241,13 +236,15 @@ class StaticDecode:
 def build(gm: fx.GraphModule, example_inputs: list[Any], graph_fn: Callable[..., Any],
           stats: dict[str, Any]) -> Callable[..., Any] | None:  # fmt: skip
     """``graph_fn``'s replacement when ``gm`` is a static-cache decode step the plan runs,
-    else None; ``stats`` gets ``active`` / ``reason`` (and ``steps`` while running)."""
-    stats.update(active=False, reason="", steps=0, fallback_steps=0)
+    else None. For a static-cache decode graph (a candidate) ``stats`` gets ``active`` /
+    ``reason`` (and ``steps`` while running); for any other graph it stays empty."""
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ph_index = {n: i for i, n in enumerate(ph)}
-    writes = [(n, w) for n in gm.graph.nodes if (w := _writes(n, set(ph))) is not None]
+    inputs = set(ph)
+    writes = [(n, w) for n in gm.graph.nodes if (w := _writes(n, inputs)) is not None]
     if not any(n.op == "call_method" and n.target == "index_copy_" for n, _ in writes):
         return None  # no static cache: not a candidate, nothing to report
+    stats.update(active=False, reason="", steps=0, fallback_steps=0)
     try:
         spec = _match(gm, example_inputs, ph, ph_index, writes)
     except NotPlanned as e:
@@ -328,7 +325,11 @@ def _match(gm: fx.GraphModule, example_inputs: list[Any], ph: list[fx.Node],
     if not isinstance(out, (tuple, list)) or len(out) != 1 or not isinstance(out[0], fx.Node):
         raise NotPlanned("the graph returns more than the logits")
     ev = out[0].meta.get("example_value")
-    if not isinstance(ev, torch.Tensor) or ev.dim() != 3 or _hint(ev.shape[1]) != 1:
+    try:
+        one_token = isinstance(ev, torch.Tensor) and ev.dim() == 3 and _hint(ev.shape[1]) == 1
+    except ValueError:  # a symbolic size without a hint
+        one_token = False
+    if not one_token:
         raise NotPlanned("the graph's output is not logits [batch, 1, vocab]")
     params = [n for n in ph if _MODULES in src[n] and isinstance(example_inputs[ph_index[n]],
                                                                   torch.nn.Parameter)]  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torch_topg.engine.attention import ATTN_IMPLEMENTATION, register_attention
+from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
 
 #: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.cpp kMaxTokens).
 PLAN_MAX_TOKENS = 16
@@ -124,8 +125,6 @@ class ModelRunner:
             self.plan_reason = self._plan_wanted or "decode_plan=False"
             return
         if self.device.type == "cuda":  # the step as CUDA graphs, captured on first use
-            from torch_topg.engine.cuda_graphs import DecodeGraphs
-
             self.plan, self.plan_reason = DecodeGraphs(self), ""
             return
         try:
@@ -140,8 +139,6 @@ class ModelRunner:
             self.relower()
         if self.plan is None:
             return None
-        from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
-
         if isinstance(self.plan, DecodeGraphs):  # CUDA (cuda_graphs.py)
             try:
                 logits = self.plan.run(b)

@@ -412,3 +412,50 @@ def test_reshape_and_cache_bad_slot_mapping():
     for slots in (torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]]), torch.tensor([0, 1, 2])):
         with pytest.raises(RuntimeError, match="argument 'slot_mapping'"):
             torch_topg.ops.reshape_and_cache(key, key, _kc.clone(), _vc.clone(), slots)
+
+
+_AVX2_PAGED = """
+import sys, torch, torch_topg
+cases = torch.load(sys.argv[1])
+torch.save([torch_topg.ops.paged_attention(*a, cu_seqlens_q=cu) for a, cu in cases], sys.argv[2])
+"""
+
+
+@requires_kernel("paged_attention")
+def test_bf16_dot_path_and_avx2_path_match_the_reference(tmp_path):
+    """bf16 caches with a head dim that is a multiple of 32 take the AVX-512 BF16 path
+    (paged_bf16dp.h) on CPUs that have it, the AVX2 path elsewhere. The AVX2 path runs in a
+    subprocess with TOPG_DISABLE_AVX512=1; both are compared with the reference (decode and
+    ragged rows, odd key counts, every head-group width), and with each other."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(3)
+    cases, refs = [], []
+    for lens, (hq, hkv), d in [
+        ([1, 17, 300, 33], (9, 3), 64),
+        ([700, 5], (8, 2), 128),
+        ([129, 16], (4, 4), 32),
+        ([45], (4, 2), 256),
+        ([3, 64], (6, 1), 96),
+    ]:
+        q, kc, vc, bt, sl = _paged(lens, hq, hkv, d, 16, torch.bfloat16)
+        cases.append(((q, kc, vc, bt, sl), None))
+        q_lens = [min(n, 4) for n in lens]
+        qr = torch.randn(sum(q_lens), hq, d, dtype=torch.bfloat16)
+        cases.append(((qr, kc, vc, bt, sl), _cu(q_lens)))
+    for (q, kc, vc, bt, sl), cu in cases:
+        refs.append(reference.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu))
+    inp, out, script = tmp_path / "in.pt", tmp_path / "out.pt", tmp_path / "avx2.py"
+    torch.save(cases, inp)
+    script.write_text(_AVX2_PAGED)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    avx2 = torch.load(out, weights_only=False)
+    for ((args, cu), ref, theirs) in zip(cases, refs, avx2, strict=True):
+        ours = torch_topg.ops.paged_attention(*args, cu_seqlens_q=cu)
+        assert_close(ours, ref)
+        assert_close(theirs, ref)
+        assert_close(ours, theirs)

@@ -39,6 +39,23 @@ inline bool use_bf16dp() {
 #define TOPG_BF16DP 1
 #define TOPG_TARGET_BF16DP __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
+// r[j] = the sum of v[j]'s 16 lanes, for j < 16: per 128-bit lane L, S_L = (l0 + l2) +
+// (l1 + l3), then (S_0 + S_1) + (S_2 + S_3) (a fixed tree: the same order every call).
+TOPG_TARGET_BF16DP __attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of 4 vectors
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // lanes 0+1 and 2+3 of two of them
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // s[i] = a[i] . w for RA bf16 rows a and one weight row w: one accumulator per output,
 // fed 32 products at a time front to back (the last 32 lanes masked), so an output's sum
 // runs in one order whatever RA is: a row's result does not depend on the rows beside

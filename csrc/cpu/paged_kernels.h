@@ -19,14 +19,17 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "paged_bf16dp.h"
 #include "vec.h"
 
 namespace topg::paged {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t TOKEN_TILE = 16;  // tokens per tile: their K or V rows stay in L1/L2
+static_assert(TOKEN_TILE == 16, "paged_bf16dp.h handles 16 keys (8 pairs) a tile");
 // How far ahead (bytes of cache rows) the rows are prefetched, a line at a time spread
 // through the compute. Measured on Zen 1: 8-12 KiB is best; 64-128 KiB ahead (in
 // bursts of whole tiles) ran at 0.45-0.5 of the read bandwidth instead of ~0.6.
@@ -86,6 +89,8 @@ struct Workspace {
   std::vector<float> ksc, vsc;  // int8 caches: [hkv, ps] scales of the partition's tokens
   std::vector<int64_t> slots;   // int8 caches: the tokens' cache slots
   std::vector<int64_t> rows;
+  std::vector<bf16> qb;      // bf16 dot path: the queries, unscaled
+  std::vector<uint32_t> pw;  // bf16 dot path: a tile's weights in bf16 pairs
   // Per token of the K (V) pass: the row start to prefetch meanwhile, or null.
   std::vector<const char*> pfk, pfv;
 };
@@ -233,6 +238,9 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
     }
   if (n == 0) return;
   const int64_t as = dp;  // accumulator row stride
+  bool bf16dp = false;  // paged_bf16dp.h: bf16 query and cache, AVX-512 BF16
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+    bf16dp = TOPG_BF16DP && use_attention_bf16dp(d);
   ws.q.assign(VH * dp, 0.f);
   ws.acc.assign(VH * as, 0.f);
   ws.s.resize(VH * ps);
@@ -260,15 +268,24 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
   }
 
   const float qscale = a.softcap > 0 ? a.scale / a.softcap : a.scale;
+  if (bf16dp) ws.qb.resize(VH * d);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < H; ++h) {
       const T* src = a.q + rp[r].row * a.q_ss + h * a.q_sh;  // T: the query's type
-      float* dst = ws.q.data() + (((h / G) * R + r) * G + h % G) * dp;
+      const int64_t vh = ((h / G) * R + r) * G + h % G;
+      if (bf16dp) {
+        std::memcpy(ws.qb.data() + vh * d, src, d * sizeof(T));
+        continue;
+      }
+      float* dst = ws.q.data() + vh * dp;
       for (int64_t e = 0; e < d; ++e) dst[e] = to_float(src[e]) * qscale;
     }
   const int64_t* rows = ws.rows.data();
   {  // prefetch targets: K rows PF tokens ahead, running on into the V rows
-    const int64_t PF = std::max<int64_t>(1, PREFETCH_BYTES / (a.hkv * d * int64_t(sizeof(C))));
+    // The bf16 dot path issues a tile's prefetches as the tile starts: one tile ahead
+    // (paged_bf16dp.h has the measurements).
+    const int64_t PF = bf16dp ? TOKEN_TILE
+                              : std::max<int64_t>(1, PREFETCH_BYTES / (a.hkv * d * int64_t(sizeof(C))));
     ws.pfk.assign(n, nullptr);
     ws.pfv.assign(n, nullptr);
     const char* kb = reinterpret_cast<const char*>(a.kc);
@@ -285,7 +302,19 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
   }
   const int64_t hs = a.head_stride(), rsz = hs * int64_t(sizeof(C));  // head to head
   float* scores = ws.s.data();
-  with_head_group(head_group(VG), [&]<int HG>() {
+#if TOPG_BF16DP
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+    if (bf16dp)
+      for (int64_t t = 0; t < n; t += TOKEN_TILE) {
+        const int64_t nt = std::min(TOKEN_TILE, n - t);
+        for (int64_t vh = 0; vh < VH; ++vh) {
+          const int64_t kvh = vh / VG;
+          qk16_bf16dp(ws.qb.data() + vh * d, a.kc + kvh * hs, rows + t, nt, d, qscale,
+                      scores + vh * ps + t, vh % VG == 0 ? ws.pfk.data() + t : nullptr, kvh * rsz);
+        }
+      }
+#endif
+  if (!bf16dp) with_head_group(head_group(VG), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
       // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
@@ -348,7 +377,25 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
 
   // acc = P V, same tiling.
   float* acc = ws.acc.data();
-  with_head_group(head_group(VG), [&]<int HG>() {
+#if TOPG_BF16DP
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+    if (bf16dp) {
+      ws.pw.resize(4 * 8);  // HG <= 4 heads x 8 pairs
+      with_head_group(head_group(VG), [&]<int HG>() {
+        for (int64_t t = 0; t < n; t += TOKEN_TILE) {
+          const int64_t nt = std::min(TOKEN_TILE, n - t);
+          for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
+            for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG) {
+              pair_weights<HG>(scores + h * ps + t, ps, nt, ws.pw.data());
+              pv_bf16dp<HG>(ws.pw.data(), a.vc + kvh * hs, rows + t, nt, d, acc + h * as, as,
+                            h == kvh * VG ? ws.pfv.data() + t : nullptr, kvh * rsz);
+            }
+        }
+      });
+      for (int64_t vh = 0; vh < VH; ++vh) unpermute_pairs(acc + vh * as, d);
+    }
+#endif
+  if (!bf16dp) with_head_group(head_group(VG), [&]<int HG>() {
     for (int64_t t = 0; t < n; t += TOKEN_TILE) {
       const int64_t nt = std::min(TOKEN_TILE, n - t);
       for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {

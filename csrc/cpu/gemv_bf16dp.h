@@ -56,6 +56,32 @@ TOPG_TARGET_BF16DP __attribute__((always_inline)) inline __m512 reduce16(const _
                        _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The sum of v's 16 lanes, in reduce16's order.
+TOPG_TARGET_BF16DP __attribute__((always_inline)) inline float reduce1(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_cvtss_f32(v);
+}
+
+// s[j] = the sum of v[j]'s 16 lanes for j < 8, in reduce16's order (its first three steps
+// on 8 vectors).
+TOPG_TARGET_BF16DP __attribute__((always_inline)) inline void reduce8(const __m512* v, float* s) {
+  __m512 b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, _MM_SHUFFLE(2, 3, 0, 1)));
+  // e's 128-bit lanes: [v0..v3 sums, same, v4..v7 sums, same]
+  _mm256_storeu_ps(s, _mm512_castps512_ps256(_mm512_shuffle_f32x4(e, e, _MM_SHUFFLE(2, 0, 2, 0))));
+}
+
 // s[i] = a[i] . w for RA bf16 rows a and one weight row w: one accumulator per output,
 // fed 32 products at a time front to back (the last 32 lanes masked), so an output's sum
 // runs in one order whatever RA is: a row's result does not depend on the rows beside
@@ -80,7 +106,15 @@ TOPG_TARGET_BF16DP inline void dp_rows(const bf16* const* a, const bf16* w, cons
     for (int i = 0; i < RA; ++i)
       acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, a[i] + k), wv);
   }
-  for (int i = 0; i < RA; ++i) s[i] = _mm512_reduce_add_ps(acc[i]);
+  if constexpr (RA >= 3) {  // the same tree as reduce1, 8 sums at a time
+    __m512 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = i < RA ? acc[i] : _mm512_setzero_ps();
+    float t[8];
+    reduce8(v, t);
+    for (int i = 0; i < RA; ++i) s[i] = t[i];
+  } else {
+    for (int i = 0; i < RA; ++i) s[i] = reduce1(acc[i]);
+  }
 }
 
 // Weight rows this far ahead are prefetched into L2 while a row is read.

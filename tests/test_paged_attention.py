@@ -454,7 +454,7 @@ def test_bf16_dot_path_and_avx2_path_match_the_reference(tmp_path):
     subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
                    cwd=tmp_path, timeout=300)  # fmt: skip
     avx2 = torch.load(out, weights_only=False)
-    for ((args, cu), ref, theirs) in zip(cases, refs, avx2, strict=True):
+    for (args, cu), ref, theirs in zip(cases, refs, avx2, strict=True):
         ours = torch_topg.ops.paged_attention(*args, cu_seqlens_q=cu)
         assert_close(ours, ref)
         assert_close(theirs, ref)

@@ -45,8 +45,8 @@ inline bool use_attention_bf16dp(int64_t d) {
 // pf: per key, a row start to prefetch (DC * 64 bytes from pf_off), or null.
 template <int DC>
 TOPG_TARGET_BF16DP inline void qk16_bf16dp(const bf16* q, const bf16* kc, const int64_t* rows,
-                                           int64_t n, float scale, float* s,
-                                           const char* const* pf, int64_t pf_off) {
+                                           int64_t n, float scale, float* s, const char* const* pf,
+                                           int64_t pf_off) {
   if (pf)
     for (int64_t j = 0; j < n; ++j)
       if (pf[j])
@@ -69,14 +69,22 @@ TOPG_TARGET_BF16DP inline void qk16_bf16dp(const bf16* q, const bf16* kc, const 
                                            int64_t n, int64_t d, float scale, float* s,
                                            const char* const* pf, int64_t pf_off) {
   switch (d / 32) {
-    case 1: return qk16_bf16dp<1>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 2: return qk16_bf16dp<2>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 3: return qk16_bf16dp<3>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 4: return qk16_bf16dp<4>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 5: return qk16_bf16dp<5>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 6: return qk16_bf16dp<6>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 7: return qk16_bf16dp<7>(q, kc, rows, n, scale, s, pf, pf_off);
-    default: return qk16_bf16dp<8>(q, kc, rows, n, scale, s, pf, pf_off);
+    case 1:
+      return qk16_bf16dp<1>(q, kc, rows, n, scale, s, pf, pf_off);
+    case 2:
+      return qk16_bf16dp<2>(q, kc, rows, n, scale, s, pf, pf_off);
+    case 3:
+      return qk16_bf16dp<3>(q, kc, rows, n, scale, s, pf, pf_off);
+    case 4:
+      return qk16_bf16dp<4>(q, kc, rows, n, scale, s, pf, pf_off);
+    case 5:
+      return qk16_bf16dp<5>(q, kc, rows, n, scale, s, pf, pf_off);
+    case 6:
+      return qk16_bf16dp<6>(q, kc, rows, n, scale, s, pf, pf_off);
+    case 7:
+      return qk16_bf16dp<7>(q, kc, rows, n, scale, s, pf, pf_off);
+    default:
+      return qk16_bf16dp<8>(q, kc, rows, n, scale, s, pf, pf_off);
   }
 }
 

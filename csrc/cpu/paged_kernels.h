@@ -238,7 +238,7 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
     }
   if (n == 0) return;
   const int64_t as = dp;  // accumulator row stride
-  bool bf16dp = false;  // paged_bf16dp.h: bf16 query and cache, AVX-512 BF16
+  bool bf16dp = false;    // paged_bf16dp.h: bf16 query and cache, AVX-512 BF16
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
     bf16dp = TOPG_BF16DP && use_attention_bf16dp(d);
   ws.q.assign(VH * dp, 0.f);
@@ -284,8 +284,9 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
   {  // prefetch targets: K rows PF tokens ahead, running on into the V rows
     // The bf16 dot path issues a tile's prefetches as the tile starts: one tile ahead
     // (paged_bf16dp.h has the measurements).
-    const int64_t PF = bf16dp ? TOKEN_TILE
-                              : std::max<int64_t>(1, PREFETCH_BYTES / (a.hkv * d * int64_t(sizeof(C))));
+    const int64_t PF =
+        bf16dp ? TOKEN_TILE
+               : std::max<int64_t>(1, PREFETCH_BYTES / (a.hkv * d * int64_t(sizeof(C))));
     ws.pfk.assign(n, nullptr);
     ws.pfv.assign(n, nullptr);
     const char* kb = reinterpret_cast<const char*>(a.kc);
@@ -314,19 +315,20 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
         }
       }
 #endif
-  if (!bf16dp) with_head_group(head_group(VG), [&]<int HG>() {
-    for (int64_t t = 0; t < n; t += TOKEN_TILE) {
-      const int64_t nt = std::min(TOKEN_TILE, n - t);
-      // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
-      constexpr int64_t TS = 4;
-      for (int64_t u = 0; u < nt; u += TS)
-        for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
-          for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG)
-            qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * hs, rows + t + u,
-                         std::min(TS, nt - u), d, scores + h * ps + t + u, ps,
-                         h == kvh * VG ? ws.pfk.data() + t + u : nullptr, kvh * rsz);
-    }
-  });
+  if (!bf16dp)
+    with_head_group(head_group(VG), [&]<int HG>() {
+      for (int64_t t = 0; t < n; t += TOKEN_TILE) {
+        const int64_t nt = std::min(TOKEN_TILE, n - t);
+        // Token-major: a few tokens' rows (all kv heads) at a time, read sequentially.
+        constexpr int64_t TS = 4;
+        for (int64_t u = 0; u < nt; u += TS)
+          for (int64_t kvh = 0; kvh < a.hkv; ++kvh)
+            for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG)
+              qk_heads<HG>(ws.q.data() + h * dp, dp, a.kc + kvh * hs, rows + t + u,
+                           std::min(TS, nt - u), d, scores + h * ps + t + u, ps,
+                           h == kvh * VG ? ws.pfk.data() + t + u : nullptr, kvh * rsz);
+      }
+    });
 
   if (quant) {  // the scales, prefetched above: [hkv, ps], zero past n (finite pad lanes)
     ws.ksc.assign(a.hkv * ps, 0.f);
@@ -395,23 +397,24 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
       for (int64_t vh = 0; vh < VH; ++vh) unpermute_pairs(acc + vh * as, d);
     }
 #endif
-  if (!bf16dp) with_head_group(head_group(VG), [&]<int HG>() {
-    for (int64_t t = 0; t < n; t += TOKEN_TILE) {
-      const int64_t nt = std::min(TOKEN_TILE, n - t);
-      for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
-        for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG) {
-          float* const pb = ws.pb.data();
-          const float* vsc = quant ? ws.vsc.data() + kvh * ps + t : nullptr;
-          for (int64_t j = 0; j < nt; ++j)
-            for (int g = 0; g < HG; ++g)
-              Vec8(scores[(h + g) * ps + t + j] * (vsc ? vsc[j] : 1.f))
-                  .store(pb + (j * HG + g) * 8);
-          pv_heads<HG>(pb, a.vc + kvh * hs, rows + t, nt, d, acc + h * as, as,
-                       h == kvh * VG ? ws.pfv.data() + t : nullptr, kvh * rsz);
+  if (!bf16dp)
+    with_head_group(head_group(VG), [&]<int HG>() {
+      for (int64_t t = 0; t < n; t += TOKEN_TILE) {
+        const int64_t nt = std::min(TOKEN_TILE, n - t);
+        for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
+          for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG) {
+            float* const pb = ws.pb.data();
+            const float* vsc = quant ? ws.vsc.data() + kvh * ps + t : nullptr;
+            for (int64_t j = 0; j < nt; ++j)
+              for (int g = 0; g < HG; ++g)
+                Vec8(scores[(h + g) * ps + t + j] * (vsc ? vsc[j] : 1.f))
+                    .store(pb + (j * HG + g) * 8);
+            pv_heads<HG>(pb, a.vc + kvh * hs, rows + t, nt, d, acc + h * as, as,
+                         h == kvh * VG ? ws.pfv.data() + t : nullptr, kvh * rsz);
+          }
         }
       }
-    }
-  });
+    });
   for (int64_t vh = 0; vh < VH; ++vh) {
     const int64_t r = (vh % VG) / G, h = (vh / VG) * G + vh % G;
     std::copy_n(acc + vh * as, dp, rp[r].res + h * rs);

@@ -65,27 +65,10 @@ TOPG_TARGET_BF16DP inline void qk16_bf16dp(const bf16* q, const bf16* kc, const 
 }
 
 // qk16_bf16dp for a head dim d (a multiple of 32, at most 256).
-TOPG_TARGET_BF16DP inline void qk16_bf16dp(const bf16* q, const bf16* kc, const int64_t* rows,
-                                           int64_t n, int64_t d, float scale, float* s,
-                                           const char* const* pf, int64_t pf_off) {
-  switch (d / 32) {
-    case 1:
-      return qk16_bf16dp<1>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 2:
-      return qk16_bf16dp<2>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 3:
-      return qk16_bf16dp<3>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 4:
-      return qk16_bf16dp<4>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 5:
-      return qk16_bf16dp<5>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 6:
-      return qk16_bf16dp<6>(q, kc, rows, n, scale, s, pf, pf_off);
-    case 7:
-      return qk16_bf16dp<7>(q, kc, rows, n, scale, s, pf, pf_off);
-    default:
-      return qk16_bf16dp<8>(q, kc, rows, n, scale, s, pf, pf_off);
-  }
+inline void qk16_bf16dp(const bf16* q, const bf16* kc, const int64_t* rows, int64_t n, int64_t d,
+                        float scale, float* s, const char* const* pf, int64_t pf_off) {
+  gemm::with_rows<8>(int(d / 32),
+                     [&]<int DC>() { qk16_bf16dp<DC>(q, kc, rows, n, scale, s, pf, pf_off); });
 }
 
 // acc[g][..] += sum_t p[g, t] v_t for HG heads over n <= TOKEN_TILE keys at vc + rows[t]:

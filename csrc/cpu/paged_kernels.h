@@ -241,7 +241,7 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
   bool bf16dp = false;    // paged_bf16dp.h: bf16 query and cache, AVX-512 BF16
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
     bf16dp = TOPG_BF16DP && use_attention_bf16dp(d);
-  ws.q.assign(VH * dp, 0.f);
+  if (!bf16dp) ws.q.assign(VH * dp, 0.f);  // the bf16 dot path reads ws.qb
   ws.acc.assign(VH * as, 0.f);
   ws.s.resize(VH * ps);
   ws.pb.resize(TOKEN_TILE * 4 * 8);

@@ -316,8 +316,10 @@ def test_cost_model_monotone_fit_ignores_bursts():
     assert c(1) == c(9) == 0.010  # one count: flat
     c.observe(3, 0.014)
     assert c(2) == pytest.approx(0.012) and c(5) == pytest.approx(0.018)
-    for _ in range(3):
-        c.observe(3, 0.050)  # a neighbour's burst: the lower quartile stays
+    c.observe(3, 0.014)
+    c.observe(3, 0.014)
+    for _ in range(2):
+        c.observe(3, 0.050)  # a neighbour's burst: the median stays
     assert c(3) == pytest.approx(0.014)
     for _ in range(8):
         c.observe(3, 0.024)  # a lasting change moves it within a window
@@ -330,6 +332,45 @@ def test_cost_model_monotone_fit_ignores_bursts():
     assert d(1) == d(2) == pytest.approx(0.019)
     assert d(4) == 0.030 and d(3) == pytest.approx(0.0245)
     assert list(d.points()) == [1, 2, 4]
+
+
+def test_cost_model_rare_count_is_not_cheaper_than_the_common_one():
+    # The batch-8 case: the plain count seen every step, one more token seen twice, both
+    # with the same spread. The fitted curve must keep the extra token's cost (a lower
+    # quartile made the rare count's minimum look cheaper than the common count's
+    # quartile, and the fit then pooled them into a flat segment).
+    c = CostModel()
+    spread = [0.0150, 0.0145, 0.0170, 0.0140, 0.0160, 0.0155, 0.0148, 0.0165] * 2
+    for t in spread:
+        c.observe(8, t)
+    c.observe(9, 0.0142 + 0.0007)
+    c.observe(9, 0.0165 + 0.0007)
+    assert c(9) - c(8) > 0.0005
+
+
+def test_cost_model_prices_rare_counts_by_the_profile_shape_at_todays_level():
+    c = CostModel(horizon=32)
+    for T, t in ((8, 0.010), (9, 0.011), (12, 0.014)):  # start-up profile, short context
+        c.seed(T, t)
+    assert c(9) == pytest.approx(0.011)
+    c.observe(9, 0.0105)  # seen once early, at a short context
+    for _ in range(40):  # later steps at a longer context: the plain count costs more
+        c.observe(8, 0.015)
+    # the early 9 is older than the horizon: t(9) follows the profile from today's t(8)
+    assert c(8) == pytest.approx(0.015)
+    assert c(9) == pytest.approx(0.015 * 1.1) and c(12) == pytest.approx(0.015 * 1.4)
+    assert c(10) == pytest.approx(0.015 * 1.2)  # between profile points: interpolated
+    c.observe(9, 0.0140)  # measured now, once: pulled towards the prior (4 to 1)
+    assert c(9) == pytest.approx((0.0140 + 4 * 0.0165) / 5)
+    for _ in range(12):
+        c.observe(9, 0.0180)  # measured often: its own median dominates
+    assert c(9) == pytest.approx((13 * 0.018 + 4 * 0.0165) / 17)
+    # without a profile, a count keeps its measurements however old
+    d = CostModel(horizon=4)
+    d.observe(2, 0.02)
+    for _ in range(10):
+        d.observe(1, 0.01)
+    assert d(2) == pytest.approx(0.02)
 
 
 def _flat(t1=0.02, slope=0.0):

@@ -125,7 +125,11 @@ constexpr int kTileW = 4, kTileA = 4;
 // the last 32 masked, and the same lane tree: reduce16), so a tile gives the bits
 // dp_rows gives. One A vector serves 4 weight rows and one weight vector 4 A rows: half
 // a load per vdpbf16ps, against 9 / 8 in dp_rows at 8 rows. With PF, the 4 weight rows
-// at pf are prefetched into L2 meanwhile, one line per 32 weights of each.
+// at pf are prefetched (T0: into L1 and L2) meanwhile, one line per 32 weights of each.
+// T0 rather than T1 here: [3072, 576] x 8 rows, weights cold, 2 threads, through
+// topg::linear, three alternations: 134-146 us against 136-166 with T1 (standalone
+// kernel, aligned buffers, 7 alternations: medians 119 against 127 us; NTA 118, none 151).
+// The fp32 tiles (gemv_avx512.h) showed no difference beyond the noise and keep T1.
 template <int RA, bool PF>
 TOPG_TARGET_BF16DP inline void dp_tile(const bf16* const* a, const bf16* w, int64_t ldw,
                                        const bf16* pf, int64_t K, float* s) {
@@ -137,7 +141,7 @@ TOPG_TARGET_BF16DP inline void dp_tile(const bf16* const* a, const bf16* w, int6
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[kTileW];
     for (int r = 0; r < kTileW; ++r) {
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T1);
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
       wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
     }
     for (int i = 0; i < RA; ++i) {
@@ -149,7 +153,7 @@ TOPG_TARGET_BF16DP inline void dp_tile(const bf16* const* a, const bf16* w, int6
     const __mmask32 mask = __mmask32((1u << (K - k)) - 1);
     __m512bh wv[kTileW];
     for (int r = 0; r < kTileW; ++r) {
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T1);
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
       wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + k);
     }
     for (int i = 0; i < RA; ++i) {
@@ -165,8 +169,8 @@ constexpr int64_t kBf16dpPrefetchRows = 8;
 
 // For weight rows [n0, n1) of W ([N, K] bf16, row stride ldw) and M bf16 rows a[0..M):
 // emit(m, n, sum) for every pair. Rows are read front to back (the hardware prefetcher
-// follows one stream best) and the row 8 ahead is prefetched into L2 (T1) as a row is
-// read, so that with several A rows the reads of later rows overlap the arithmetic.
+// follows one stream best) and the row 8 ahead is prefetched (dp_rows: into L2, T1; dp_tile:
+// T0) as a row is read, so that with several A rows the reads of later rows overlap the arithmetic.
 // One or two A rows: one weight row at a time (dp_rows; bound by the reads). Three or
 // more: tiles of 4 weight rows x up to 4 A rows (dp_tile; bound by the arithmetic at 8
 // rows, whose loads it halves), the rows left over one at a time. Every path sums an

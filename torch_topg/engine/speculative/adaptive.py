@@ -36,6 +36,7 @@ pseudo-trials of it, so a new sequence starts from what the method achieves over
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,48 +44,76 @@ from dataclasses import dataclass, field
 class CostModel:
     """Seconds of a step by the number of tokens it computes, ``t(T)``, measured.
 
-    Per token count, the lower quartile of the last ``window`` measurements (a step
-    slowed by a neighbour's burst of work on a shared CPU does not move it; a lasting
-    change does within a window). Through those points: the best non-decreasing fit
-    (pool-adjacent-violators, each point weighted by its number of measurements: a step
-    never gets cheaper with more tokens, and a noisy point is averaged with its
-    neighbours instead of bending the curve), interpolated linearly, extrapolated along
-    the last segment, held below the smallest count. The engine seeds it with a start-up
-    profile (one sequence, ``T`` up to the largest verify step of a full batch) and every
-    step refines it. Unmeasured: ``t(T) = 1`` (a memory-bound step).
+    Two sources. The start-up profile (:meth:`seed`) times every shape the rule prices
+    under the same conditions (short context, best of a few runs), so its points compare
+    with each other but not with the steps the engine runs later, whose time also grows
+    with the context their attention reads. Every step the engine runs
+    (:meth:`observe`) is a measurement of now. A count measured within the last
+    ``horizon`` steps takes the median of those measurements (the last ``window`` at
+    most: a step slowed by a neighbour's burst on a shared CPU moves it only if half of
+    them are). The profile gives every count a prior, its shape at today's level:
+    ``t(A) * p(T) / p(A)``, with ``A`` the count measured most often lately (the plain
+    step) and ``p`` the profile's curve. A count's value is its recent median pulled
+    towards that prior as ``prior_weight`` measurements would pull it (one measurement
+    of a rare count is noisier than the few percent a proposal adds to a batch-8 step);
+    a count not measured lately takes the prior. Without a profile, a count keeps its
+    measurements, however old.
+
+    Why not every count from its own measurements: a count seen every step (the plain
+    step of a batch) and one seen three times in a run (the plain batch plus one
+    proposal, or its profile point from the start) were measured at other contexts and
+    with other sample sizes. With a lower quartile per count (before 2026-12-02), batch-8
+    chat in bf16 fitted ``t(9) = t(8)``: a proposal looked free, and one with acceptance
+    0.26 passed the rule (0.89x of the plain engine).
+
+    Through the points: the best non-decreasing fit (pool-adjacent-violators, each point
+    weighted by its number of measurements: a step never gets cheaper with more tokens),
+    interpolated linearly, extrapolated along the last segment, held below the smallest
+    count. Unmeasured: ``t(T) = 1`` (a memory-bound step).
     """
 
-    def __init__(self, window: int = 16) -> None:
+    def __init__(self, window: int = 16, horizon: int = 128, prior_weight: float = 4.0) -> None:
         self.window = window
-        self._obs: dict[int, list[float]] = {}
+        self.horizon = horizon
+        self.prior_weight = prior_weight
+        self._clock = 0  # steps observed
+        self._obs: dict[int, list[tuple[int, float]]] = {}  # T -> [(clock, seconds)]
+        self._seed: dict[int, list[float]] = {}
+        self._prof: tuple[list[int], list[float]] | None = None
         self._curve: tuple[list[int], list[float]] | None = None
 
+    def seed(self, tokens: int, seconds: float) -> None:
+        """A start-up profile point (see the class docstring)."""
+        if tokens >= 1 and seconds > 0:
+            self._seed.setdefault(tokens, []).append(seconds)
+            self._prof = self._curve = None
+
     def observe(self, tokens: int, seconds: float) -> None:
+        """A step the engine ran."""
         if tokens < 1 or not seconds > 0:
             return
+        self._clock += 1
         obs = self._obs.setdefault(tokens, [])
-        obs.append(seconds)
+        obs.append((self._clock, seconds))
         if len(obs) > self.window:
             del obs[0]
         self._curve = None
 
-    def _fit(self) -> tuple[list[int], list[float]]:
-        if self._curve is None:
-            ts = sorted(self._obs)
-            blocks: list[list[float]] = []  # [value, weight, count of points]
-            for t in ts:
-                o = sorted(self._obs[t])
-                blocks.append([o[(len(o) - 1) // 4], float(len(o)), 1])
-                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                    v2, w2, c2 = blocks.pop()
-                    v1, w1, c1 = blocks[-1]
-                    blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
-            vs = [v for v, _, c in blocks for _ in range(int(c))]
-            self._curve = (ts, vs)
-        return self._curve
+    @staticmethod
+    def _monotone(points: list[tuple[int, float, float]]) -> tuple[list[int], list[float]]:
+        """Pool-adjacent-violators over ``(T, value, weight)`` sorted by T."""
+        blocks: list[list[float]] = []  # [value, weight, count of points]
+        for _, v, w in points:
+            blocks.append([v, w, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                v2, w2, c2 = blocks.pop()
+                v1, w1, c1 = blocks[-1]
+                blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+        return [t for t, _, _ in points], [v for v, _, c in blocks for _ in range(int(c))]
 
-    def __call__(self, tokens: int) -> float:
-        ts, v = self._fit()
+    @staticmethod
+    def _interp(curve: tuple[list[int], list[float]], tokens: int) -> float:
+        ts, v = curve
         if not ts:
             return 1.0
         i = bisect.bisect_left(ts, tokens)
@@ -99,6 +128,47 @@ class CostModel:
             return v[-1] + slope * (tokens - ts[-1])
         w = (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
         return v[i - 1] + w * (v[i] - v[i - 1])
+
+    def _fit(self) -> tuple[list[int], list[float]]:
+        if self._curve is None:
+            if self._prof is None:  # the profile's own curve changes only with seed()
+                self._prof = self._monotone(
+                    [(t, statistics.median(x), 1.0) for t, x in sorted(self._seed.items())]
+                )
+            prof = self._prof
+            since = self._clock - self.horizon
+            recent: dict[int, list[float]] = {}
+            for t, obs in self._obs.items():
+                r = [x for c, x in obs if c > since]
+                if r:
+                    recent[t] = r
+            anchor, level = 0, 0.0  # the count measured most often lately, its median
+            if recent and prof[0]:
+                anchor = max(recent, key=lambda t: (len(recent[t]), t))
+                level = statistics.median(recent[anchor]) / self._interp(prof, anchor)
+            pts: list[tuple[int, float, float]] = []
+            for t in sorted(set(self._obs) | set(self._seed)):
+                prior = level * self._interp(prof, t) if anchor else None
+                if t in recent:
+                    n = len(recent[t])
+                    m = statistics.median(recent[t])
+                    v = (
+                        m
+                        if prior is None
+                        else (n * m + self.prior_weight * prior) / (n + self.prior_weight)
+                    )
+                    pts.append((t, v, float(n)))
+                elif prior is not None:
+                    pts.append((t, prior, 1.0))
+                elif t in self._obs:
+                    pts.append((t, statistics.median(x for _, x in self._obs[t]), 1.0))
+                else:
+                    pts.append((t, self._interp(prof, t), 1.0))
+            self._curve = self._monotone(pts)
+        return self._curve
+
+    def __call__(self, tokens: int) -> float:
+        return self._interp(self._fit(), tokens)
 
     def points(self) -> dict[int, float]:
         """The fitted curve at the measured token counts ``{tokens: seconds}``."""

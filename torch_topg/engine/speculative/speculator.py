@@ -68,7 +68,10 @@ class Speculator:
             draft_cost=self.draft.cost if self.draft else None,
             adaptive=cfg.adaptive,
             disable_by_batch_size=cfg.disable_by_batch_size,
-            probe_k=0 if cfg.method == "ngram" else 1,  # a found match costs nothing to try
+            # One proposal a probe, prompt lookup included: its whole match (up to k) made
+            # a probe at batch 8 cost 30-45% of a step (bf16, measured 2026-12-02), and its
+            # acceptance is measured anyway from the proposals it does not use (shadows).
+            probe_k=1,
         )
         self.runner = runner
         self.stats = SpecStats()
@@ -80,23 +83,26 @@ class Speculator:
 
     # --- start-up ------------------------------------------------------------------
     def warmup(self, max_batch_size: int, max_tokens: int, profile: bool = True) -> None:
-        """Compile the draft; seed the cost curve with timed steps of one sequence of
-        ``T = 1 .. k + 1`` tokens, and of the sizes of batches of 2, 4, 8 .. sequences
-        without and with ``k`` proposals each (at most ``max_tokens``)."""
+        """Compile the draft; seed the cost curve with timed steps of the shapes the rule
+        prices: one sequence of ``T = 1 .. k + 1`` tokens, and batches of 2, 4, 8 ..
+        sequences of one token each, with one of them verifying ``1 .. k`` proposals, and
+        with every one verifying ``k // 2`` and ``k`` (at most ``max_tokens`` a step).
+        Batches are profiled as batches: a batch-8 step reads eight sequences' KV and
+        runs on the decode plan up to its 16 tokens, where one sequence of the same
+        token count does neither."""
         if self.draft is not None:
             self.draft.warmup()
         if profile:
             t0 = time.perf_counter()
-            k1 = self.cfg.k + 1
-            sizes = set(range(1, k1 + 1))
+            k = self.cfg.k
+            shapes: list[tuple[int, ...]] = [(t,) for t in range(1, k + 2)]
             b = 2
             while b <= max_batch_size:
-                sizes |= {b, b * (1 + self.cfg.k // 2), b * k1}
+                shapes += [(1 + j,) + (1,) * (b - 1) for j in range(k + 1)]
+                shapes += [(1 + k // 2,) * b, (1 + k,) * b]
                 b *= 2
-            for T, s in profile_steps(
-                self.runner, sorted(t for t in sizes if t <= max_tokens)
-            ).items():
-                self.ctl.cost.observe(T, s)
+            for T, s in profile_shapes(self.runner, [x for x in shapes if sum(x) <= max_tokens]):
+                self.ctl.cost.seed(T, s)
             self.time["profile_s"] = time.perf_counter() - t0
 
     # --- 1. plan -------------------------------------------------------------------
@@ -212,25 +218,38 @@ class Speculator:
         }
 
 
-def profile_steps(runner: ModelRunner, sizes: Seq[int], repeats: int = 3) -> dict[int, float]:
-    """Seconds of a one-sequence step of ``T`` tokens for each of ``sizes`` (best of
-    ``repeats``), on blocks 0.. of the pool (before serving: nothing lives there)."""
+def profile_shapes(
+    runner: ModelRunner, shapes: Seq[Seq[int]], repeats: int = 3
+) -> list[tuple[int, float]]:
+    """``(T, seconds)`` of a step for each shape (the new tokens of each of its
+    sequences, every row sampled as in a verify step; ``T`` their sum), best of
+    ``repeats``, on blocks 0.. of the pool (before serving: nothing lives there). Shapes
+    that need more blocks than the pool has are left out."""
     bs = runner.block_size
-    out: dict[int, float] = {}
+    out: list[tuple[int, float]] = []
     ctx = 8  # a short context before the new tokens
-    for T in sizes:
-        n_blocks = -(-(ctx + T) // bs)
-        if n_blocks > runner.num_blocks:
-            break
-        items = [(list(range(1, ctx + T + 1)), ctx, T, list(range(n_blocks)))]
-        batch = runner.pack(items, [T])
+    for shape in shapes:
+        items, blk = [], 0
+        for i, T in enumerate(shape):
+            n = -(-(ctx + T) // bs)
+            items.append(([1 + i] * ctx + list(range(1, T + 1)), ctx, T, list(range(blk, blk + n))))
+            blk += n
+        if blk > runner.num_blocks:
+            continue
+        batch = runner.pack(items, list(shape))
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
             runner.execute(batch)
             best = min(best, time.perf_counter() - t0)
-        out[T] = best
+        out.append((sum(shape), best))
     return out
+
+
+def profile_steps(runner: ModelRunner, sizes: Seq[int], repeats: int = 3) -> dict[int, float]:
+    """Seconds of a one-sequence step of ``T`` tokens for each of ``sizes`` (best of
+    ``repeats``): the verify step's cost against a one-token step (benchmarks)."""
+    return dict(profile_shapes(runner, [(T,) for T in sizes], repeats))
 
 
 def rows_of(logits: torch.Tensor, samples: Seq[int]) -> list[torch.Tensor | None]:

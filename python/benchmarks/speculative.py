@@ -162,10 +162,12 @@ def compare(engine, name, prompts, new, repeats, label, dtype, rows, spec_key="s
         "key": f"{label} | {name} | batch {len(prompts)} | {dtype}",
         "unit": "tok/s",
         "figures": {"plain": summarize(base).to_dict(), spec_key: summarize(fast).to_dict()},
-        "ratios": {"speedup": summarize(ratio).to_dict(),
-                   # plain / speculative mean time to a request's last token: what a
-                   # batch's users see on average (the speed-up is the batch's makespan)
-                   "mean_completion_speedup": summarize(lat).to_dict()},
+        "ratios": {
+            "speedup": summarize(ratio).to_dict(),
+            # plain / speculative mean time to a request's last token: what a
+            # batch's users see on average (the speed-up is the batch's makespan)
+            "mean_completion_speedup": summarize(lat).to_dict(),
+        },
         "higher_is_better": ["plain", spec_key],
         "same_token_count": same,
         **acc,

@@ -7,8 +7,6 @@ adaptive rule and the statistics. The engine integration is tested in
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -407,37 +405,6 @@ def test_plan_speculates_when_it_pays_and_not_otherwise():
         0,
         0,
     ]
-
-
-def test_gains_follow_runs_of_acceptance_not_a_geometric_rate():
-    # Prompt lookup copies in runs: all 4 proposals accepted, or none, alternating. The
-    # truncated-geometric rate is 0.8 (4 of 5 trials) and a^1 + .. + a^4 = 2.36; the
-    # stream's mean is 2.0 extra tokens a verify step.
-    ctl = AdaptiveController(k_max=4, probe_every=0)
-    for _ in range(40):
-        ctl.observe("runs", 4, 4)
-        ctl.observe("runs", 4, 0)
-    assert ctl.acceptance("runs") == pytest.approx(0.8, abs=0.03)
-    g = ctl.gains("runs", 4)
-    assert len(g) == 4 and g == sorted(g, reverse=True)
-    assert sum(g) == pytest.approx(2.0, abs=0.15)
-    assert g[0] == pytest.approx(0.5, abs=0.05) and g[3] > 0.42
-    assert ctl.gains("runs", 2) == g[:2]
-    # a geometric stream (each position accepted with 0.6): gains near 0.6^j
-    geo = AdaptiveController(k_max=3, probe_every=0)
-    rng = random.Random(0)
-    for _ in range(3000):
-        a = 0
-        while a < 3 and rng.random() < 0.6:
-            a += 1
-        geo.observe("g", 3, a)
-    assert geo.gains("g", 3) == pytest.approx([0.6, 0.36, 0.216], abs=0.06)
-    # priced: 4 more tokens cost 25% of a batch-8 step; 2.0 extra tokens do not pay
-    cost = CostModel()
-    for T, t in ((8, 0.0100), (12, 0.0125)):
-        cost.observe(T, t)
-    ctl.cost = cost
-    assert ctl.plan([("runs", 4)] + [(f"x{i}", 0) for i in range(7)], base_tokens=8) == [0] * 8
 
 
 def test_plan_counts_the_draft_models_time():

@@ -1,17 +1,14 @@
 """The adaptive rule: how many tokens each sequence proposes in a step, from measurements.
 
-Model (after Leviathan et al. 2023). A verify step with ``k`` proposals emits ``1 +
-g_1 + ... + g_k`` tokens on average, the ``j``-th proposal adding ``g_j = c_1 c_2 ...
-c_j``, where ``c_j`` is the rate at which the sequence's verify steps that reached
-position ``j`` accepted it (:meth:`AdaptiveController.gains`). With one acceptance rate
-``a`` for every position this is the paper's ``a^j``; measured per position it also
-fits prompt lookup, whose proposals are accepted in runs (all of them or none).
+Model (Leviathan et al. 2023). A sequence whose proposals are accepted with probability
+``a`` each (estimated per sequence) emits ``E(k) = 1 + a + a^2 + ... + a^k`` tokens from
+a verify step with ``k`` proposals; the ``j``-th proposal adds ``a^j`` expected tokens.
 A step that computes ``T`` tokens takes ``t(T)`` seconds, measured (:class:`CostModel`:
 every step the engine runs updates it; a warm-up profile seeds it). For a step whose
 non-speculative form computes ``T0`` tokens and emits one token for each of ``B``
-decoding sequences, proposals add ``N`` tokens and ``sum g_ij`` expected tokens, plus
+decoding sequences, proposals add ``N`` tokens and ``sum a_i^j`` expected tokens, plus
 the draft's own steps (``t_d``, for draft models). The rule takes the proposals in
-order of expected gain ``g_ij`` (highest first) and keeps the prefix ``N`` that maximises
+order of expected gain ``a_i^j`` (highest first) and keeps the prefix ``N`` that maximises
 
     (B + sum of the first N gains) / (t(T0 + N) + draft time)   relative to   B / t(T0),
 
@@ -30,13 +27,10 @@ against the tokens that follow (:meth:`AdaptiveController.set_shadow`), at no co
 with coupled verification, a proposal is accepted exactly when the tokens that follow
 equal it.
 
-Estimates: discounted counts per sequence (each verify step scales the old ones by
-``discount``). Per position ``j``: ``c_j = (h_j + w g_j) / (r_j + w)`` with ``r_j`` the
-verify steps that reached ``j``, ``h_j`` those that accepted it, ``g_j`` the engine-wide
-rate at ``j`` and ``w`` pseudo-trials of it, so a new sequence starts from what the
-method achieves overall. The summary :meth:`AdaptiveController.acceptance` (statistics,
-tests) is ``a = (s + w a_g) / (n + w)`` with ``s`` accepted tokens and ``n`` trials
-(accepted tokens plus one per rejection: the truncated-geometric estimate).
+Acceptance estimate: discounted counts per sequence, ``a = (s + w a_g) / (n + w)``
+with ``s`` accepted tokens, ``n`` trials (accepted tokens plus one per rejection: the
+truncated-geometric estimate), ``a_g`` the engine-wide rate of the method and ``w``
+pseudo-trials of it, so a new sequence starts from what the method achieves overall.
 """
 
 from __future__ import annotations
@@ -186,10 +180,6 @@ class CostModel:
 class _Seq:
     succ: float = 0.0
     trials: float = 0.0
-    # per proposal position j: discounted verify steps that reached it (every earlier
-    # proposal accepted) and that accepted it
-    reach: list[float] = field(default_factory=list)
-    hit: list[float] = field(default_factory=list)
     idle: int = 0  # steps in a row planned at k = 0
     shadow: tuple[list[int], int] | None = None  # (unused proposal, index it starts at)
 
@@ -212,8 +202,6 @@ class AdaptiveController:
     _seqs: dict[Hashable, _Seq] = field(default_factory=dict)
     _succ: float = 1.0  # engine-wide discounted counts (prior 1 of 2: a = 0.5)
     _trials: float = 2.0
-    _reach: list[float] = field(default_factory=list)  # engine-wide, per position
-    _hit: list[float] = field(default_factory=list)
     _elapsed: float = 0.0  # seconds of every step observed
     _probe_spent: float = 0.0  # the cost curve's extra seconds for the probes so far
 
@@ -247,39 +235,6 @@ class AdaptiveController:
         d = self.discount**0.25  # the pooled rate moves slower
         self._succ = d * self._succ + accepted
         self._trials = d * self._trials + trials
-        for reach, hit, f in ((s.reach, s.hit, self.discount), (self._reach, self._hit, d)):
-            while len(reach) < self.k_max:
-                reach.append(0.0)
-                hit.append(0.0)
-            for j in range(self.k_max):
-                reach[j] *= f
-                hit[j] *= f
-            for j in range(min(trials, self.k_max)):
-                reach[j] += 1.0
-                hit[j] += 1.0 if j < accepted else 0.0
-
-    def gains(self, key: Hashable, cap: int) -> list[float]:
-        """Expected extra tokens from each of ``key``'s first ``cap`` proposals: the
-        ``j``-th adds ``c_1 ... c_j``, with ``c_j`` the rate at which a verify step that
-        reached position ``j`` (every earlier proposal accepted) accepted it, per sequence
-        and pulled towards the engine-wide rate at that position as the acceptance is
-        (``prior_weight`` pseudo-trials). Not ``a^j``: prompt lookup copies in runs, so
-        its outcomes are bimodal (all proposals accepted, or none), and a stream of
-        alternating (4 of 4, 0 of 4) has ``a = 0.8`` by accepted / trials, ``a + ... + a^4
-        = 2.36`` extra tokens a step where it gives 2.0 (``c = 0.5, 1, 1, 1``)."""
-        s = self._seqs.get(key)
-        w, out, prod = self.prior_weight, [], 1.0
-        for j in range(min(cap, self.k_max)):
-            gr = self._reach[j] if j < len(self._reach) else 0.0
-            gh = self._hit[j] if j < len(self._hit) else 0.0
-            g = (gh + 1.0) / (gr + 2.0)  # engine-wide, prior 1 of 2
-            if s is not None and j < len(s.reach):
-                c = (s.hit[j] + w * g) / (s.reach[j] + w)
-            else:
-                c = g
-            prod *= c
-            out.append(prod)
-        return out
 
     def set_shadow(self, key: Hashable, proposal: Sequence[int], start: int) -> None:
         """An unused proposal for tokens ``start ..``: scored by :meth:`check_shadow`."""
@@ -315,8 +270,9 @@ class AdaptiveController:
         caps = [max(0, min(c, self.k_max)) for _, c in cands]
         if not self.adaptive:
             return caps
+        acc = [self.acceptance(key) for key, _ in cands]
         gains = sorted(
-            ((g, i) for i in range(B) for g in self.gains(cands[i][0], caps[i])), reverse=True
+            ((acc[i] ** j, i) for i in range(B) for j in range(1, caps[i] + 1)), reverse=True
         )
         t0 = self.cost(base_tokens)
         base_rate = B / t0

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_topg.engine.model_runner import PLAN_MAX_TOKENS
 from torch_topg.engine.speculative.adaptive import AdaptiveController, CostModel
 from torch_topg.engine.speculative.config import SpeculativeConfig
 from torch_topg.engine.speculative.draft import DraftProposer
@@ -85,8 +86,9 @@ class Speculator:
     def warmup(self, max_batch_size: int, max_tokens: int, profile: bool = True) -> None:
         """Compile the draft; seed the cost curve with timed steps of the shapes the rule
         prices: one sequence of ``T = 1 .. k + 1`` tokens, and batches of 2, 4, 8 ..
-        sequences of one token each, with one of them verifying ``1 .. k`` proposals, and
-        with every one verifying ``k // 2`` and ``k`` (at most ``max_tokens`` a step).
+        sequences of one token each, with one of them verifying ``1 .. k`` proposals (while
+        the step fits the decode plan's 16 tokens), and with every one verifying ``k // 2``
+        and ``k`` (at most ``max_tokens`` a step).
         Batches are profiled as batches: a batch-8 step reads eight sequences' KV and
         runs on the decode plan up to its 16 tokens, where one sequence of the same
         token count does neither."""
@@ -98,7 +100,10 @@ class Speculator:
             shapes: list[tuple[int, ...]] = [(t,) for t in range(1, k + 2)]
             b = 2
             while b <= max_batch_size:
-                shapes += [(1 + j,) + (1,) * (b - 1) for j in range(k + 1)]
+                # one sequence's 1..k proposals where the step stays on the decode plan
+                # (its cost moves by a few percent a token there); beyond, the plain step
+                ones = range(k + 1) if b + k <= PLAN_MAX_TOKENS else range(1)
+                shapes += [(1 + j,) + (1,) * (b - 1) for j in ones]
                 shapes += [(1 + k // 2,) * b, (1 + k,) * b]
                 b *= 2
             for T, s in profile_shapes(self.runner, [x for x in shapes if sum(x) <= max_tokens]):

@@ -142,7 +142,9 @@ class CostModel:
                 r = [x for c, x in obs if c > since]
                 if r:
                     recent[t] = r
-            anchor, level = 0, 0.0  # the count measured most often lately, its median
+            # anchor: the count measured most often lately; level: its median over the
+            # profile's value there (the profile's curve times level is the prior)
+            anchor, level = 0, 0.0
             if recent and prof[0]:
                 anchor = max(recent, key=lambda t: (len(recent[t]), t))
                 level = statistics.median(recent[anchor]) / self._interp(prof, anchor)
@@ -150,13 +152,9 @@ class CostModel:
             for t in sorted(set(self._obs) | set(self._seed)):
                 prior = level * self._interp(prof, t) if anchor else None
                 if t in recent:
-                    n = len(recent[t])
-                    m = statistics.median(recent[t])
-                    v = (
-                        m
-                        if prior is None
-                        else (n * m + self.prior_weight * prior) / (n + self.prior_weight)
-                    )
+                    n, v = len(recent[t]), statistics.median(recent[t])
+                    if prior is not None:  # pulled towards the prior
+                        v = (n * v + self.prior_weight * prior) / (n + self.prior_weight)
                     pts.append((t, v, float(n)))
                 elif prior is not None:
                     pts.append((t, prior, 1.0))

@@ -1,7 +1,7 @@
 """Weight-only quantisation on SmolLM2-135M: perplexity per format, and decode ms/token.
 
-Perplexity: a fixed English text (Python's own LICENSE.txt, shipped with every CPython,
-so no download) in chunks of 512 tokens; like ``llama-perplexity -c 512`` only the second
+Perplexity: a fixed English text (``tests/data/coriolanus.txt``: the opening of
+Shakespeare's *Coriolanus*, public domain; tests/data/README.md) in chunks of 512 tokens; like ``llama-perplexity -c 512`` only the second
 half of each chunk is scored (each scored token sees at least 256 tokens of context).
 Formats: the float model (the shipped Q4_1 file de-quantised: its weights *are* q4_1,
 so ``gguf`` gives the same numbers through the reference), and the float weights
@@ -40,14 +40,14 @@ from torch_topg.models import load_smollm2
 FORMATS = [None, "q8_0", "int8", "int4_g32", "int4_g64", "int4_g128"]
 
 
-def license_text() -> Path:
-    """Python's own LICENSE.txt (shipped with every CPython): the fixed text."""
-    v = sys.version_info
-    return Path(sys.base_prefix) / "lib" / f"python{v[0]}.{v[1]}" / "LICENSE.txt"
+def eval_text() -> Path:
+    """The fixed perplexity text shipped in tests/data (public domain; its README says where
+    it comes from)."""
+    return Path(__file__).resolve().parents[2] / "tests" / "data" / "coriolanus.txt"
 
 
 def text_ids(tok, chunks: int, ctx: int = 512) -> torch.Tensor:
-    text = license_text().read_text()
+    text = eval_text().read_text()
     ids = tok(text, return_tensors="pt").input_ids[0]
     n = min(chunks, len(ids) // ctx)
     return ids[: n * ctx].view(n, ctx)
@@ -95,7 +95,7 @@ def vs_llama(args) -> None:
     if args.llama_ppl:
         from quantized_llama import perplexities, ppl_table
 
-        ppl = perplexities(llama, license_text(), args.llama_ppl)
+        ppl = perplexities(llama, eval_text(), args.llama_ppl)
     rows = side_by_side(llama, args.repeats) if args.llama else []
     notes = [f"- command: `python python/benchmarks/quantized.py {' '.join(sys.argv[1:])}`",
              f"- date {date}; 2 threads; SmolLM2-135M-Instruct; read bandwidth "

@@ -133,7 +133,7 @@ def table(rows: list[dict]) -> str:
 
 # --- perplexity on identical token ids ---------------------------------------------------
 # llama-perplexity -c 512 tokenizes the text itself (its tokenizer and transformers' split
-# this text differently: 3,768 against 3,823 ids), so the engine side reads llama.cpp's
+# a text differently: 3,768 against 3,823 ids for Python's LICENSE.txt), so the engine side reads llama.cpp's
 # ids (llama-tokenize, same model file) and scores them as perplexity.cpp does: chunks of
 # 512, the logits of positions 256..510 each predicting the next id (255 a chunk), no BOS
 # (SmolLM2's file does not add one).
@@ -179,9 +179,15 @@ def topg_ppl(model, ids: list[int], chunks: int) -> float:
     return math.exp(nll / count)
 
 
-def perplexities(llama: dict, text: Path, chunks: int, formats=LLAMA_FORMATS) -> list[dict]:
-    """Per GGUF format: llama-perplexity, and the engine's model loaded packed from the
-    same file (fp32 activations, then int8) on llama.cpp's token ids."""
+#: Perplexity files: the float files (the shipped weights de-quantised by llama-quantize;
+#: the engine runs them in fp32 / bf16) and the quantised ones.
+PPL_FORMATS = ("fp32", "bf16", *LLAMA_FORMATS)
+
+
+def perplexities(llama: dict, text: Path, chunks: int, formats=PPL_FORMATS) -> list[dict]:
+    """Per GGUF file: llama-perplexity, and the engine's model loaded from the same file
+    on llama.cpp's token ids: a float file in its own dtype; a quantised one packed, with
+    fp32 activations, then int8."""
     import torch
 
     from torch_topg.engine.loading import load_config
@@ -194,25 +200,31 @@ def perplexities(llama: dict, text: Path, chunks: int, formats=LLAMA_FORMATS) ->
         n = min(chunks, len(ids) // PPL_CTX)
         ref, cmd = llama_ppl(llama, path, text, n)
         config, _ = load_config(path)
-        row = {"format": fmt, "chunks": n, "llama": ref, "llama_cmd": cmd}
-        for act in (False, True):
-            model = load_packed(path, config, torch.float32, int8_activations=act)
+        row = {"format": fmt, "chunks": n, "llama": ref, "llama_cmd": cmd, "int8": None}
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+        for act in (False, True) if fmt in LLAMA_FORMATS else (False,):
+            model = load_packed(path, config, dtype, int8_activations=act)
             row["int8" if act else "fp32"] = topg_ppl(model, ids, n)
-        print(f"{fmt}: perplexity llama.cpp {ref:.4f}, topg {row['fp32']:.4f} "
-              f"({100 * (row['fp32'] / ref - 1):+.2f}%), int8 activations {row['int8']:.4f} "
-              f"({100 * (row['int8'] / ref - 1):+.2f}%)", flush=True)  # fmt: skip
+        line = f"{fmt}: perplexity llama.cpp {ref:.4f}, topg {row['fp32']:.4f} ({_vs(row, 'fp32')})"
+        if row["int8"] is not None:
+            line += f", int8 activations {row['int8']:.4f} ({_vs(row, 'int8')})"
+        print(line, flush=True)
         rows.append(row)
     return rows
 
 
+def _vs(row: dict, key: str) -> str:
+    return "" if row[key] is None else f"{100 * (row[key] / row['llama'] - 1):+.2f}%"
+
+
 def ppl_table(rows: list[dict]) -> str:
-    lines = ["| file | chunks of 512 | llama-perplexity | topg (fp32 activations) | vs llama.cpp | "
+    lines = ["| file | chunks of 512 | llama-perplexity | topg (fp32 activations; bf16 file: bf16) | vs llama.cpp | "
              "topg (int8 activations) | vs llama.cpp |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        a8 = "" if r["int8"] is None else f"{r['int8']:.4f}"
         lines.append(
             f"| {r['format']} | {r['chunks']} | {r['llama']:.4f} | {r['fp32']:.4f} | "
-            f"{100 * (r['fp32'] / r['llama'] - 1):+.2f}% | {r['int8']:.4f} | "
-            f"{100 * (r['int8'] / r['llama'] - 1):+.2f}% |"
+            f"{_vs(r, 'fp32')} | {a8} | {_vs(r, 'int8')} |"
         )
     if rows:
         lines.append(f"\nllama.cpp: `{rows[0]['llama_cmd']}`")

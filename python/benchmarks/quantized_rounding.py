@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_cpp_build import ensure_llama_cpp
-from quantized import license_text
+from quantized import eval_text
 from quantized_llama import gguf_file, llama_ids, topg_ppl
 
 from torch_topg.engine.loading import load_config
@@ -74,7 +74,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for fmt in a.formats.split(","):
         path = gguf_file(fmt, llama)
-        ids = llama_ids(llama, path, license_text())
+        ids = llama_ids(llama, path, eval_text())
         config, _ = load_config(path)
         model = load_packed(path, config, torch.float32)
         weights.clear()

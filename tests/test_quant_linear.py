@@ -141,10 +141,11 @@ def test_native_gemv_rows_do_not_depend_on_m(fmt, m, tail, seed):
 @pytest.mark.parametrize("fmt", ["q8_0", "int8", "int4_g128"])
 def test_native_gemv_nan_and_inf_rows(fmt):
     """int8 activations: a NaN or an inf in a row makes that row's outputs NaN (its block
-    scale is NaN), in the GEMV and in the GEMM path; the other rows are as the reference."""
+    scale is NaN), in the GEMV (M <= 16) and in the GEMM path (the integer GEMM where the
+    CPU has AVX-512 VNNI); the other rows are as the reference."""
     g = Gen("cpu", seed=7)
     w = packed_weight(g, fmt, 9, 100 if fmt != "q8_0" else 96)
-    for m in (3, 9):
+    for m in (3, 9, 33):
         x = g.randn(m, 100 if fmt != "q8_0" else 96)
         x[1, 50], x[2, 3] = float("nan"), float("inf")
         got = torch_topg.ops.linear_q(x, w, fmt, int8_activations=True)

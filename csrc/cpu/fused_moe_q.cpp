@@ -26,6 +26,7 @@
 #include "common/checks.h"
 #include "common/quant_checks.h"
 #include "dispatch.h"
+#include "gemm_q8_vnni.h"
 #include "modes.h"
 #include "moe_kernels.h"
 #include "parallel.h"
@@ -93,12 +94,27 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   // --- gate/up ----------------------------------------------------------------------
   for (const Expert& ex : hit) {  // many rows: de-quantise and multiply, expert by expert
     if (ex.gemv) continue;
-    at::Tensor xg = at::empty({ex.rows, xa.kp}, at::kFloat);
-    float* xgp = xg.data_ptr<float>();
-    for (int64_t r = 0; r < ex.rows; ++r)
-      std::copy_n(xa.x + tok[ex.row0 + r] * xa.kp, xa.kp, xgp + r * xa.kp);
     at::Tensor gu = at::empty({ex.rows, 2 * I}, at::kFloat);
-    quant::gemm_dequant(wgu.f, xg, H, wgu.row(ex.e, 0), 2 * I, at::Tensor(), gu);
+    if (q8_gu && quant::use_vnni()) {  // the rows' int8 blocks, gathered
+      const int64_t kp = xa.kp, nb = kp / 32;
+      std::vector<int8_t> q(size_t(ex.rows * kp));
+      std::vector<float> d(size_t(ex.rows * nb)), s(size_t(ex.rows * nb));
+      for (int64_t r = 0; r < ex.rows; ++r) {
+        const int64_t t = tok[ex.row0 + r];
+        std::copy_n(xa.q + t * kp, kp, q.data() + r * kp);
+        std::copy_n(xa.d + t * nb, nb, d.data() + r * nb);
+        std::copy_n(xa.s + t * nb, nb, s.data() + r * nb);
+      }
+      const quant::VnniActs acts{q.data(), d.data(), s.data(), kp, nb};
+      quant::gemm_q8_vnni(wgu.f, acts, ex.rows, H, wgu.row(ex.e, 0), 2 * I, nullptr,
+                          gu.data_ptr<float>());
+    } else {
+      at::Tensor xg = at::empty({ex.rows, xa.kp}, at::kFloat);
+      float* xgp = xg.data_ptr<float>();
+      for (int64_t r = 0; r < ex.rows; ++r)
+        std::copy_n(xa.x + tok[ex.row0 + r] * xa.kp, xa.kp, xgp + r * xa.kp);
+      quant::gemm_dequant(wgu.f, xg, H, wgu.row(ex.e, 0), 2 * I, at::Tensor(), gu);
+    }
     const float* g = gu.data_ptr<float>();
     at::parallel_for(0, ex.rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
@@ -153,9 +169,16 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   // --- down -------------------------------------------------------------------------
   for (const Expert& ex : hit) {
     if (ex.gemv) continue;
-    at::Tensor hx = at::from_blob(h.data() + ex.row0 * Ip, {ex.rows, Ip}, at::kFloat);
     at::Tensor y = at::empty({ex.rows, H}, at::kFloat);
-    quant::gemm_dequant(wd.f, hx, I, wd.row(ex.e, 0), H, at::Tensor(), y);
+    if (q8_d && quant::use_vnni()) {  // the expert's rows of h are consecutive
+      const int64_t nb = Ip / 32;
+      const quant::VnniActs acts{hq.data() + ex.row0 * Ip, hd.data() + ex.row0 * nb,
+                                 hs.data() + ex.row0 * nb, Ip, nb};
+      quant::gemm_q8_vnni(wd.f, acts, ex.rows, I, wd.row(ex.e, 0), H, nullptr, y.data_ptr<float>());
+    } else {
+      at::Tensor hx = at::from_blob(h.data() + ex.row0 * Ip, {ex.rows, Ip}, at::kFloat);
+      quant::gemm_dequant(wd.f, hx, I, wd.row(ex.e, 0), H, at::Tensor(), y);
+    }
     const float* yp = y.data_ptr<float>();
     at::parallel_for(0, H, 256, [&](int64_t c0, int64_t c1) {
       for (int64_t r = 0; r < ex.rows; ++r) {

@@ -8,9 +8,12 @@
 //                       products against activations rounded to int8 per block of 32.
 //                       Each row's sum does not depend on M, and the decode plan calls
 //                       the same functions;
-//   larger M            rows of the weight are de-quantised to fp32 in chunks and
-//                       multiplied with at::mm (the de-quantisation is amortised over M;
-//                       int8_activations: the rounded activations as fp32).
+//   larger M            with int8_activations on a CPU with AVX-512 VNNI (and a format
+//                       with integer dot products): integer products against the weight
+//                       repacked per call (gemm_q8_vnni.h); otherwise rows of the weight
+//                       are de-quantised to fp32 in chunks and multiplied with at::mm (the
+//                       de-quantisation is amortised over M; int8_activations: the rounded
+//                       activations as fp32).
 // In batch-invariant mode every M takes the GEMV path (a row's sum then does not depend
 // on M). Accumulation is fp32, rounded once to the input dtype.
 #include <ATen/ops/empty.h>
@@ -21,10 +24,12 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/checks.h"
 #include "dispatch.h"
+#include "gemm_q8_vnni.h"
 #include "modes.h"
 #include "parallel.h"
 #include "quant_kernels.h"
@@ -100,6 +105,14 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
     const uint8_t* w = cptr<uint8_t>(weight);
     if (M <= kQuantDotRows || batch_invariant()) {
       linear_q_dot(f, rows, K, w, N, b, o);
+    } else if (int8_activations && quant::int8_dot(f.fmt) && quant::use_vnni()) {
+      std::vector<float> b32(b ? size_t(N) : 0);
+      for (size_t n = 0; n < b32.size(); ++n) b32[n] = to_float(b[n]);
+      at::Tensor o32 =
+          std::is_same_v<T, float> ? out : at::empty(sz.out_shape, out.options().dtype(at::kFloat));
+      const quant::VnniActs acts{rows.xq.data(), rows.xd.data(), rows.xsum.data(), Kp, Kp / 32};
+      quant::gemm_q8_vnni(f, acts, M, K, w, N, b ? b32.data() : nullptr, o32.data_ptr<float>());
+      if (!std::is_same_v<T, float>) out.copy_(o32);
     } else {
       at::Tensor xt =
           at::from_blob(rows.x32.data(), {M, Kp}, at::TensorOptions().dtype(at::kFloat));

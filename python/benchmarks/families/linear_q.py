@@ -5,8 +5,10 @@ the default (fp32 activations), "topg int8 act" the ``int8_activations=True`` op
 M = 1 rows are memory-bound and run cold (weights rotated through copies that together
 exceed ``DRAM_FACTOR x`` the LLC, as a model's layers follow one another): "limit" is
 the fraction of the read bandwidth over the packed bytes. The issue's target at M = 1:
-at least 80% for q8_0 and int8. M = 64 is compute-bound (the packed GEMM path:
-de-quantise to fp32, then GEMM) and is compared with the fp32 linear.
+at least 80% for q8_0 and int8. M = 64 and M = 512 (a SmolLM2 prefill's gate/up shape)
+are compute-bound and compared with the fp32 linear: fp32 activations take the packed
+GEMM path (de-quantise to fp32, then GEMM), int8 activations the integer GEMM where the
+CPU has AVX-512 VNNI (gemm_q8_vnni.h).
 
     PYTHONPATH=python/benchmarks python python/benchmarks/families/linear_q.py [--quick]
 """
@@ -58,7 +60,7 @@ def _case(m: int, k: int, n: int, fmt: str, quick: bool) -> Row:
 def run(quick: bool) -> list[Row]:
     shapes = [(1, 4096, 4096), (1, 576, 1536)]
     if not quick:
-        shapes.append((64, 4096, 4096))
+        shapes += [(64, 4096, 4096), (512, 576, 3072)]
     return [_case(*s, fmt, quick) for s in shapes for fmt in FORMATS]
 
 

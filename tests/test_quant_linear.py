@@ -153,3 +153,29 @@ def test_native_gemv_nan_and_inf_rows(fmt):
         expected = reference.linear_q(x, w, fmt, int8_activations=True)
         assert expected[1:3].isnan().all()
         torch.testing.assert_close(got[::8], expected[::8], atol=2e-5, rtol=2e-5)
+
+
+@requires_kernel("linear_q")
+@given(
+    m=st.sampled_from([1, 5, 16, 17, 40]),
+    blocks=st.integers(1, 5),
+    seed=st.integers(0, 2**31),
+)
+def test_native_int8_rounding_is_quantize_activations(m, blocks, seed):
+    """int8 activations: through an identity weight (int8 format, codes 127, scale 1/127)
+    linear_q returns the activations as it rounded them, which must be
+    quantize_activations' values to fp32 accuracy (one code apart would be 1/127 of a
+    block's largest value), in the GEMV (M <= 16) and the GEMM paths. Blocks with amax
+    127 (d = 1) and half-integer values test the ties (half to even)."""
+    k = 32 * blocks
+    g = Gen("cpu", seed=seed)
+    x = g.randn(m, k) * 40
+    x[::2, :32] = torch.round(x[::2, :32].clamp(-100, 100)) + 0.5  # ties at d = 1 ...
+    x[::2, 0] = 127.0  # ... with the block's amax 127
+    eye = torch.eye(k, dtype=torch.int8) * 127
+    scale = torch.full((k, 1), 1 / 127, dtype=torch.float32).view(torch.uint8)
+    w = torch.cat([scale, eye.view(torch.uint8)], dim=1)
+    got = torch_topg.ops.linear_q(x, w, "int8", int8_activations=True)
+    expected = quantize_activations(x)
+    assert torch.equal(expected[::2, :32], torch.round(x[::2, :32]))  # the ties are there
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)

@@ -140,6 +140,7 @@ TOPG_TARGET_VNNI void vnni_tile(const uint32_t* codes, const float* dw, const fl
     __m512i ia[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) ia[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
     for (int64_t s = 8 * b; s < 8 * b + 8; ++s) {
       __m512i wv[R];
       for (int r = 0; r < R; ++r) wv[r] = _mm512_load_si512(codes + r * gcodes + 16 * s);
@@ -197,11 +198,11 @@ TOPG_TARGET_VNNI void vnni_strip(const uint32_t* codes, const float* dw, const f
 
 // out [M, N] (fp32, row stride N) = the activations x (M rows) times the packed weight
 // [N, row_bytes(K)], + bias (fp32 or null). Callers check use_vnni() and int8_dot(f.fmt).
-inline void gemm_q8_vnni(const Format& f, const VnniActs& x, int64_t M, int64_t K,
-                         const uint8_t* w, int64_t N, const float* bias, float* out) {
+inline void gemm_q8_vnni(const Format& f, const VnniActs& x, int64_t M, int64_t K, const uint8_t* w,
+                         int64_t N, const float* bias, float* out) {
   const int64_t kp = x.kp, nb = x.nb, groups = (N + 15) / 16;
   const int64_t gcodes = kp / 4 * 16, gscales = nb * 16;  // uint32 / floats per group
-  auto opts = at::TensorOptions().dtype(at::kFloat);     // 64-byte aligned by c10's allocator
+  auto opts = at::TensorOptions().dtype(at::kFloat);      // 64-byte aligned by c10's allocator
   at::Tensor codes = at::empty({groups * gcodes}, opts.dtype(at::kInt));
   at::Tensor scales = at::empty({2, groups * gscales}, opts);
   uint32_t* cp = reinterpret_cast<uint32_t*>(codes.data_ptr<int32_t>());

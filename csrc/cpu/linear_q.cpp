@@ -101,11 +101,13 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
       return;
     }
     const int64_t Kp = f.padded(K);
-    Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations);
+    const bool gemv = M <= kQuantDotRows || batch_invariant();
+    const bool vnni = !gemv && int8_activations && quant::int8_dot(f.fmt) && quant::use_vnni();
+    Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, !vnni);
     const uint8_t* w = cptr<uint8_t>(weight);
-    if (M <= kQuantDotRows || batch_invariant()) {
+    if (gemv) {
       linear_q_dot(f, rows, K, w, N, b, o);
-    } else if (int8_activations && quant::int8_dot(f.fmt) && quant::use_vnni()) {
+    } else if (vnni) {
       std::vector<float> b32(b ? size_t(N) : 0);
       for (size_t n = 0; n < b32.size(); ++n) b32[n] = to_float(b[n]);
       at::Tensor o32 =

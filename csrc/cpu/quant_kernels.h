@@ -166,9 +166,29 @@ inline float hsum4(const __m256 acc[4]) {
 }
 #endif
 
+// The GEMVs read a weight's packed rows in order (rows are contiguous), one thread a
+// range of rows. Each row's dot product first prefetches (T0) the row kPrefetchRows
+// ahead: the hardware prefetcher alone leaves the memory bus idle between rows.
+// Measured on SmolLM2 decode (engine, 2 threads, 12 interleaved process pairs, off / on,
+// 2026-12-02): q8_0 int8 activations 7.36 / 6.05, 5.53 / 5.19, 7.40 / 6.22 ms; q4_1 fp32
+// 10.29 / 8.86, 8.70 / 7.64, 9.69 / 10.06 ms; q8_0 fp32 6.97 / 6.29, 6.44 / 6.24, 8.28 /
+// 8.48 ms; q4_0 int8 5.49 / 5.83, 5.00 / 4.96, 6.80 / 6.65 ms (the noise is ~10%). A
+// prefetch past the weight's end does not fault.
+inline constexpr int64_t kPrefetchRows = 4;
+inline void prefetch_ahead(const uint8_t* row, int64_t rb) {
+#if defined(__x86_64__) || defined(__i386__)
+  const uintptr_t p = reinterpret_cast<uintptr_t>(row) + uintptr_t(kPrefetchRows * rb);
+  for (int64_t i = 0; i < rb; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + uintptr_t(i)), _MM_HINT_T0);
+#else
+  (void)row, (void)rb;
+#endif
+}
+
 // sum over the row's k weights of w * x (x: fp32, zero-padded to padded(k)).
 inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float* x) {
   const int64_t nb = f.blocks(k);
+  prefetch_ahead(row, f.row_bytes(k));
 #if TOPG_AVX2
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
@@ -269,6 +289,7 @@ __attribute__((always_inline)) inline void store32(__m256i q, __m256 d, __m256 m
 inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* wbuf,
                          int64_t* xoff) {
   int64_t n = 0;
+  prefetch_ahead(row, f.row_bytes(k));
 #define put(q, d, m, x0) (store32((q), (d), (m), wbuf + 32 * n), xoff[n++] = (x0))
   const __m256 zero = _mm256_setzero_ps();
   const int64_t nb = f.blocks(k);
@@ -545,6 +566,7 @@ inline __m256i load32(const void* p) {
 inline float dot_row_q8(const Format& f, const uint8_t* row, int64_t k, const int8_t* xq,
                         const float* xd, const float* xsum) {
   const int64_t nb = f.blocks(k);
+  prefetch_ahead(row, f.row_bytes(k));
 #if TOPG_AVX2
   __m256 acc = _mm256_setzero_ps();
   float extra = 0.f;  // the minimum's (or the -8 offset's) share, per block

@@ -27,7 +27,8 @@ inline constexpr int64_t kGemvRows = 16;
 
 // The kernels' inputs from the activations [M, K]: fp32 rows [M, padded(K)] (zeros past
 // K), and with int8_activations the int8 codes, scales and code sums
-// per 32 (quant::quantize_act); the fp32 rows then hold the rounded values (q * d).
+// per 32 (quant::quantize_act); the fp32 rows then hold the rounded values (q * d), or,
+// with keep_fp32 false (the integer GEMM reads only the int8 blocks), are not kept.
 struct Rows {
   int64_t M = 0, Kp = 0;
   std::vector<float> x32, xd, xsum;
@@ -36,30 +37,34 @@ struct Rows {
 };
 
 template <typename T>
-Rows prepare_rows(const T* x, int64_t M, int64_t K, int64_t Kp, bool int8_activations) {
+Rows prepare_rows(const T* x, int64_t M, int64_t K, int64_t Kp, bool int8_activations,
+                  bool keep_fp32 = true) {
   Rows r;
   r.M = M, r.Kp = Kp;
   const int64_t nb = Kp / 32;
-  r.x32.resize(size_t(M * Kp));
+  keep_fp32 = keep_fp32 || !int8_activations;
+  if (keep_fp32) r.x32.resize(size_t(M * Kp));
   if (int8_activations) {
     r.xq.resize(size_t(M * Kp));
     r.xd.resize(size_t(M * nb));
     r.xsum.resize(size_t(M * nb));
   }
   // Rows are independent; a prefill's 512 rows are worth two threads (~0.1 ms each).
-  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(Kp, 1)),
-                   [&](int64_t m0, int64_t m1) {
-                     for (int64_t m = m0; m < m1; ++m) {
-                       float* xr = r.x32.data() + m * Kp;
-                       for (int64_t i = 0; i < K; ++i) xr[i] = to_float(x[m * K + i]);
-                       std::fill(xr + K, xr + Kp, 0.f);
-                       if (!int8_activations) continue;
-                       int8_t* q = r.xq.data() + m * Kp;
-                       float* d = r.xd.data() + m * nb;
-                       quant::quantize_act(xr, Kp, q, d, r.xsum.data() + m * nb);
-                       for (int64_t i = 0; i < Kp; ++i) xr[i] = float(q[i]) * d[i / 32];
-                     }
-                   });
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(Kp, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(keep_fp32 ? 0 : size_t(Kp));
+    for (int64_t m = m0; m < m1; ++m) {
+      float* xr = keep_fp32 ? r.x32.data() + m * Kp : row.data();
+      for (int64_t i = 0; i < K; ++i) xr[i] = to_float(x[m * K + i]);
+      std::fill(xr + K, xr + Kp, 0.f);
+      if (!int8_activations) continue;
+      int8_t* q = r.xq.data() + m * Kp;
+      float* d = r.xd.data() + m * nb;
+      quant::quantize_act(xr, Kp, q, d, r.xsum.data() + m * nb);
+      if (keep_fp32)
+        for (int64_t i = 0; i < Kp; ++i) xr[i] = float(q[i]) * d[i / 32];
+    }
+  });
   return r;
 }
 

@@ -140,7 +140,6 @@ TOPG_TARGET_VNNI void vnni_tile(const uint32_t* codes, const float* dw, const fl
     __m512i ia[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) ia[r][c] = _mm512_setzero_si512();
-#pragma GCC unroll 8
     for (int64_t s = 8 * b; s < 8 * b + 8; ++s) {
       __m512i wv[R];
       for (int r = 0; r < R; ++r) wv[r] = _mm512_load_si512(codes + r * gcodes + 16 * s);

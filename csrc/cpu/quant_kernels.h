@@ -210,7 +210,13 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
       }
       return hsum4(acc);
     }
-    case Fmt::q4_1:
+    case Fmt::q4_1:  // int4 with groups of 32 computes the same (the general loop below)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 20 * b;
+        fma32(unpack16(p + 4), _mm256_set1_ps(half_at(p)), _mm256_set1_ps(half_at(p + 2)),
+              x + 32 * b, acc);
+      }
+      return hsum4(acc);
     case Fmt::int4: {
       const int64_t g = f.block, bb = f.block_bytes, half = g / 2;
       for (int64_t b = 0; b < nb; ++b) {
@@ -310,6 +316,11 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
       return n;
     }
     case Fmt::q4_1:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 20 * b;
+        put(unpack16(p + 4), _mm256_set1_ps(half_at(p)), _mm256_set1_ps(half_at(p + 2)), 32 * b);
+      }
+      return n;
     case Fmt::int4: {
       const int64_t g = f.block, bb = f.block_bytes, half = g / 2;
       for (int64_t b = 0; b < nb; ++b) {
@@ -586,7 +597,14 @@ inline float dot_row_q8(const Format& f, const uint8_t* row, int64_t k, const in
         extra -= 8.f * dd * xsum[b];
       }
       return hsum(acc) + extra;
-    case Fmt::q4_1:
+    case Fmt::q4_1:  // int4 with groups of 32 computes the same (the general loop below)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 20 * b;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(p) * xd[b]),
+                              udot(unpack16(p + 4), load32(xq + 32 * b)), acc);
+        extra += half_at(p + 2) * xd[b] * xsum[b];
+      }
+      return hsum(acc) + extra;
     case Fmt::int4: {
       const int64_t g = f.block, bb = f.block_bytes, sub = g / 32;
       for (int64_t b = 0; b < nb; ++b) {

@@ -59,22 +59,28 @@ inline void vnni_block(const Format& f, const uint8_t* row, int64_t k, int64_t b
     case Fmt::q8_0: {
       const uint8_t* p = row + 34 * b;
       dw = half_at(p), cw = -128.f * dw;
-      for (int i = 0; i < 32; ++i) u[i] = uint8_t(p[2 + i] ^ 0x80);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u),
+                          _mm256_xor_si256(load32(p + 2), _mm256_set1_epi8(char(0x80))));
       return;
     }
     case Fmt::q4_0: {
       const uint8_t* p = row + 18 * b;
       dw = half_at(p), cw = -8.f * dw;
-      for (int i = 0; i < 16; ++i) u[i] = p[2 + i] & 15, u[16 + i] = p[2 + i] >> 4;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), unpack16(p + 2));
       return;
     }
-    case Fmt::q4_1:
+    case Fmt::q4_1: {
+      const uint8_t* p = row + 20 * b;
+      dw = half_at(p), cw = half_at(p + 2);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), unpack16(p + 4));
+      return;
+    }
     case Fmt::int4: {
       const int64_t sub = f.block / 32, c = b % sub;  // the block's place in its group
       const uint8_t* p = row + f.block_bytes * (b / sub);
       dw = half_at(p), cw = half_at(p + 2);
       if (sub == 1) {
-        for (int i = 0; i < 16; ++i) u[i] = p[4 + i] & 15, u[16 + i] = p[4 + i] >> 4;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), unpack16(p + 4));
         return;
       }
       // Larger groups: runs of 32 bytes, the low nibbles block c, the high ones c + sub / 2.

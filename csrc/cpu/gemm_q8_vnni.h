@@ -17,7 +17,10 @@
 // row's int32 sum, 8 of them finish a block, and the block's scales cost one convert, one
 // multiply and two FMAs for 16 rows x 1 activation row (512 products). The block scales
 // are stored per group as 16 lanes too. A tile is 2 groups (32 rows) x 6 activation rows:
-// 12 int32 and 12 fp32 accumulators, 2 weight registers (26 of the 32 zmm).
+// 12 int32 and 12 fp32 accumulators and 2 weight registers (GCC 12 keeps the int32 sums
+// and the weights in registers and the fp32 sums, touched once a block, on the stack).
+// Measured, q8_0 x 512 activation rows, 2 threads: [1536, 576] 320-360, [576, 1536] about
+// 300 G multiply-adds/s (the fp32 path: about 80, the FMA peak).
 //
 // Work items: 32 weight rows each, over all M activation rows (the tile's weights stay in
 // L1 while the activations stream from L2). The repacking costs N * padded(K) bytes once

@@ -49,8 +49,15 @@ inline bool use_vnni() {
 #endif
 }
 
+// The activations of the GEMM (quant::quantize_act's output): int8 codes [M][kp], and
+// per block of 32 the scale xd and the code sum xsum.
+struct VnniActs {
+  const int8_t* q;
+  const float *xd, *xsum;
+  int64_t kp, nb;
+};
+
 #if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
-#define TOPG_VNNI 1
 #define TOPG_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 // Block b (32 codes along K) of a packed row of k weights: its unsigned codes u and its
@@ -126,14 +133,6 @@ inline void vnni_pack_group(const Format& f, const uint8_t* w, int64_t rb, int64
     }
   }
 }
-
-// The activations of the GEMM (quant::quantize_act's output): int8 codes [M][kp], and
-// per block of 32 the scale xd and the code sum xsum.
-struct VnniActs {
-  const int8_t* q;
-  const float *xd, *xsum;
-  int64_t kp, nb;
-};
 
 // out[c][16 r + j] (c < C activation rows, r < R groups, j < 16 rows of a group; columns
 // from 16 r + j >= cols not written) = the rows' sums + bias.
@@ -231,12 +230,6 @@ inline void gemm_q8_vnni(const Format& f, const VnniActs& x, int64_t M, int64_t 
   });
 }
 #else
-#define TOPG_VNNI 0
-struct VnniActs {
-  const int8_t* q;
-  const float *xd, *xsum;
-  int64_t kp, nb;
-};
 inline void gemm_q8_vnni(const Format&, const VnniActs&, int64_t, int64_t, const uint8_t*, int64_t,
                          const float*, float*) {
   TORCH_CHECK(false, "linear_q: the VNNI GEMM is not built for this CPU");

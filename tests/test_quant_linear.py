@@ -179,3 +179,52 @@ def test_native_int8_rounding_is_quantize_activations(m, blocks, seed):
     expected = quantize_activations(x)
     assert torch.equal(expected[::2, :32], torch.round(x[::2, :32]))  # the ties are there
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+_AVX2_Q8_SCRIPT = """
+import sys, torch, torch_topg
+x, packed = torch.load(sys.argv[1])
+out = [torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f, int8_activations=True)
+       for q, f, k in packed for m in (1, 5, 16)]
+torch.save(out, sys.argv[2])
+"""
+
+
+@requires_kernel("linear_q")
+def test_int8_gemv_forms_match_reference(tmp_path):
+    """The int8-activation GEMV (M <= 16) has an AVX-512 VNNI form (quant_act.h:
+    vpdpbusd, 8 blocks' scales at a time, then the last nb % 8 blocks one by one) and an
+    AVX2 form (maddubs / madd), the same integer products summed in different fp32 orders.
+    Both must match the reference: the AVX2 form runs in a subprocess with
+    TOPG_DISABLE_AVX512=1. The shapes cover whole groups of 8 blocks with and without a
+    tail, a row of fewer than 8 blocks, and an int8 / int4 row ending inside a block."""
+    import os
+    import subprocess
+    import sys
+
+    from torch_topg.quant import quantize_weight
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(16, 1600, generator=g) * 3
+    cases = [("q4_1", 576), ("q4_1", 1536), ("q4_1", 96), ("q4_0", 576), ("q8_0", 288),
+             ("q8_0", 1536), ("int4_g32", 575), ("int4_g64", 576), ("int8", 1000), ("int8", 256)]  # fmt: skip
+    packed = [
+        (quantize_weight(torch.randn(37, k, generator=g) / k**0.5, f), f, k) for f, k in cases
+    ]
+    script, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    script.write_text(_AVX2_Q8_SCRIPT)
+    torch.save((x, packed), inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    avx2 = torch.load(out, weights_only=False)
+    i = 0
+    for q, f, k in packed:
+        for m in (1, 5, 16):
+            xs = x[:m, :k].contiguous()
+            ref = reference.linear_q(xs, q, f, int8_activations=True)
+            here = torch_topg.ops.linear_q(xs, q, f, int8_activations=True)
+            for name, got in (("this CPU's form", here), ("AVX2 form", avx2[i])):
+                atol, rtol = TOL[torch.float32]
+                torch.testing.assert_close(got, ref, atol=atol, rtol=rtol, msg=f"{name} {f} {k}")
+            i += 1

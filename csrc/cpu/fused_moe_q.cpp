@@ -30,6 +30,7 @@
 #include "modes.h"
 #include "moe_kernels.h"
 #include "parallel.h"
+#include "quant_act.h"
 #include "quant_kernels.h"
 #include "quant_ops.h"
 

@@ -35,19 +35,9 @@
 
 #include "gemv_avx512.h"
 #include "parallel.h"
-#include "quant_kernels.h"
+#include "quant_act.h"
 
 namespace topg::quant {
-
-// The CPU has AVX-512 VNNI (and use_avx512(): F / BW / VL / DQ, TOPG_DISABLE_AVX512 unset).
-inline bool use_vnni() {
-#if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
-  static const bool on = gemm::use_avx512() && __builtin_cpu_supports("avx512vnni");
-  return on;
-#else
-  return false;
-#endif
-}
 
 // The activations of the GEMM (quant::quantize_act's output): int8 codes [M][kp], and
 // per block of 32 the scale xd and the code sum xsum.
@@ -58,8 +48,6 @@ struct VnniActs {
 };
 
 #if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
-#define TOPG_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-
 // Block b (32 codes along K) of a packed row of k weights: its unsigned codes u and its
 // (dw, cw) as in the header comment. Codes past k (the int8 format's last block) are 128,
 // the zero weight; their activations are zero anyway.

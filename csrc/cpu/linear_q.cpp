@@ -32,6 +32,7 @@
 #include "gemm_q8_vnni.h"
 #include "modes.h"
 #include "parallel.h"
+#include "quant_act.h"
 #include "quant_kernels.h"
 #include "quant_ops.h"
 
@@ -63,17 +64,26 @@ void linear_q_dot(const Format& f, const Rows& x, int64_t K, const uint8_t* w, i
   const int64_t rows = std::max<int64_t>(8, (int64_t(1) << 17) / std::max<int64_t>(rb, 1));
   parallel_items_with<Scratch>((N + rows - 1) / rows, [&](int64_t item, Scratch& sc) {
     const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
+    if (q8) {  // kQ8Rows weight rows at a time against each activation row
+      float sums[quant::kQ8Rows];
+      for (int64_t n = n0; n < n1; n += quant::kQ8Rows) {
+        const int64_t c = std::min(quant::kQ8Rows, n1 - n);
+        for (int64_t m = 0; m < x.M; ++m) {
+          quant::dot_rows_q8(f, w + n * rb, rb, c, K, x.xq.data() + m * x.Kp, x.xd.data() + m * nb,
+                             x.xsum.data() + m * nb, sums);
+          for (int64_t i = 0; i < c; ++i) {
+            const float s = bias ? sums[i] + to_float(bias[n + i]) : sums[i];
+            out[m * N + n + i] = from_float<T>(s);
+          }
+        }
+      }
+      return;
+    }
     sc.sums.resize(size_t(x.M));
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * rb;
       const float b = bias ? to_float(bias[n]) : 0.f;
-      if (q8) {
-        for (int64_t m = 0; m < x.M; ++m)
-          sc.sums[size_t(m)] = quant::dot_row_q8(f, row, K, x.xq.data() + m * x.Kp,
-                                                 x.xd.data() + m * nb, x.xsum.data() + m * nb);
-      } else {
-        quant::dot_rows(f, row, K, xs.data(), x.M, sc.sums.data(), sc.rows);
-      }
+      quant::dot_rows(f, row, K, xs.data(), x.M, sc.sums.data(), sc.rows);
       for (int64_t m = 0; m < x.M; ++m) {
         const float s = sc.sums[size_t(m)];
         out[m * N + n] = from_float<T>(bias ? s + b : s);

@@ -16,7 +16,7 @@
 #include "common/quant_checks.h"
 #include "dispatch.h"
 #include "parallel.h"
-#include "quant_kernels.h"
+#include "quant_act.h"
 
 namespace topg::quant {
 

@@ -82,7 +82,7 @@ def ensure_llama_cpp(
                         "pip",
                         "download",
                         "--no-binary",
-                        ":all:",
+                        "llama-cpp-python",  # the sdist only: its build tools (cmake) as wheels
                         "--no-deps",
                         f"llama-cpp-python=={version}",
                         "-d",

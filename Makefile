@@ -52,9 +52,10 @@ build: venv
 
 # The suite twice: with the native kernels (they must load), then with them disabled,
 # so every op's reference fallback and its argument and value checks run as well.
+# --durations=15: each lane lists its slowest tests (CI's time budget is watched on them).
 test: build
-	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q tests
-	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q -p no:warnings tests
+	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q --durations=15 tests
+	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q --durations=15 -p no:warnings tests
 
 # The engine on SmolLM2 (real weights): streams an answer, then serves 8 concurrent
 # requests (tokens/s, TTFT, batch sizes). The eager / Inductor / topg comparison of

@@ -483,11 +483,17 @@ def test_cli_options() -> None:
     assert served_name(args) == "qwen"
 
 
-def test_disconnect_while_waiting_aborts(client, engine) -> None:
+def test_disconnect_while_waiting_aborts(client, engine, monkeypatch) -> None:
     """A non-streamed request whose client goes away (raw ASGI: the server's receive
-    reports http.disconnect) is aborted in the engine and answered 499."""
+    reports http.disconnect) is aborted in the engine and answered 499. The server polls
+    every 10 ms here: at its default 0.5 s the tiny model's 2000 tokens (the decode plan,
+    a fraction of a millisecond a step) could all finish before the first poll, answered
+    200 (seen once in CI)."""
     import asyncio
 
+    from torch_topg.serve import generation
+
+    monkeypatch.setattr(generation, "DISCONNECT_POLL_S", 0.01)
     aborted = engine.stats()["requests"]["aborted"]
     body = json.dumps({"prompt": "long", "max_tokens": 2000, **GREEDY}).encode()
     scope = {

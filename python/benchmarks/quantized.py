@@ -100,7 +100,9 @@ def vs_llama(args) -> None:
     notes = [f"- command: `python python/benchmarks/quantized.py {' '.join(sys.argv[1:])}`",
              f"- date {date}; 2 threads; SmolLM2-135M-Instruct; read bandwidth "
              f"{bw.median / 1e9:.1f} GB/s"
-             + ("; per format llama-bench first, then the engine" if rows else "")]  # fmt: skip
+             + (f"; per format {args.repeats} interleaved rounds of llama-bench, the engine "
+                "(fp32 act.), the engine (int8 act.), the order rotated each round"
+                if rows else "")]  # fmt: skip
     text = (table(rows) + "\n\n" if rows else "") + (ppl_table(ppl) + "\n\n" if ppl else "")
     text += "\n".join(notes)
     rec_rows = [{"key": {"format": r["format"]},

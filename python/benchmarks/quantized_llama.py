@@ -1,6 +1,6 @@
 """quantized.py's side-by-side with llama.cpp: the same GGUF file run by llama.cpp
 (``llama-bench``) and by the engine (``quantization="gguf"``: its packed tensors as they
-are), per format, one after the other in one process.
+are), per format, in interleaved rounds in one process.
 
 Files: the shipped SmolLM2 Q4_1 file, and Q8_0 / Q4_0 made from it by ``llama-quantize
 --allow-requantize`` (de-quantised, then quantised again; cached beside the F32 / BF16
@@ -49,56 +49,89 @@ def file_formats(path: Path) -> dict[str, int]:
     return out
 
 
-def engine_figures(path: Path, repeats: int, int8_activations: bool = False) -> dict:
-    import time
+class EngineSide:
+    """The engine on one file (fp32 or int8 activations), loaded once and sampled one
+    round at a time: each round one decode (a random 256-token prompt, 64 new tokens) and
+    one TTFT (a random 512-token prompt). Both sides of a file draw the same prompts."""
 
-    from torch_topg.engine import Engine
+    def __init__(self, path: Path, int8_activations: bool) -> None:
+        import time
 
-    t0 = time.perf_counter()
-    q = {"method": "gguf", "int8_activations": int8_activations}
-    eng = Engine.from_pretrained(str(path), quantization=q, max_batch_size=1,
-                                 max_model_len=MAX_MODEL_LEN, prefix_caching=False)  # fmt: skip
-    load_s = time.perf_counter() - t0
-    try:
-        rng = random.Random(0)
+        from torch_topg.engine import Engine
 
-        def ids(n: int) -> list[int]:
-            return [rng.randrange(10, 40000) for _ in range(n)]
+        t0 = time.perf_counter()
+        q = {"method": "gguf", "int8_activations": int8_activations}
+        self.eng = Engine.from_pretrained(str(path), quantization=q, max_batch_size=1,
+                                          max_model_len=MAX_MODEL_LEN, prefix_caching=False)  # fmt: skip
+        self.load_s = time.perf_counter() - t0
+        self.rng = random.Random(0)
+        self.kw = dict(temperature=0, ignore_eos=True)
+        self.decode: list[float] = []
+        self.ttft: list[float] = []
+        self.eng.generate(self.ids(DECODE_CONTEXT), max_new_tokens=8, **self.kw)  # warm-up
+        self.eng.generate(self.ids(TTFT_PROMPT), max_new_tokens=1, **self.kw)
 
-        kw = dict(temperature=0, ignore_eos=True)
-        eng.generate(ids(DECODE_CONTEXT), max_new_tokens=8, **kw)  # warm-up
-        eng.generate(ids(TTFT_PROMPT), max_new_tokens=1, **kw)
-        decode, ttft = [], []
-        for _ in range(repeats):
-            o = eng.generate(ids(DECODE_CONTEXT), max_new_tokens=DECODE_TOKENS, **kw)[0]
-            tt = o.outputs[0].token_times
-            decode.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
-        for _ in range(repeats):
-            ttft.append(eng.generate(ids(TTFT_PROMPT), max_new_tokens=1, **kw)[0].ttft * 1e3)
-        plan = eng.stats()["decode_plan"]
-    finally:
-        eng.shutdown()
-    return {"decode_ms": summarize(decode), "prefill_ms": summarize(ttft), "load_s": load_s,
-            "plan": plan}  # fmt: skip
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, 40000) for _ in range(n)]
+
+    def round(self) -> None:
+        o = self.eng.generate(self.ids(DECODE_CONTEXT), max_new_tokens=DECODE_TOKENS, **self.kw)
+        tt = o[0].outputs[0].token_times
+        self.decode.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
+        o = self.eng.generate(self.ids(TTFT_PROMPT), max_new_tokens=1, **self.kw)
+        self.ttft.append(o[0].ttft * 1e3)
+
+    def close(self) -> dict:
+        try:
+            plan = self.eng.stats()["decode_plan"]
+        finally:
+            self.eng.shutdown()
+        return {"decode_ms": summarize(self.decode), "prefill_ms": summarize(self.ttft),
+                "load_s": self.load_s, "plan": plan}  # fmt: skip
 
 
-def llama_figures(path: Path, llama: dict, repeats: int) -> dict:
-    from engine_llama import run_llama_bench
+class LlamaSide:
+    """llama-bench on the same file, one decode and one prefill sample a round (each
+    llama-bench call warms up first)."""
 
-    lb = run_llama_bench(llama["llama-bench"], path, repeats)
-    return {"decode_ms": lb["decode_ms"]["median"], "prefill_ms": lb["ttft_ms"]["median"],
-            "decode_cmd": lb["decode_ms_cmd"], "prefill_cmd": lb["ttft_ms_cmd"],
-            "build": lb["build"]}  # fmt: skip
+    def __init__(self, path: Path, llama: dict) -> None:
+        self.path, self.bench = path, llama["llama-bench"]
+        self.decode: list[float] = []
+        self.ttft: list[float] = []
+        self.last: dict = {}
+
+    def round(self) -> None:
+        from engine_llama import run_llama_bench
+
+        self.last = run_llama_bench(self.bench, self.path, 1)
+        self.decode.append(self.last["decode_ms"]["median"])
+        self.ttft.append(self.last["ttft_ms"]["median"])
+
+    def close(self) -> dict:
+        d, t = summarize(self.decode), summarize(self.ttft)
+        return {"decode_ms": d.median, "prefill_ms": t.median, "decode_range": [d.lo, d.hi],
+                "prefill_range": [t.lo, t.hi], "decode_cmd": self.last["decode_ms_cmd"],
+                "prefill_cmd": self.last["ttft_ms_cmd"], "build": self.last["build"]}  # fmt: skip
 
 
 def side_by_side(llama: dict, repeats: int, formats=LLAMA_FORMATS) -> list[dict]:
+    """Per format, `repeats` rounds; each round samples llama.cpp, the engine with fp32
+    activations and the engine with int8 activations once, in an order rotated every
+    round, so a change in the machine's speed during the run reaches all three."""
     rows = []
     for fmt in formats:
         path = gguf_file(fmt, llama)
         row = {"format": fmt, "file": path.name, "tensors": file_formats(path)}
-        row["llama"] = llama_figures(path, llama, repeats)
-        row["topg"] = engine_figures(path, repeats)
-        row["topg_a8"] = engine_figures(path, repeats, int8_activations=True)
+        sides = {"llama": LlamaSide(path, llama), "topg": EngineSide(path, False),
+                 "topg_a8": EngineSide(path, True)}  # fmt: skip
+        names = list(sides)
+        try:
+            for r in range(repeats):
+                for name in names[r % 3 :] + names[: r % 3]:
+                    sides[name].round()
+        finally:
+            for name, side in sides.items():
+                row[name] = side.close()
         t, a8, lc = row["topg"], row["topg_a8"], row["llama"]
         print(f"{fmt}: decode topg {t['decode_ms'].median:.2f} (int8 act "
               f"{a8['decode_ms'].median:.2f}) / llama.cpp {lc['decode_ms']:.2f} ms; prefill "

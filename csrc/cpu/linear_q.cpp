@@ -52,7 +52,7 @@ constexpr int64_t kQuantDotRows = quant::kGemvRows;
 template <typename T>
 void linear_q_dot(const Format& f, const Rows& x, int64_t K, const uint8_t* w, int64_t N,
                   const T* bias, T* out) {
-  const int64_t rb = f.row_bytes(K), nb = x.Kp / 32;
+  const int64_t rb = f.row_bytes(K);
   const bool q8 = !x.xq.empty() && quant::int8_dot(f.fmt);  // integer dot products
   std::vector<const float*> xs(size_t(x.M));
   for (int64_t m = 0; m < x.M; ++m) xs[size_t(m)] = x.x(m);
@@ -65,18 +65,10 @@ void linear_q_dot(const Format& f, const Rows& x, int64_t K, const uint8_t* w, i
   parallel_items_with<Scratch>((N + rows - 1) / rows, [&](int64_t item, Scratch& sc) {
     const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
     if (q8) {  // kQ8Rows weight rows at a time against each activation row
-      float sums[quant::kQ8Rows];
-      for (int64_t n = n0; n < n1; n += quant::kQ8Rows) {
-        const int64_t c = std::min(quant::kQ8Rows, n1 - n);
-        for (int64_t m = 0; m < x.M; ++m) {
-          quant::dot_rows_q8(f, w + n * rb, rb, c, K, x.xq.data() + m * x.Kp, x.xd.data() + m * nb,
-                             x.xsum.data() + m * nb, sums);
-          for (int64_t i = 0; i < c; ++i) {
-            const float s = bias ? sums[i] + to_float(bias[n + i]) : sums[i];
-            out[m * N + n + i] = from_float<T>(s);
-          }
-        }
-      }
+      quant::gemv_q8(f, w, rb, n0, n1, K, x.xq.data(), x.xd.data(), x.xsum.data(), x.Kp, x.M,
+                     [&](int64_t m, int64_t n, float s) {
+                       out[m * N + n] = from_float<T>(bias ? s + to_float(bias[n]) : s);
+                     });
       return;
     }
     sc.sums.resize(size_t(x.M));

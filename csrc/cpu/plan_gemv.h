@@ -79,17 +79,8 @@ struct GemvInput {
   template <typename T, typename Emit>
   void dot(const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1, Emit&& emit) {
     if (w.f && w.a8) {  // linear_q's int8-activation GEMV, kQ8Rows weight rows at a time
-      const uint8_t* base = cptr<uint8_t>(w.t);
-      const int64_t Kp = padded_k(K);
-      float sums[quant::kQ8Rows];
-      for (int64_t n = n0; n < n1; n += quant::kQ8Rows) {
-        const int64_t c = std::min(quant::kQ8Rows, n1 - n);
-        for (int64_t r = 0; r < rows; ++r) {
-          quant::dot_rows_q8(*w.f, base + n * w.rb, w.rb, c, K, xq.data() + r * Kp,
-                             xd.data() + r * Kp / 32, xs.data() + r * Kp / 32, sums);
-          for (int64_t i = 0; i < c; ++i) emit(r, n + i, sums[i]);
-        }
-      }
+      quant::gemv_q8(*w.f, cptr<uint8_t>(w.t), w.rb, n0, n1, K, xq.data(), xd.data(), xs.data(),
+                     padded_k(K), rows, emit);
       return;
     }
     if (w.f) {  // linear_q's fp32-activation GEMV: each packed row made fp32 once

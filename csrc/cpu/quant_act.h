@@ -396,6 +396,23 @@ inline void dot_rows_q8(const Format& f, const uint8_t* w, int64_t rb, int64_t n
   }
 }
 
+// The int8-activation GEMV of linear_q and the decode plan: emit(m, n, sum) for weight rows
+// [n0, n1) of w against activation rows m < M (row m's blocks at xq + m * kp, its scales
+// and code sums at xd / xsum + m * kp / 32), kQ8Rows weight rows at a time.
+template <typename Emit>
+inline void gemv_q8(const Format& f, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1,
+                    int64_t k, const int8_t* xq, const float* xd, const float* xsum, int64_t kp,
+                    int64_t M, Emit&& emit) {
+  float sums[kQ8Rows];
+  for (int64_t n = n0; n < n1; n += kQ8Rows) {
+    const int64_t c = std::min(kQ8Rows, n1 - n);
+    for (int64_t m = 0; m < M; ++m) {
+      dot_rows_q8(f, w + n * rb, rb, c, k, xq + m * kp, xd + m * kp / 32, xsum + m * kp / 32, sums);
+      for (int64_t i = 0; i < c; ++i) emit(m, n + i, sums[i]);
+    }
+  }
+}
+
 // One row: dot_rows_q8 with n = 1.
 inline float dot_row_q8(const Format& f, const uint8_t* row, int64_t k, const int8_t* xq,
                         const float* xd, const float* xsum) {

@@ -127,7 +127,7 @@ def side_by_side(llama: dict, repeats: int, formats=LLAMA_FORMATS) -> list[dict]
         names = list(sides)
         try:
             for r in range(repeats):
-                for name in names[r % 3 :] + names[: r % 3]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     sides[name].round()
         finally:
             for name, side in sides.items():

@@ -200,25 +200,6 @@ TOPG_TARGET_VNNI inline void vnni_block_dot(const uint8_t* p, int64_t b, int64_t
   a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sb, a);
 }
 
-// The VNNI GEMV streams its rows: the bytes [p, p + n) it is about to read, kStreamAhead
-// further on, are prefetched (T0) as it reads them, a few lines per group of 8 blocks. Rows
-// are contiguous, so across the end of a row this runs into the next rows (past the
-// weight's end it does not fault). Measured against prefetching the whole row 4 rows ahead
-// at the row's start (prefetch_ahead, which the fp32-activation GEMVs keep): a standalone
-// harness, 2 threads, weights cold, 30 alternations with a plain read loop (2026-12-02,
-// the VM's read rate 13-20 GB/s). Share of the read loop's rate, row-ahead / streaming:
-// [4096, 4096] q8_0 83-87% / 97-103%, int8 66-83% / 93-102%, q4_1 62-74% / 81%; [1536,
-// 576] q8_0 94% / 101%. Distance 1 KiB 80-90%, 2 KiB 86-92%, 8 KiB as 4 KiB. (A burst of
-// 68 prefetches at the start of a 4096-long q8_0 row fills the miss queue, then the bus
-// idles.) always_inline: GCC 12 took a non-inlined helper holding only prefetches as free
-// of side effects and dropped its calls (no prefetcht0 was left in the GEMV).
-inline constexpr int64_t kStreamAhead = 4096;
-TOPG_TARGET_VNNI __attribute__((always_inline)) inline void vnni_prefetch(const uint8_t* p,
-                                                                          int64_t n) {
-  const char* q = reinterpret_cast<const char*>(p) + kStreamAhead;
-  for (int64_t l = 0; l < n; l += 64) _mm_prefetch(q + l, _MM_HINT_T0);
-}
-
 TOPG_TARGET_VNNI inline __m256 vnni_lane(__m256 s, int j) {
   return _mm256_permutexvar_ps(_mm256_set1_epi32(j), s);
 }
@@ -239,7 +220,7 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_vnni(con
   __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero, cterm = zero;
   int64_t b0 = 0;
   for (; b0 + 8 <= nb; b0 += 8) {
-    vnni_prefetch(p + VnniLayout<R>::bb * b0, 8 * VnniLayout<R>::bb);
+    stream_ahead(p + VnniLayout<R>::bb * b0, 8 * VnniLayout<R>::bb);  // quant_kernels.h
     const __m256 s = vnni_scales<R>(p, b0, xd, xsum, cterm);
     vnni_block_dot<R>(p, b0 + 0, k, xq, vnni_lane(s, 0), a0);
     vnni_block_dot<R>(p, b0 + 1, k, xq, vnni_lane(s, 1), a1);
@@ -253,7 +234,7 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_vnni(con
   float tail = 0.f;  // the last nb % 8 blocks: their scales one at a time
   for (; b0 < nb; ++b0) {
     const uint8_t* h = p + VnniLayout<R>::bb * b0;
-    vnni_prefetch(h, VnniLayout<R>::bb);
+    stream_ahead(h, VnniLayout<R>::bb);
     const float d = R == VnniRow::int8 ? 1.f : half_at(h), s = d * xd[b0];
     if constexpr (R == VnniRow::q4_1) tail += half_at(h + 2) * xd[b0] * xsum[b0];
     if constexpr (R == VnniRow::q4_0) tail += -8.f * s * xsum[b0];

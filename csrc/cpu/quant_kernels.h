@@ -166,15 +166,30 @@ inline float hsum4(const __m256 acc[4]) {
 #endif
 
 // The GEMVs read a weight's packed rows in order (rows are contiguous), one thread a
-// range of rows. Each row's dot product first prefetches (T0) the row kPrefetchRows
-// ahead: the hardware prefetcher alone leaves the memory bus idle between rows.
-// Measured on SmolLM2 decode (engine, 2 threads, 12 interleaved process pairs, off / on,
-// 2026-12-02): q8_0 int8 activations 7.36 / 6.05, 5.53 / 5.19, 7.40 / 6.22 ms; q4_1 fp32
-// 10.29 / 8.86, 8.70 / 7.64, 9.69 / 10.06 ms; q8_0 fp32 6.97 / 6.29, 6.44 / 6.24, 8.28 /
-// 8.48 ms; q4_0 int8 5.49 / 5.83, 5.00 / 4.96, 6.80 / 6.65 ms (the noise is ~10%). A
-// prefetch past the weight's end does not fault.
+// range of rows, and stream their prefetches: as the block at p is read, the line
+// kStreamAhead bytes on is prefetched (T0), running on into the next rows (past the
+// weight's end it does not fault): stream_ahead per block, here and in quant_act.h. The
+// first form, prefetching a whole row 4 rows ahead at the row's start (prefetch_ahead,
+// kept for the int8-activation GEMV's AVX2 form, which only CPUs without VNNI run), issued a burst
+// of 68 prefetches per 4096-long q8_0 row: the miss queue filled, then the bus idled. Standalone
+// harness, 2 threads, weights cold, row-ahead / streaming (2026-12-02; the VM's read rate 13-20
+// GB/s): fp32 activations q8_0 [4096, 4096] 1600 / 968 us, [1536, 576] 59 / 53 us, q4_1 [4096,
+// 4096] 1331 / 1059 us; quant_act.h has the int8-activation figures. Before that, the row-ahead
+// prefetch against none, on SmolLM2 decode (engine, 2 threads, 12 interleaved process pairs, off /
+// on): q8_0 int8 activations 7.36 / 6.05, 5.53 / 5.19, 7.40 / 6.22 ms; q4_1 fp32 10.29 / 8.86, 8.70
+// / 7.64, 9.69 / 10.06 ms (the noise is ~10%). always_inline: GCC 12 took a non-inlined helper
+// holding only prefetches as free of side effects and dropped its calls.
+inline constexpr int64_t kStreamAhead = 4096;
+__attribute__((always_inline)) inline void stream_ahead(const uint8_t* p, int64_t n = 1) {
+#if defined(__x86_64__) || defined(__i386__)
+  const char* q = reinterpret_cast<const char*>(p) + kStreamAhead;
+  for (int64_t l = 0; l < n; l += 64) _mm_prefetch(q + l, _MM_HINT_T0);
+#else
+  (void)p, (void)n;
+#endif
+}
 inline constexpr int64_t kPrefetchRows = 4;
-inline void prefetch_ahead(const uint8_t* row, int64_t rb) {
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* row, int64_t rb) {
 #if defined(__x86_64__) || defined(__i386__)
   const uintptr_t p = reinterpret_cast<uintptr_t>(row) + uintptr_t(kPrefetchRows * rb);
   for (int64_t i = 0; i < rb; i += 64)
@@ -187,7 +202,6 @@ inline void prefetch_ahead(const uint8_t* row, int64_t rb) {
 // sum over the row's k weights of w * x (x: fp32, zero-padded to padded(k)).
 inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float* x) {
   const int64_t nb = f.blocks(k);
-  prefetch_ahead(row, f.row_bytes(k));
 #if TOPG_AVX2
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
@@ -196,6 +210,7 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
     case Fmt::q8_0:
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 34 * b;
+        stream_ahead(p);
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
         fma32(q, _mm256_set1_ps(half_at(p)), zero, x + 32 * b, acc);
       }
@@ -204,6 +219,7 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
       const __m256i eight = _mm256_set1_epi8(8);
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 18 * b;
+        stream_ahead(p);
         fma32(_mm256_sub_epi8(unpack16(p + 2), eight), _mm256_set1_ps(half_at(p)), zero, x + 32 * b,
               acc);
       }
@@ -212,6 +228,7 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
     case Fmt::q4_1:  // int4 with groups of 32 computes the same (the general loop below)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 20 * b;
+        stream_ahead(p);
         fma32(unpack16(p + 4), _mm256_set1_ps(half_at(p)), _mm256_set1_ps(half_at(p + 2)),
               x + 32 * b, acc);
       }
@@ -220,6 +237,7 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
       const int64_t g = f.block, bb = f.block_bytes, half = g / 2;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + bb * b;
+        stream_ahead(p, bb);
         const float* xb = x + g * b;
         const __m256 d = _mm256_set1_ps(half_at(p)), m = _mm256_set1_ps(half_at(p + 2));
         if (g == 32) {
@@ -241,8 +259,10 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
       const uint8_t* q = row + 4;
       const __m256 one = _mm256_set1_ps(1.f);
       int64_t i = 0;
-      for (; i + 32 <= k; i += 32)
+      for (; i + 32 <= k; i += 32) {
+        stream_ahead(q + i);
         fma32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i)), one, zero, x + i, acc);
+      }
       float tail = 0.f;
       for (; i < k; ++i) tail += float(int8_t(q[i])) * x[i];
       return (hsum4(acc) + tail) * s;
@@ -260,6 +280,7 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
     return total * s;
   }
   for (int64_t b = 0; b < nb; ++b) {
+    stream_ahead(row + b * f.block_bytes, f.block_bytes);
     dequant_block(f, row + b * f.block_bytes, f.block, w);
     const float* xb = x + b * f.block;
 #if TOPG_AVX2
@@ -294,7 +315,6 @@ __attribute__((always_inline)) inline void store32(__m256i q, __m256 d, __m256 m
 inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* wbuf,
                          int64_t* xoff) {
   int64_t n = 0;
-  prefetch_ahead(row, f.row_bytes(k));
 #define put(q, d, m, x0) (store32((q), (d), (m), wbuf + 32 * n), xoff[n++] = (x0))
   const __m256 zero = _mm256_setzero_ps();
   const int64_t nb = f.blocks(k);
@@ -302,6 +322,7 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
     case Fmt::q8_0:
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 34 * b;
+        stream_ahead(p);
         put(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), _mm256_set1_ps(half_at(p)),
             zero, 32 * b);
       }
@@ -310,6 +331,7 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
       const __m256i eight = _mm256_set1_epi8(8);
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 18 * b;
+        stream_ahead(p);
         put(_mm256_sub_epi8(unpack16(p + 2), eight), _mm256_set1_ps(half_at(p)), zero, 32 * b);
       }
       return n;
@@ -317,6 +339,7 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
     case Fmt::q4_1:
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 20 * b;
+        stream_ahead(p);
         put(unpack16(p + 4), _mm256_set1_ps(half_at(p)), _mm256_set1_ps(half_at(p + 2)), 32 * b);
       }
       return n;
@@ -324,6 +347,7 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
       const int64_t g = f.block, bb = f.block_bytes, half = g / 2;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + bb * b;
+        stream_ahead(p, bb);
         const __m256 d = _mm256_set1_ps(half_at(p)), m = _mm256_set1_ps(half_at(p + 2));
         if (g == 32) {
           put(unpack16(p + 4), d, m, g * b);
@@ -340,8 +364,10 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
     }
     case Fmt::int8: {  // whole 32-runs only; dot_rows sums the tail as dot_row does
       const __m256 one = _mm256_set1_ps(1.f);
-      for (int64_t i = 0; i + 32 <= k; i += 32)
+      for (int64_t i = 0; i + 32 <= k; i += 32) {
+        stream_ahead(row + 4 + i);
         put(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 4 + i)), one, zero, i);
+      }
       return n;
     }
     default:

@@ -167,18 +167,20 @@ inline float hsum4(const __m256 acc[4]) {
 
 // The GEMVs read a weight's packed rows in order (rows are contiguous), one thread a
 // range of rows, and stream their prefetches: as the block at p is read, the line
-// kStreamAhead bytes on is prefetched (T0), running on into the next rows (past the
-// weight's end it does not fault): stream_ahead per block, here and in quant_act.h. The
-// first form, prefetching a whole row 4 rows ahead at the row's start (prefetch_ahead,
-// kept for the int8-activation GEMV's AVX2 form, which only CPUs without VNNI run), issued a burst
-// of 68 prefetches per 4096-long q8_0 row: the miss queue filled, then the bus idled. Standalone
-// harness, 2 threads, weights cold, row-ahead / streaming (2026-12-02; the VM's read rate 13-20
-// GB/s): fp32 activations q8_0 [4096, 4096] 1600 / 968 us, [1536, 576] 59 / 53 us, q4_1 [4096,
-// 4096] 1331 / 1059 us; quant_act.h has the int8-activation figures. Before that, the row-ahead
-// prefetch against none, on SmolLM2 decode (engine, 2 threads, 12 interleaved process pairs, off /
-// on): q8_0 int8 activations 7.36 / 6.05, 5.53 / 5.19, 7.40 / 6.22 ms; q4_1 fp32 10.29 / 8.86, 8.70
-// / 7.64, 9.69 / 10.06 ms (the noise is ~10%). always_inline: GCC 12 took a non-inlined helper
-// holding only prefetches as free of side effects and dropped its calls.
+// kStreamAhead bytes on is prefetched (T0; stream_ahead, per block, here and in
+// quant_act.h), running on into the next rows (past the weight's end it does not fault).
+// The first form prefetched a whole row 4 rows ahead at the row's start (prefetch_ahead,
+// kept for the int8-activation GEMV's AVX2 form, which only CPUs without VNNI run): a
+// burst of 68 prefetches per 4096-long q8_0 row filled the miss queue, then the bus idled.
+// Standalone harness, 2 threads, weights cold, 30 alternations (2026-12-02, the VM's read
+// rate 13-20 GB/s). Share of a plain read loop's rate, row-ahead / streaming, int8
+// activations (VNNI): [4096, 4096] q8_0 83-87% / 97-103%, int8 66-83% / 93-102%, q4_1
+// 62-74% / 81%; [1536, 576] q8_0 94% / 101%; distance 1 KiB 80-90%, 2 KiB 86-92%, 8 KiB as
+// 4 KiB. fp32 activations, us: q8_0 [4096, 4096] 1600 / 968, [1536, 576] 59 / 53, q4_1
+// [4096, 4096] 1331 / 1059. (The row-ahead form against none, SmolLM2 decode, 12
+// interleaved process pairs: q8_0 int8 activations 7.36 / 6.05, 5.53 / 5.19, 7.40 / 6.22
+// ms, none / row-ahead.) always_inline: GCC 12 took a non-inlined helper holding only
+// prefetches as free of side effects and dropped its calls.
 inline constexpr int64_t kStreamAhead = 4096;
 __attribute__((always_inline)) inline void stream_ahead(const uint8_t* p, int64_t n = 1) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -395,6 +395,26 @@ def test_dram_rows_use_the_bandwidth_of_their_own_rounds(monkeypatch):
                             dram_bytes=160.0, working_set=1 * MiB, target=("limit", 0.8))  # fmt: skip
     assert seen["names"] == ["topg", "stock"] and "limit" not in cached.ratios
     assert cached.regime == "in cache (1 MiB)" and cached.verdict == "not measured"
+    # another variant's share of the limit, round by round against the same probe
+    both = common.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
+                          dram_bytes=160.0, working_set=200 * MiB, limit_for=("stock",),
+                          target=("limit stock", 0.8))  # fmt: skip
+    lim = both.ratios["limit stock"]  # 0.8 s over stock's 2 s
+    assert (lim.median, lim.lo, lim.hi) == pytest.approx((0.4, 0.4, 0.4))
+    assert both.verdict.startswith("missed")
+
+
+def test_a_variants_share_of_the_limit_renders_as_its_target():
+    import bench_ops
+
+    r = _row("c", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(2.0, 1.9, 2.1, 10, "p10-p90"),
+             target=("limit int8 act", 0.8), limit=Stats(0.6, 0.55, 0.65, 10, "p10-p90"))  # fmt: skip
+    r.ratios["limit int8 act"] = Stats(0.85, 0.82, 0.9, 10, "p10-p90")
+    assert bench_ops.target_cells(r) == (">= 80% of limit (int8 act)", "yes")
+    assert "60% [55-65] of read bw" in bench_ops.limit_cell(r)
+    assert "<br>85% [82-90] int8 act" in bench_ops.limit_cell(r)
+    r.ratios["limit int8 act"] = Stats(0.7, 0.65, 0.75, 10, "p10-p90")
+    assert bench_ops.target_cells(r)[1] == "**no** (70% [65-75])"
 
 
 def test_tp_and_offload_blocks_render_from_records():

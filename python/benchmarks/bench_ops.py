@@ -68,7 +68,12 @@ def fmt_pct(v: Stats) -> str:
 def limit_cell(r: Row) -> str:
     if "limit" in r.ratios:
         bw = f"{r.read_bw.median / 1e9:.1f} GB/s; " if r.read_bw else ""
-        return f"{fmt_pct(r.ratios['limit'])} of read bw ({bw}{r.regime})"
+        others = "".join(
+            f"<br>{fmt_pct(v)} {k[len('limit ') :]}"
+            for k, v in r.ratios.items()
+            if k.startswith("limit ")
+        )
+        return f"{fmt_pct(r.ratios['limit'])} of read bw ({bw}{r.regime}){others}"
     if "of best" in r.ratios:
         best = r.note.split("best: ")[-1] if "best: " in r.note else "?"
         rate = f", {r.flops / r.topg.median / 1e6:.0f} GFLOP/s" if r.flops else ""
@@ -83,11 +88,16 @@ def target_cells(r: Row) -> tuple[str, str]:
     if not r.target:
         return "", ""
     name, minimum = r.target
-    target = f">= {minimum:.0%} of limit" if name == "limit" else f">= {minimum}x {name}"
+    is_limit = name == "limit" or name.startswith("limit ")
+    target = f">= {minimum}x {name}"
+    if is_limit:
+        target = f">= {minimum:.0%} of limit" + (
+            f" ({name[len('limit ') :]})" if name != "limit" else ""
+        )
     v = r.verdict or ""
     if v == "not measured":
         return target, "not measured (in cache)"
-    shown = fmt_pct(r.ratios[name]) if name == "limit" else fmt_ratio(r.ratios[name])
+    shown = fmt_pct(r.ratios[name]) if is_limit else fmt_ratio(r.ratios[name])
     met = "yes" if v.startswith("met") else f"**no** ({shown})"
     if "within noise" in v:
         met += ", within noise"

@@ -62,7 +62,8 @@ class Row:
     limit_ms: float | None = None  # the physical-limit time (DRAM bytes or best GEMM)
     limit_kind: str = ""  # "read bw" | "gemm"
     # the issue's target: (ratio name, minimum), e.g. ("sdpa", 1.2): topg >= 1.2x faster
-    # than sdpa; ("limit", 0.8): topg reaches >= 80% of the DRAM limit
+    # than sdpa; ("limit", 0.8): topg reaches >= 80% of the DRAM limit; ("limit <name>",
+    # 0.8): the variant <name> does (measure's limit_for)
     target: tuple[str, float] | None = None
     note: str = ""
     read_bw: Stats | None = None  # bytes/s, the probe in this row's own rounds
@@ -184,6 +185,7 @@ def measure(
     note: str = "",
     budget: Budget | None = None,
     contexts: dict | None = None,
+    limit_for: tuple[str, ...] = (),
 ) -> Row:
     """Time ``variants`` (``"topg"`` first) side by side and build the row.
 
@@ -191,6 +193,8 @@ def measure(
     bytes one call touches (default ``dram_bytes``); ``rotation``: the inputs' rotation,
     if any. ``flops``: for a compute-bound row. ``heavy``: calls of up to seconds;
     ``budget`` overrides the rounds; ``contexts`` as in ``torch_topg.bench.compare``.
+    ``limit_for``: other variants whose fraction of the DRAM limit is reported too, as the
+    ratio ``"limit <name>"`` (per round, against that round's probe, like topg's).
     """
     assert next(iter(variants)) == "topg", "topg is the first variant"
     regime, probe_bytes = "", 0
@@ -209,6 +213,11 @@ def measure(
         # each round: the time of the row's bytes at that round's bandwidth, over topg's
         pairs = list(zip(cmp.samples[PROBE], cmp.samples["topg"], strict=True))
         row.ratios["limit"] = summarize([dram_bytes * tp / probe_bytes / t for tp, t in pairs])
+        for name in limit_for:
+            own = zip(cmp.samples[PROBE], cmp.samples[name], strict=True)
+            row.ratios[f"limit {name}"] = summarize(
+                [dram_bytes * tp / probe_bytes / t for tp, t in own]
+            )
         row.read_bw = cmp.stats(PROBE).inverse(float(probe_bytes))
         row.limit_ms = dram_bytes / row.read_bw.median * 1e3
         row.limit_kind = "read bw"

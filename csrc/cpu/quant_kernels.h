@@ -172,12 +172,12 @@ inline float hsum4(const __m256 acc[4]) {
 // The first form prefetched a whole row 4 rows ahead at the row's start (prefetch_ahead,
 // kept for the int8-activation GEMV's AVX2 form, which only CPUs without VNNI run): a
 // burst of 68 prefetches per 4096-long q8_0 row filled the miss queue, then the bus idled.
-// Standalone harness, 2 threads, weights cold, 30 alternations (2026-12-02, the VM's read
-// rate 13-20 GB/s). Share of a plain read loop's rate, row-ahead / streaming, int8
-// activations (VNNI): [4096, 4096] q8_0 83-87% / 97-103%, int8 66-83% / 93-102%, q4_1
-// 62-74% / 81%; [1536, 576] q8_0 94% / 101%; distance 1 KiB 80-90%, 2 KiB 86-92%, 8 KiB as
-// 4 KiB. fp32 activations, us: q8_0 [4096, 4096] 1600 / 968, [1536, 576] 59 / 53, q4_1
-// [4096, 4096] 1331 / 1059. (The row-ahead form against none, SmolLM2 decode, 12
+// Standalone harness, 2 threads, weights cold, 30 alternations (2026-12-02, a 2-core
+// Intel Xeon VM with AVX-512 VNNI / BF16 and AMX, read rate 13-20 GB/s). Share of a plain
+// read loop's rate, row-ahead / streaming, int8 activations (VNNI): [4096, 4096] q8_0 83-87% /
+// 97-103%, int8 66-83% / 93-102%, q4_1 62-74% / 81%; [1536, 576] q8_0 94% / 101%; distance 1 KiB
+// 80-90%, 2 KiB 86-92%, 8 KiB as 4 KiB. fp32 activations, us: q8_0 [4096, 4096] 1600 / 968, [1536,
+// 576] 59 / 53, q4_1 [4096, 4096] 1331 / 1059. (The row-ahead form against none, SmolLM2 decode, 12
 // interleaved process pairs: q8_0 int8 activations 7.36 / 6.05, 5.53 / 5.19, 7.40 / 6.22
 // ms, none / row-ahead.) always_inline: GCC 12 took a non-inlined helper holding only
 // prefetches as free of side effects and dropped its calls.

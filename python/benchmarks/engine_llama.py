@@ -198,6 +198,9 @@ def run_llama_bench(bench: Path, gguf: Path, repeats: int) -> dict:
         out[key + "_cmd"] = shlex.join(cmd)
         out["flash_attn"] = rows[0].get("flash_attn")
         out["build"] = f"{rows[0].get('build_commit')} ({rows[0].get('build_number')})"
+        variant = Path(bench).parent.parent / "variant.txt"  # llama_cpp_build.py writes it
+        if variant.exists():
+            out["build"] += ", " + variant.read_text().strip()
     return out
 
 

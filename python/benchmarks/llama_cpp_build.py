@@ -57,6 +57,65 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
+# ggml's AMX matmul (compiled in by -march=native where the CPU has AMX) crashed with
+# SIGSEGV in ggml_backend_amx_mul_mat on every prompt-processing call of the SmolLM2 Q4_1
+# file on a Sapphire Rapids-class VM (2026-12-02; decode ran, and ARCH_REQ_XCOMP_PERM
+# succeeded). So each build is smoke-tested on that file, and where it crashes it is
+# built again with AMX off and everything else native: what a user of that machine has
+# to do. `variant.txt` beside bin/ says which build it is.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno-* win over -march
+
+
+def _smoke(bench: Path) -> str | None:
+    """None if llama-bench processes a short prompt of the shipped file, else why not."""
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from torch_topg.models.hf import gguf_path
+
+        model = gguf_path()
+    except Exception:  # no model to test with: nothing to say
+        return None
+    cmd = [str(bench), "-m", str(model), "-t", "1", "-r", "1", "-p", "32", "-n", "0"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "llama-bench -p 32 timed out"
+    return None if r.returncode == 0 else f"llama-bench -p 32 exited {r.returncode}"
+
+
+def _configure_and_build(src: Path, build: Path, jobs: int, log, extra: list[str]) -> None:
+    _run(
+        [
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(build),
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF",
+            # the web UI would be fetched from a hub or built with npm: neither here
+            "-DLLAMA_BUILD_UI=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries, copied to bin/
+            "-DCMAKE_BUILD_TYPE=Release",
+            *extra,
+        ],
+        log,
+    )
+    _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(jobs)], log)
+
+
+def _install(build: Path, bins: dict[str, Path]) -> None:
+    bins[TARGETS[0]].parent.mkdir(exist_ok=True)
+    for t in TARGETS:
+        found = list((build / "bin").glob(t)) or list(build.rglob(t))
+        if not found:
+            raise LlamaCppUnavailable(f"built, but no {t} binary in {build}")
+        shutil.copy2(found[0], bins[t])
+
+
 def ensure_llama_cpp(
     version: str = VERSION, force: bool = False, jobs: int = 2, verbose: bool = True
 ) -> dict[str, Path]:
@@ -103,36 +162,21 @@ def ensure_llama_cpp(
             build = d / "build"
             if verbose:
                 print(f"[llama.cpp] building {', '.join(TARGETS)} (log: {log_path})")
-            _run(
-                [
-                    "cmake",
-                    "-S",
-                    str(src),
-                    "-B",
-                    str(build),
-                    "-DGGML_NATIVE=ON",
-                    "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_OPENSSL=OFF",
-                    # the web UI would be fetched from a hub or built with npm: neither here
-                    "-DLLAMA_BUILD_UI=OFF",
-                    "-DLLAMA_USE_PREBUILT_UI=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries, copied to bin/
-                    "-DCMAKE_BUILD_TYPE=Release",
-                ],
-                log,
-            )
-            _run(
-                ["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(jobs)],
-                log,
-            )
-            bdir = d / "bin"
-            bdir.mkdir(exist_ok=True)
-            for t in TARGETS:
-                found = list((build / "bin").glob(t)) or list(build.rglob(t))
-                if not found:
-                    raise LlamaCppUnavailable(f"built, but no {t} binary in {build}")
-                shutil.copy2(found[0], bins[t])
+            _configure_and_build(src, build, jobs, log, [])
+            _install(build, bins)
+            variant = "native (-march=native)"
+            why = _smoke(bins["llama-bench"])
+            if why:
+                log.write(f"smoke test failed: {why}; building again with {NO_AMX}\n")
+                if verbose:
+                    print(f"[llama.cpp] {why}: building again without AMX ({NO_AMX})")
+                flags = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+                _configure_and_build(src, d / "build-noamx", jobs, log, flags)
+                _install(d / "build-noamx", bins)
+                if again := _smoke(bins["llama-bench"]):
+                    raise LlamaCppUnavailable(f"{why}; without AMX too: {again}")
+                variant = f"native without AMX ({NO_AMX}): the native build's {why}"
+            (d / "variant.txt").write_text(variant + "\n")
         except LlamaCppUnavailable as e:
             log.write(f"FAILED: {e}\n")
             raise LlamaCppUnavailable(f"{e}; log {log_path}:\n{_tail(log_path)}") from None

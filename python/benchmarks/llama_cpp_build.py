@@ -7,7 +7,8 @@ llama-cpp-python source distribution, once, into a cache folder outside the git 
 The binaries land in ~/.cache/torch_topg/llama.cpp-<version>/bin (override the root
 with TOPG_LLAMA_CPP_DIR). `ensure_llama_cpp()` returns their paths, or raises
 `LlamaCppUnavailable` with the reason (download or build failure), so a benchmark can
-print that reason in its llama.cpp column and go on. Takes 15-20 minutes on 2 cores.
+print that reason in its llama.cpp column and go on. Takes 15-20 minutes on 2 cores
+(twice that where the native build crashes and is built again without AMX: below).
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ def _embedding(mod: Any, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
     if type(mod) is QuantizedEmbedding:
         if mod.dtype_ref.dtype != dtype:
             raise Unsupported(f"embed_tokens returns {mod.dtype_ref.dtype}, the model is {dtype}")
+        if mod.embed_scale is not None:
+            raise Unsupported(f"embed_tokens scales its rows by {mod.embed_scale:g}")
         return mod.qweight, mod.format
     if type(mod) is not torch.nn.Embedding:
         raise Unsupported(f"embed_tokens is {type(mod).__name__}")

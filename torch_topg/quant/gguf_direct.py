@@ -12,6 +12,10 @@ builds the transformers model on the ``meta`` device and fills it from the file:
 * Llama-architecture files store ``attn_q`` / ``attn_k`` rows in another rotary order
   (llama.cpp's converter permutes them per head: rows ``(i, j)`` of a head's two halves
   become ``(j, i)``); the rows are put back, which for packed rows is a row gather.
+* Gemma 2 files name the layer norms by position (``ffn_norm`` is the pre-FFN norm,
+  ``post_attention_norm`` / ``post_ffw_norm`` the norms after each block) and store every
+  RMSNorm weight plus one (Gemma scales by ``1 + w``; llama.cpp's converter folds the one
+  in): the one is taken off again in float32, as transformers' GGUF reader does.
 
 The result equals what the hashing path builds (``tests/test_quant_gguf.py`` compares the
 packed buffers and the logits). Another architecture returns None and the caller takes
@@ -29,11 +33,13 @@ import torch
 
 from torch_topg.quant.experts import QuantizedExperts, experts_activation, experts_problem
 from torch_topg.quant.formats import BY_GGUF_TYPE, dequantize
-from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear
+from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear, embedding_scale
 
 #: GGUF ``general.architecture`` values built here, and whether q / k rows are permuted.
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "qwen2moe": False,
-                 "qwen3moe": False}  # fmt: skip
+                 "qwen3moe": False, "gemma2": False}  # fmt: skip
+#: Architectures whose files store RMSNorm weights as ``1 + w`` (see above).
+_NORM_PLUS_ONE = ("gemma2",)
 
 #: MoE sizes the file states and transformers' GGUF config reader does not map (it
 #: leaves the class defaults: a file with other sizes would not load): metadata key
@@ -66,7 +72,17 @@ _LAYER = {
 }
 
 
-def _target(name: str) -> str | None:
+#: Per architecture, layer tensors named otherwise than in _LAYER.
+_LAYER_BY_ARCH = {
+    "gemma2": {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+
+
+def _target(name: str, arch: str | None = None) -> str | None:
     """The model path of a file tensor: ``blk.3.attn_q.weight`` -> ``model.layers.3.
     self_attn.q_proj.weight``; None for a tensor this module does not know."""
     if name == "token_embd.weight":
@@ -79,6 +95,9 @@ def _target(name: str) -> str | None:
     if m is None:
         return None
     rest = m.group(2)
+    own = _LAYER_BY_ARCH.get(arch or "", {})
+    if rest in own:
+        return f"model.layers.{m.group(1)}.{own[rest]}"
     if rest in _EXPERTS:
         return f"model.layers.{m.group(1)}.mlp.experts:{_EXPERTS[rest]}"
     if rest in _LAYER:
@@ -188,7 +207,7 @@ def load_packed(
     floats: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, tuple[torch.Tensor, str | None]]] = {}  # path -> part
     for t in reader.tensors:
-        target = _target(t.name)
+        target = _target(t.name, arch)
         if target is None:
             return None
         data = np.array(t.data)
@@ -216,6 +235,8 @@ def load_packed(
         if fmt is not None and len(shape) == 2:
             packed[target.removesuffix(".weight")] = (rows.contiguous(), fmt, shape[1])
         else:
+            if arch in _NORM_PLUS_ONE and target.endswith("norm.weight"):
+                rows = rows.float() - 1.0
             floats[target] = rows.to(dtype)
     head_tied = "lm_head" not in packed and "lm_head.weight" not in floats
     for path, parts in experts.items():
@@ -227,7 +248,7 @@ def load_packed(
             floats[f"{name}.weight"] = dequantize(rows, fmt, k).to(dtype)
             continue
         if isinstance(old, torch.nn.Embedding):
-            new: torch.nn.Module = QuantizedEmbedding(rows, fmt, k)
+            new: torch.nn.Module = QuantizedEmbedding(rows, fmt, k, embedding_scale(old))
             new.dtype_ref = torch.empty(0, dtype=dtype)
             if head_tied:
                 head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from torch_topg.quant.formats import BY_GGUF_TYPE, dequantize
-from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear
+from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear, embedding_scale
 
 
 @dataclass
@@ -105,7 +105,9 @@ def use_gguf_weights(
             ft, packed = hit
             packed = by_weight.setdefault(id(m.weight), packed)
             if isinstance(m, torch.nn.Embedding):
-                new: torch.nn.Module = QuantizedEmbedding(packed, ft.format, ft.k)
+                new: torch.nn.Module = QuantizedEmbedding(
+                    packed, ft.format, ft.k, embed_scale=embedding_scale(m)
+                )
             else:
                 act = int8_activations and m is not head
                 new = QuantizedLinear(

@@ -110,24 +110,50 @@ class QuantizedEmbedding(torch.nn.Module):
 
     The output dtype follows ``model.to(dtype)`` (an empty float buffer carries it).
     ``qweight`` may be the very buffer of a tied :class:`QuantizedLinear` LM head.
+    ``embed_scale``: the output multiplied by it in the output dtype, as a scaled word
+    embedding does (Gemma's ``sqrt(hidden_size)``: :func:`embedding_scale` of the module
+    replaced).
     """
 
-    def __init__(self, qweight: torch.Tensor, format: str, embedding_dim: int) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        format: str,
+        embedding_dim: int,
+        embed_scale: float | None = None,
+    ) -> None:
         super().__init__()
         self.format, self.embedding_dim = format, embedding_dim
         self.num_embeddings = qweight.shape[0]
+        self.embed_scale = embed_scale
         self.register_buffer("qweight", qweight)
         self.register_buffer("dtype_ref", torch.empty(0, device=qweight.device), persistent=False)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from torch_topg.ops.embedding_q import embedding_q
 
-        return embedding_q(
+        out = embedding_q(
             input, self.qweight, self.format, self.embedding_dim, self.dtype_ref.dtype
         )
+        if self.embed_scale is not None:  # the scale rounded to the dtype, as transformers
+            out = out * torch.tensor(self.embed_scale, dtype=torch.float32).to(out.dtype)
+        return out
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format}"
+        scale = f", embed_scale={self.embed_scale:g}" if self.embed_scale is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format}{scale}"
+
+
+def embedding_scale(module: torch.nn.Module) -> float | None:
+    """The constant a scaled word embedding multiplies its rows by (transformers'
+    ``Gemma2TextScaledWordEmbedding`` and kin keep it as ``scalar_embed_scale`` and the
+    buffer ``embed_scale``), or None for a plain ``nn.Embedding``."""
+    scale = getattr(module, "scalar_embed_scale", None)
+    if scale is None:
+        buf = getattr(module, "embed_scale", None)
+        if isinstance(buf, torch.Tensor) and buf.numel() == 1 and not buf.is_meta:
+            scale = buf.item()
+    return None if scale is None else float(scale)
 
 
 def resolve_format(method: str, group_size: int = 64) -> str:

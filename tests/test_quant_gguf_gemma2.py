@@ -1,0 +1,107 @@
+"""A Gemma 2 GGUF file loaded packed (``quantization="gguf"``, gguf_direct.load_packed): the
+file is written here with gguf-py from a seeded tiny model as llama.cpp's converter writes
+Gemma 2 (its norm names, every RMSNorm weight stored as ``1 + w``, the LM head tied to the
+token embedding), its matrices in Q8_0. The packed model must equal transformers' own
+reading of the file (which de-quantises everything), and its norms the model's."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import gguf
+import pytest
+import torch
+from test_quant_gguf_moe import _tokenizer_fields
+
+from torch_topg.engine.loading import load_gguf_packed
+from torch_topg.models import build_model
+from torch_topg.quant import QuantizedLinear, quantize_weight
+from torch_topg.quant.loading import apply_quantization
+from torch_topg.quant.modules import QuantizedEmbedding
+
+NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}  # fmt: skip
+MATRICES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # fmt: skip
+
+
+def _write(model: torch.nn.Module, path) -> None:
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    w.add_final_logit_softcapping(c.final_logit_softcapping)
+    for key, value, kind, sub in _tokenizer_fields():
+        w.add_key_value(key, value, kind, sub_type=sub)
+    sd = model.state_dict()
+
+    def packed(name: str, value: torch.Tensor) -> None:
+        q = quantize_weight(value.detach().float(), "q8_0")
+        w.add_tensor(name, q.numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    def norm(name: str, value: torch.Tensor) -> None:  # the converter stores 1 + w
+        w.add_tensor(name, (value.detach().float() + 1.0).numpy())
+
+    packed("token_embd.weight", sd["model.embed_tokens.weight"])  # no output.weight: tied
+    norm("output_norm.weight", sd["model.norm.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for short, long in NORMS.items():
+            norm(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
+        for short, long in MATRICES.items():
+            packed(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gemma2_file(tmp_path_factory):
+    model = build_model("gemma2-tiny", vocab_size=49152, attn_implementation="eager")
+    for name, p in model.named_parameters():  # norms away from 0, so a lost "+1" shows
+        if name.endswith("norm.weight"):
+            with torch.no_grad():
+                p.copy_(torch.randn_like(p) * 0.1 + 0.3)
+    path = tmp_path_factory.mktemp("gemma2") / "gemma2-q8_0.gguf"
+    _write(model, path)
+    return path, model
+
+
+def test_gemma2_gguf_loads_packed(gemma2_file):
+    from transformers import AutoModelForCausalLM
+
+    path, model = gemma2_file
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed, tok = load_gguf_packed(path, torch.float32, "gguf")
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager",
+                                                  dtype=torch.float32).eval()  # fmt: skip
+    assert tok is not None
+    layer = packed.model.layers[1]
+    assert isinstance(layer.mlp.down_proj, QuantizedLinear) and layer.mlp.down_proj.format == "q8_0"
+    assert isinstance(packed.model.embed_tokens, QuantizedEmbedding)
+    assert packed.lm_head.qweight is packed.model.embed_tokens.qweight  # tied: one buffer
+    for name, value in model.state_dict().items():
+        if name.endswith("norm.weight"):  # the file's 1 + w, taken back to w
+            torch.testing.assert_close(packed.get_parameter(name), value, atol=1e-6, rtol=0)
+    assert packed.model.embed_tokens.embed_scale == pytest.approx(64**0.5)  # Gemma's sqrt(H)
+    ids = torch.tensor([[1, 5, 9, 200, 3000, 17, 42, 7, 11, 600, 2]])  # past the window of 8
+    with torch.no_grad():
+        want = hf(ids).logits
+        torch.testing.assert_close(packed(ids).logits, want, atol=1e-4, rtol=1e-4)
+        # the row-matching path (other architectures' files) keeps the scale too
+        matched = apply_quantization(copy.deepcopy(hf), "gguf", path)
+        assert isinstance(matched.model.embed_tokens, QuantizedEmbedding)
+        torch.testing.assert_close(matched(ids).logits, want, atol=1e-4, rtol=1e-4)

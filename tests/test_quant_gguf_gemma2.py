@@ -12,7 +12,7 @@ import warnings
 import gguf
 import pytest
 import torch
-from test_quant_gguf_moe import _tokenizer_fields
+from gguf_files import close_file, open_file
 
 from torch_topg.engine.loading import load_gguf_packed
 from torch_topg.models import build_model
@@ -29,21 +29,12 @@ MATRICES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 
 def _write(model: torch.nn.Module, path) -> None:
     c = model.config
-    w = gguf.GGUFWriter(str(path), "gemma2")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = open_file(path, "gemma2", c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_sliding_window(c.sliding_window)
     w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     w.add_final_logit_softcapping(c.final_logit_softcapping)
-    for key, value, kind, sub in _tokenizer_fields():
-        w.add_key_value(key, value, kind, sub_type=sub)
     sd = model.state_dict()
 
     def packed(name: str, value: torch.Tensor) -> None:
@@ -61,10 +52,7 @@ def _write(model: torch.nn.Module, path) -> None:
             norm(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
         for short, long in MATRICES.items():
             packed(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_file(w)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ packed by ``torch_topg.quant.quantize_weight``, which are GGUF's own)."""
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import gguf
@@ -14,27 +13,15 @@ import numpy as np
 import pytest
 import torch
 from engine_utils import hf_greedy
+from gguf_files import close_file, open_file
 
 from torch_topg.engine import Engine
 from torch_topg.engine.loading import load_gguf_packed
 from torch_topg.models import build_model
-from torch_topg.models.hf import gguf_path
 from torch_topg.quant import QuantizedExperts, QuantizedLinear, dequantize, quantize_weight
 from torch_topg.quant.gguf_direct import _unpermute
 
 GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-@functools.cache
-def _tokenizer_fields() -> list[tuple]:
-    """The SmolLM2 file's tokenizer entries (read once: a GGUFReader over its 49,152-token
-    vocabulary takes ~5 s)."""
-    src = gguf.GGUFReader(str(gguf_path()))
-    return [
-        (key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
-        for key, f in src.fields.items()
-        if key.startswith("tokenizer.")
-    ]
 
 
 def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
@@ -43,22 +30,13 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
     c = model.config
     mixtral = c.model_type == "mixtral"  # llama.cpp writes it as architecture "llama"
     qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[fmt]
-    w = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen2moe")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = open_file(path, "llama" if mixtral else "qwen2moe", c)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_local_experts if mixtral else c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     if not mixtral:
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    for key, value, kind, sub in _tokenizer_fields():
-        w.add_key_value(key, value, kind, sub_type=sub)
     dense: dict[str, torch.Tensor] = {}
 
     heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
@@ -111,10 +89,7 @@ def _write(model: torch.nn.Module, path, fmt: str) -> dict[str, torch.Tensor]:
         dense[p + "mlp.experts.gate_up_proj"] = torch.cat(
             [dense.pop(p + "gate"), dense.pop(p + "up")], 1
         )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_file(w)
     return dense
 
 

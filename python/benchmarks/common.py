@@ -211,13 +211,11 @@ def measure(
     row = Row(family, op, case, dtype, figures, ratios, regime, target=target, note=note)
     if probe_bytes:
         # each round: the time of the row's bytes at that round's bandwidth, over topg's
-        pairs = list(zip(cmp.samples[PROBE], cmp.samples["topg"], strict=True))
-        row.ratios["limit"] = summarize([dram_bytes * tp / probe_bytes / t for tp, t in pairs])
-        for name in limit_for:
-            own = zip(cmp.samples[PROBE], cmp.samples[name], strict=True)
-            row.ratios[f"limit {name}"] = summarize(
-                [dram_bytes * tp / probe_bytes / t for tp, t in own]
-            )
+        # (and over each limit_for variant's, as "limit <name>")
+        for name in ("topg", *limit_for):
+            pairs = zip(cmp.samples[PROBE], cmp.samples[name], strict=True)
+            key = "limit" if name == "topg" else f"limit {name}"
+            row.ratios[key] = summarize([dram_bytes * tp / probe_bytes / t for tp, t in pairs])
         row.read_bw = cmp.stats(PROBE).inverse(float(probe_bytes))
         row.limit_ms = dram_bytes / row.read_bw.median * 1e3
         row.limit_kind = "read bw"

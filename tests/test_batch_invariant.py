@@ -146,3 +146,75 @@ def test_avx512_and_avx2_dot_paths_agree_bitwise(tmp_path):
     assert len(ours) == len(theirs)
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert torch.equal(a, b), f"output {i} differs between the AVX-512 and AVX2 paths"
+
+
+_NO_AMX_SCRIPT = """
+import sys, torch, torch_topg
+x, ws = torch.load(sys.argv[1])
+out = [torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w) for w in ws for m in (1, 3, 16)]
+torch.save((out, torch_topg.modes.cpu_kernels()), sys.argv[2])
+"""
+
+
+def test_amx_and_avx512_bf16_dot_paths_match_the_reference(tmp_path):
+    """The bf16 dot path (1-16 rows) runs on AMX tiles where the CPU has them
+    (gemv_amx.h) and on AVX-512 BF16 / AVX2 elsewhere. The sums run in different orders,
+    so the paths differ within fp32 rounding of the sums before the output's bf16 rounding:
+    both are compared with the products summed in float64 (the other path in a subprocess
+    with TOPG_DISABLE_AMX=1; on a CPU without AMX both sides are the same path). The
+    shapes cover K of whole 32-value tiles, a tail of 2-30 values, odd K (not on AMX) and
+    weight rows that leave passes of 1-31 rows."""
+    import os
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 1600, generator=g).bfloat16()
+    ws = [
+        (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+        for n, k in ((37, 576), (65, 1536), (16, 1000), (33, 62), (3, 2), (31, 45), (96, 64))
+    ]
+    script, inp, out = tmp_path / "no_amx.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    script.write_text(_NO_AMX_SCRIPT)
+    torch.save((x, ws), inp)
+    env = {**os.environ, "TOPG_DISABLE_AMX": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    theirs, their_kernels = torch.load(out, weights_only=False)
+    assert "amx_bf16" not in their_kernels
+    i = 0
+    for w in ws:
+        for m in (1, 3, 16):
+            a = x[:m, : w.shape[1]]
+            exact = a.double() @ w.double().T
+            ours = torch_topg.ops.linear(a.contiguous(), w)
+            for name, got in (("this process", ours), ("TOPG_DISABLE_AMX=1", theirs[i])):
+                # the exact sum rounded to bf16 is at most half a bf16 ulp away; the fp32
+                # sums add a little more (K products of magnitude ~|a| |w|)
+                tol = exact.abs() * 2**-8 + 1e-5 * w.shape[1] ** 0.5
+                err = (got.double() - exact).abs()
+                assert bool((err <= tol).all()), (
+                    f"{name}: linear [{m}, {w.shape[1]}] x {list(w.shape)} off by {err.max():.3g}"
+                )
+            i += 1
+
+
+def test_set_amx_switches_the_path_and_reports_it():
+    from torch_topg import modes
+
+    kernels = modes.cpu_kernels()
+    assert kernels[0] == "avx2"
+    if "amx_bf16" not in kernels:
+        assert modes.set_amx(True) is False  # a CPU without AMX: nothing to switch
+        return
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 576, generator=g).bfloat16(), torch.randn(40, 576, generator=g).bfloat16()
+    on = torch_topg.ops.linear(x, w)
+    assert modes.set_amx(False) is True
+    try:
+        assert "amx_bf16" not in modes.cpu_kernels()
+        off = torch_topg.ops.linear(x, w)
+    finally:
+        assert modes.set_amx(True) is False
+    assert "amx_bf16" in modes.cpu_kernels()
+    torch.testing.assert_close(on, off, rtol=2**-7, atol=1e-3)

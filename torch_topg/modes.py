@@ -1,4 +1,4 @@
-"""Process-wide kernel modes: ``torch_topg.index_checks``."""
+"""Process-wide kernel modes: ``torch_topg.index_checks``; the CPU kernels' forms."""
 
 from __future__ import annotations
 
@@ -37,3 +37,25 @@ def index_checks(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         set_index_checks(prev)
+
+
+def cpu_kernels() -> list[str]:
+    """The instruction-set forms the native CPU kernels chose at run time, from the CPU's
+    features and the ``TOPG_DISABLE_AVX512`` / ``TOPG_DISABLE_AMX`` switches: ``"avx2"``
+    (the build's baseline), ``"avx512"`` (fp32 GEMV of 3-16 rows), ``"avx512_bf16"``
+    (bf16 GEMV and paged attention), ``"avx512_vnni"`` (int8-activation GEMV),
+    ``"amx_bf16"`` (bf16 GEMV of 1-16 rows on AMX tiles). Empty without the native library.
+    Benchmarks record it beside their figures."""
+    if not _native.is_loaded():
+        return []
+    return list(torch.ops.topg._cpu_kernels.default())
+
+
+def set_amx(enabled: bool) -> bool:
+    """Turn the AMX bf16 GEMV (1-16 rows: decode and verify steps) on or off for the whole
+    process from the next call; returns whether it was in use. Off, those calls take the
+    AVX-512 BF16 path. For comparing both paths in one process (``TOPG_DISABLE_AMX=1`` at
+    start-up turns it off for good); a CPU without AMX ignores it."""
+    if not _native.is_loaded():
+        return False
+    return bool(torch.ops.topg._set_amx.default(bool(enabled)))

@@ -388,7 +388,9 @@ void DecodePlan::step(const Step& s) {
   if (int64_t(members_.size()) < want) members_.resize(size_t(want));
   for (Member& m : members_) {
     sz(m.resid, B * H), sz(m.x, B * H);
-    m.in.fit(std::max(B, R), kmax, packed_, a8_, std::is_same_v<T, bf16> && gemm::use_bf16dp());
+    constexpr bool is_bf16 = std::is_same_v<T, bf16>;
+    m.in.fit(std::max(B, R), kmax, packed_, a8_, is_bf16 && gemm::use_bf16dp(),
+             is_bf16 && gemm::amx::enabled());
     m.cos.resize(size_t(B * d)), m.sin.resize(size_t(B * d));
     if (embed_.f) m.row.resize(size_t(padded_k(H)));
   }

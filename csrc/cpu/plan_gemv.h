@@ -14,6 +14,7 @@
 
 #include "dispatch.h"
 #include "gemm_kernels.h"
+#include "gemv_amx.h"
 #include "gemv_bf16dp.h"
 #include "quant_act.h"
 
@@ -32,7 +33,8 @@ struct Lin {
 inline int64_t padded_k(int64_t K) { return (K + 255) / 256 * 256; }
 
 // One member's A rows: `rows` rows of K values, as fp32 in the AVX2 dot path's layout
-// (a / ap), as stored (src: the AVX-512 BF16 dot products), and with packed weights as
+// (a / ap), as stored (src: the AVX-512 BF16 dot products), in AMX's B layout (bp:
+// gemv_amx.h, where the rows and K fit its tiles), and with packed weights as
 // fp32 padded with zeros (aq / aqp: linear_q's operand) and, with int8 activations, as
 // int8 blocks of 32 (xq codes, xd scales, xs code sums: quant::quantize_act).
 struct GemvInput {
@@ -40,12 +42,14 @@ struct GemvInput {
   std::vector<const float*> ap, aqp;
   std::vector<const void*> src;
   std::vector<int8_t> xq;
+  std::vector<bf16> bp;
   quant::RowsScratch qs;
-  bool packed = false, a8 = false, dp = false;
+  bool packed = false, a8 = false, dp = false, amx = false;
 
-  void fit(int64_t rows, int64_t kmax, bool packed_, bool a8_, bool dp_) {
-    packed = packed_, a8 = a8_, dp = dp_;
+  void fit(int64_t rows, int64_t kmax, bool packed_, bool a8_, bool dp_, bool amx_) {
+    packed = packed_, a8 = a8_, dp = dp_, amx = amx_;
     a.resize(size_t(rows * kmax)), ap.resize(size_t(rows)), src.resize(size_t(rows));
+    if (amx) bp.resize(size_t(rows * kmax));
     if (packed) {
       aq.resize(size_t(rows * padded_k(kmax)));
       aqp.resize(size_t(rows)), qsum.resize(size_t(rows));
@@ -73,6 +77,10 @@ struct GemvInput {
       gemm::dot_a_row<T>(row, K, a.data() + r * K);
       ap[r] = a.data() + r * K;
     }
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (amx && gemm::amx::fits(rows, K))
+        gemm::amx::pack_b(reinterpret_cast<const bf16* const*>(src.data()), rows, K, bp.data());
+    }
   }
 
   // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.
@@ -91,6 +99,14 @@ struct GemvInput {
       }
       return;
     }
+#if TOPG_AMX
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (amx && gemm::amx::fits(rows, K)) {
+        gemm::amx::dot_rows(bp.data(), rows, cptr<T>(w.t), K, K, n0, n1, emit);
+        return;
+      }
+    }
+#endif
 #if TOPG_BF16DP
     if constexpr (std::is_same_v<T, bf16>) {
       if (dp) {

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from torch_topg.bench.timing import Budget, Stats, compare
+from torch_topg.modes import cpu_kernels
 
 # A working set of at least this many LLCs is taken as streamed from DRAM: between two
 # uses of a byte, three LLCs of other data have passed, whatever the replacement policy.
@@ -280,6 +281,7 @@ def machine_info(measure: bool = True) -> dict:
         "torch_compiler": _torch_compiler(),
         "compiler": _compiler(),
         "topg_build": topg_build,
+        "topg_cpu_kernels": cpu_kernels(),
         "python": platform.python_version(),
         "load_avg_1min": load_average(),
         "cpu_busy_1s": cpu_busy() if measure else None,

@@ -91,9 +91,14 @@ SCHEMAS: dict[str, str] = {
 #   op names; the result lists what was registered, as "<aten op>.<dispatch key>".
 # - The batch-invariant mode (csrc/cpu/modes.cpp; the engine's ``deterministic=True``)
 #   and the CUDA index checks (``torch_topg.index_checks``): return the previous setting.
+# - ``_cpu_kernels``: the instruction-set forms the CPU kernels chose at run time
+#   (``torch_topg.modes.cpu_kernels``); ``_set_amx`` switches the AMX path
+#   (``torch_topg.modes.set_amx``).
 INTERNAL_SCHEMAS: dict[str, str] = {
     "_enable_interception": "_enable_interception(str[] ops) -> str[]",
     "_disable_interception": "_disable_interception() -> ()",
     "_set_batch_invariant": "_set_batch_invariant(bool enabled) -> bool",
     "_set_index_checks": "_set_index_checks(bool enabled) -> bool",
+    "_cpu_kernels": "_cpu_kernels() -> str[]",
+    "_set_amx": "_set_amx(bool enabled) -> bool",
 }

@@ -100,6 +100,21 @@ def test_mode_is_restored():
     assert torch.ops.topg._set_batch_invariant.default(before) is before
 
 
+def _in_subprocess(tmp_path, script: str, payload, env: dict[str, str]):
+    """Runs `script` (argv: an input and an output .pt file) on `payload` in a fresh
+    process with `env` added to the environment; returns what it saved."""
+    import os
+    import subprocess
+    import sys
+
+    path, inp, out = tmp_path / "script.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    path.write_text(script)
+    torch.save(payload, inp)
+    subprocess.run([sys.executable, str(path), str(inp), str(out)], env={**os.environ, **env},
+                   check=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    return torch.load(out, weights_only=False)
+
+
 _AVX2_SCRIPT = """
 import sys, torch, torch_topg
 x, ws, packed = torch.load(sys.argv[1])
@@ -115,10 +130,6 @@ def test_avx512_and_avx2_dot_paths_agree_bitwise(tmp_path):
     the same bits, so a model's outputs do not depend on the CPU's vector width. The AVX2
     form runs in a subprocess with TOPG_DISABLE_AVX512=1 (on a CPU without AVX-512 both
     sides are AVX2 and the test still runs)."""
-    import os
-    import subprocess
-    import sys
-
     from torch_topg.quant import quantize_weight
 
     g = torch.Generator().manual_seed(7)
@@ -128,13 +139,7 @@ def test_avx512_and_avx2_dot_paths_agree_bitwise(tmp_path):
         (quantize_weight(torch.randn(13, k, generator=g), fmt), fmt, k)
         for fmt, k in (("q4_1", 576), ("q8_0", 1536), ("int8", 1000), ("int4_g64", 576))
     ]
-    script, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
-    script.write_text(_AVX2_SCRIPT)
-    torch.save((x, ws, packed), inp)
-    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
-    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
-    theirs = torch.load(out, weights_only=False)
+    theirs = _in_subprocess(tmp_path, _AVX2_SCRIPT, (x, ws, packed), {"TOPG_DISABLE_AVX512": "1"})
     ours = [
         torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w) for w in ws for m in (3, 8, 16)
     ]
@@ -164,23 +169,15 @@ def test_amx_and_avx512_bf16_dot_paths_match_the_reference(tmp_path):
     with TOPG_DISABLE_AMX=1; on a CPU without AMX both sides are the same path). The
     shapes cover K of whole 32-value tiles, a tail of 2-30 values, odd K (not on AMX) and
     weight rows that leave passes of 1-31 rows."""
-    import os
-    import subprocess
-    import sys
-
     g = torch.Generator().manual_seed(3)
     x = torch.randn(16, 1600, generator=g).bfloat16()
     ws = [
         (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
         for n, k in ((37, 576), (65, 1536), (16, 1000), (33, 62), (3, 2), (31, 45), (96, 64))
     ]
-    script, inp, out = tmp_path / "no_amx.py", tmp_path / "in.pt", tmp_path / "out.pt"
-    script.write_text(_NO_AMX_SCRIPT)
-    torch.save((x, ws), inp)
-    env = {**os.environ, "TOPG_DISABLE_AMX": "1"}
-    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
-    theirs, their_kernels = torch.load(out, weights_only=False)
+    theirs, their_kernels = _in_subprocess(
+        tmp_path, _NO_AMX_SCRIPT, (x, ws), {"TOPG_DISABLE_AMX": "1"}
+    )
     assert "amx_bf16" not in their_kernels
     i = 0
     for w in ws:

@@ -38,7 +38,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 #include "gemv_avx512.h"
 #include "vec.h"

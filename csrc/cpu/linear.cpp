@@ -30,37 +30,34 @@ void linear_dot(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T
   // Items of ~256K weight elements (0.5-1 MiB, a fraction of a millisecond); products
   // below one item stay on the calling thread.
   const int64_t rows = std::max<int64_t>(8, (int64_t(1) << 18) / K / 8 * 8);
-#if TOPG_AMX
+#if TOPG_AMX || TOPG_BF16DP
   if constexpr (std::is_same_v<T, bf16>) {
+    std::vector<const bf16*> a(static_cast<size_t>(M));  // A stays bf16 on both paths
+    for (int64_t m = 0; m < M; ++m) a[m] = x + m * K;
+    const auto emit = [&](int64_t m, int64_t n, float s) {
+      out[m * N + n] = from_float<T>(bias ? s + to_float(bias[n]) : s);
+    };
+#if TOPG_AMX
     if (gemm::amx::enabled() && gemm::amx::fits(M, K)) {  // AMX tiles (gemv_amx.h)
-      std::vector<const bf16*> a(static_cast<size_t>(M));
-      for (int64_t m = 0; m < M; ++m) a[m] = x + m * K;
       std::vector<bf16> b(static_cast<size_t>(M * K));
       gemm::amx::pack_b(a.data(), M, K, b.data());
       const int64_t rows32 = std::max<int64_t>(32, (int64_t(1) << 18) / K / 32 * 32);
       parallel_items(gemm::ceil_div(N, rows32), [&](int64_t item) {
-        const int64_t n0 = item * rows32, n1 = std::min(N, n0 + rows32);
-        gemm::amx::dot_rows(b.data(), M, w, K, K, n0, n1, [&](int64_t m, int64_t n, float s) {
-          out[m * N + n] = from_float<T>(bias ? s + to_float(bias[n]) : s);
-        });
+        const int64_t n0 = item * rows32;
+        gemm::amx::dot_rows(b.data(), M, w, K, K, n0, std::min(N, n0 + rows32), emit);
       });
       return;
     }
-  }
 #endif
 #if TOPG_BF16DP
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (gemm::use_bf16dp()) {  // AVX-512 BF16 (gemv_bf16dp.h): A stays bf16
-      std::vector<const bf16*> a(static_cast<size_t>(M));
-      for (int64_t m = 0; m < M; ++m) a[m] = x + m * K;
+    if (gemm::use_bf16dp()) {  // AVX-512 BF16 (gemv_bf16dp.h)
       parallel_items(gemm::ceil_div(N, rows), [&](int64_t item) {
-        const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
-        gemm::dot_rows_bf16dp(a.data(), M, w, K, K, n0, n1, [&](int64_t m, int64_t n, float s) {
-          out[m * N + n] = from_float<T>(bias ? s + to_float(bias[n]) : s);
-        });
+        const int64_t n0 = item * rows;
+        gemm::dot_rows_bf16dp(a.data(), M, w, K, K, n0, std::min(N, n0 + rows), emit);
       });
       return;
     }
+#endif
   }
 #endif
   // A rows as fp32 (the dot kernel's A operand): converted once, a few KiB per row.

@@ -7,14 +7,17 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 export MAX_JOBS ?= 2
 
-.PHONY: venv build test demo bench lint format clean cuda-venv cuda-build vllm-venv vllm-test
+.PHONY: venv build test demo bench lint format clean cuda-build vllm-venv vllm-test
 
 # CUDA lane (CI): compile and link the CUDA kernels against a CUDA build of torch in a
 # separate venv and build folder (the CPU build of .venv is untouched), then check that
-# the library loads and registers every op for the CUDA key. No GPU needed.
-CUDA_VENV  ?= .venv-cuda
-CUDA_TORCH ?= 2.14.1
+# the library loads and registers every op for the CUDA key. No GPU needed. The venv is
+# the vLLM lane's (below): vllm 0.33.0 pins torch 2.14.0, whose PyPI build is CUDA 13.0,
+# nvcc's version here; one library serves both lanes (docs/build.md, "CI and its time").
+# CI compiles for sm_80 only, the oldest architecture the kernels support (the GPU suite
+# builds sm_90 on the GPU machine): `make cuda-build CUDA_ARCHS="8.0 9.0"` for both.
 CUDA_BUILD ?= build/cuda-ci
+CUDA_ARCHS ?= 8.0
 NVCC       ?= /usr/local/bin/nvcc
 
 # Packages: pyproject.toml is the one list (build-system.requires and the extras in
@@ -87,34 +90,15 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 
-# The build requirements only (no extras), same constraints; torch pinned by CUDA_TORCH.
-$(CUDA_VENV)/.deps: pyproject.toml constraints.txt Makefile
-	$(PY_SYS) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/python -m pip install -q $(CONSTRAINTS) --upgrade pip
-	$(CUDA_VENV)/bin/python -c "$$REQUIREMENTS_PY" >$(CUDA_VENV)/requirements.txt
-	$(CUDA_VENV)/bin/python -m pip install -q $(CONSTRAINTS) torch==$(CUDA_TORCH) -r $(CUDA_VENV)/requirements.txt
-	touch $@
-
-cuda-venv: $(CUDA_VENV)/.deps
-
-cuda-build: cuda-venv
-	PATH=$(abspath $(CUDA_VENV))/bin:$$PATH cmake -S . -B $(CUDA_BUILD) -G Ninja \
-	  -DPython3_EXECUTABLE=$(abspath $(CUDA_VENV))/bin/python \
-	  -DTOPG_OUTPUT_DIR=$(abspath $(CUDA_BUILD))/out -DTOPG_CUDA=ON \
-	  -DCMAKE_CUDA_COMPILER=$(NVCC)
-	PATH=$(abspath $(CUDA_VENV))/bin:$$PATH cmake --build $(CUDA_BUILD) -- -j$(MAX_JOBS)
-	$(CUDA_VENV)/bin/python python/check_cuda_build.py $(CUDA_BUILD)/out
-
 # vLLM lane (CI): vllm 0.33.0 in its own venv with the versions it pins (constraints-vllm.txt;
 # torch 2.14.0's PyPI build, CUDA 13, which runs CPU code without a GPU), torch_topg
 # installed there (pip install ., so vLLM's plugin loader finds its entry point) with
-# its CPU kernels built against that torch in VLLM_BUILD, then tests/vllm_lane: the plugin
+# its kernels built against that torch in CUDA_BUILD, then tests/vllm_lane: the plugin
 # through vLLM's loader and each replaced layer against vLLM's forward_native
 # (docs/integrations.md). vLLM itself is installed --no-deps with the part of its
 # requirements that importing its layers needs (VLLM_DEPS), not its GPU kernel packages.
 VLLM_VENV    ?= .venv-vllm
 VLLM_VERSION ?= 0.33.0
-VLLM_BUILD   ?= build/vllm-ci
 VLLM_PY      := $(VLLM_VENV)/bin/python
 VLLM_CONSTRAINTS := -c $(abspath constraints-vllm.txt)
 VLLM_DEPS := torch packaging regex cachetools psutil numpy tqdm transformers huggingface_hub \
@@ -131,16 +115,21 @@ $(VLLM_VENV)/.deps: constraints-vllm.txt Makefile
 
 vllm-venv: $(VLLM_VENV)/.deps
 
-# torch_topg into the vLLM venv; redone when the native sources or the metadata change,
-# the venv is new, or the build folder is gone (the stamp lives in it).
-$(VLLM_BUILD)/.installed: $(VLLM_VENV)/.deps pyproject.toml setup.py CMakeLists.txt $(shell git ls-files csrc cmake)
-	TOPG_BUILD_DIR=$(abspath $(VLLM_BUILD)) TOPG_CUDA=OFF \
-	  $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps .
+# torch_topg into the vLLM venv (pip install ., so vLLM's plugin loader finds its entry
+# point), its CPU and CUDA kernels built in CUDA_BUILD; redone when the native sources or
+# the metadata change, the venv is new, or the build folder is gone (the stamp lives in it).
+$(CUDA_BUILD)/.installed: $(VLLM_VENV)/.deps pyproject.toml setup.py CMakeLists.txt $(shell git ls-files csrc cmake)
+	TOPG_BUILD_DIR=$(abspath $(CUDA_BUILD)) TOPG_CUDA=ON CUDACXX=$(NVCC) \
+	  TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps .
 	touch $@
 
-# The sources of this checkout (PYTHONPATH), the kernels of VLLM_BUILD (TOPG_NATIVE_DIR).
-vllm-test: $(VLLM_BUILD)/.installed
-	PYTHONPATH=$(CURDIR) TOPG_NATIVE_DIR=$(abspath $(VLLM_BUILD))/out TOPG_REQUIRE_NATIVE=1 \
+cuda-build: $(CUDA_BUILD)/.installed
+	$(VLLM_PY) python/check_cuda_build.py $(CUDA_BUILD)/out
+
+# The sources of this checkout (PYTHONPATH), the kernels of CUDA_BUILD (TOPG_NATIVE_DIR:
+# their CPU kernels; no GPU here).
+vllm-test: $(CUDA_BUILD)/.installed
+	PYTHONPATH=$(CURDIR) TOPG_NATIVE_DIR=$(abspath $(CUDA_BUILD))/out TOPG_REQUIRE_NATIVE=1 \
 	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_lane tests/test_vllm_plugin.py
 
 clean:

@@ -29,6 +29,8 @@ PATH_EXTENSIONS = (".py", ".md", ".cpp", ".cu", ".cuh", ".h", ".sh")
 # in "/".
 NOT_IN_REPO = {
     "~/.cache/torch_topg/llama.cpp-0.3.36/bin": "llama.cpp built once into the user's cache",
+    "~/.cache/torch_topg": "torch_topg's cache in the user's home (TOPG_CACHE_DIR unset)",
+    "$TOPG_CACHE_DIR/": "torch_topg's cache folder, set by the user",
     "/work/venv-xla": "the TPU lane's virtual environment, outside the checkout",
     "/tmp": "scratch space of the machine",
     "/completion": "llama-server's HTTP endpoint, not a file",

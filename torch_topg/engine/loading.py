@@ -97,10 +97,15 @@ def load_config(model: str | os.PathLike[str] | None) -> tuple[Any, Any]:
 def _config_tokenizer(folder: Path, gguf: str | None) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
-    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    config = AutoConfig.from_pretrained(folder, **kw)
+    if gguf:  # converted once per file content (engine/gguf_meta.py)
+        from torch_topg.engine.gguf_meta import config_and_tokenizer
+
+        config, tok = config_and_tokenizer(folder / gguf)
+        check_supported(config)
+        return config, tok
+    config = AutoConfig.from_pretrained(folder)
     check_supported(config)
-    tok = AutoTokenizer.from_pretrained(folder, **kw) if gguf or has_tokenizer(folder) else None
+    tok = AutoTokenizer.from_pretrained(folder) if has_tokenizer(folder) else None
     return config, tok
 
 

@@ -1,5 +1,6 @@
 """Writing tiny GGUF files in tests (gguf-py): the header every decoder file carries, the
-shipped SmolLM2 file's tokenizer (transformers' GGUF reader needs one), and the close."""
+shipped SmolLM2 file's tokenizer cut to the model's vocabulary (transformers' GGUF reader
+needs one), and the close."""
 
 from __future__ import annotations
 
@@ -12,15 +13,32 @@ from torch_topg.models.hf import gguf_path
 
 
 @functools.cache
-def tokenizer_fields() -> list[tuple]:
+def _smollm2_tokenizer_fields() -> tuple[tuple, ...]:
     """The SmolLM2 file's tokenizer entries (read once: a GGUFReader over its 49,152-token
     vocabulary takes ~5 s)."""
     src = gguf.GGUFReader(str(gguf_path()))
-    return [
+    return tuple(
         (key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
         for key, f in src.fields.items()
         if key.startswith("tokenizer.")
-    ]
+    )
+
+
+def tokenizer_fields(vocab_size: int) -> list[tuple]:
+    """SmolLM2's tokenizer cut to its first ``vocab_size`` tokens (the merges kept are those
+    whose parts and result are among them), so that the file's vocabulary is the model's.
+    The whole one (49,152 tokens, 48,900 merges) made every GGUFReader and every
+    transformers reading of a tiny test file parse ~150k strings: 3-5 s each."""
+    fields = _smollm2_tokenizer_fields()
+    kept = set(next(v for k, v, _, _ in fields if k == "tokenizer.ggml.tokens")[:vocab_size])
+    out = []
+    for key, value, kind, sub in fields:
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value[:vocab_size]
+        elif key == "tokenizer.ggml.merges":
+            value = [m for m in value if m.replace(" ", "") in kept and set(m.split(" ")) <= kept]
+        out.append((key, value, kind, sub))
+    return out
 
 
 def open_file(path: Any, arch: str, config: Any) -> gguf.GGUFWriter:
@@ -34,7 +52,7 @@ def open_file(path: Any, arch: str, config: Any) -> gguf.GGUFWriter:
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    for key, value, kind, sub in tokenizer_fields():
+    for key, value, kind, sub in tokenizer_fields(config.vocab_size):
         w.add_key_value(key, value, kind, sub_type=sub)
     return w
 

@@ -11,11 +11,13 @@ import functools
 
 import pytest
 import torch
-from conftest import TOL, assert_close
+from conftest import NATIVE_INDEPENDENT, TOL, assert_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from torch_topg import reference
+
+pytestmark = NATIVE_INDEPENDENT  # the Pallas kernels against torch_topg.reference
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("ml_dtypes")

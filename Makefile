@@ -58,7 +58,7 @@ build: venv
 # --durations=15: each lane lists its slowest tests (CI's time budget is watched on them).
 test: build
 	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q --durations=15 tests
-	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q --durations=15 -p no:warnings tests
+	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q --durations=15 -p no:warnings -m "not native_independent" tests
 
 # The engine on SmolLM2 (real weights): streams an answer, then serves 8 concurrent
 # requests (tokens/s, TTFT, batch sizes). The eager / Inductor / topg comparison of

@@ -89,25 +89,3 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # on every device. tests/test_cuda_sync.py turns them off to show the hot path has no
     # synchronisation.
     torch_topg.set_index_checks(True)
-
-
-#: Marks a module that calls no ``topg`` op (its ``pytestmark``): its result cannot depend
-#: on TOPG_DISABLE_NATIVE, so the reference lane skips it (docs/build.md, "CI and its time").
-NATIVE_INDEPENDENT = pytest.mark.native_independent
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "native_independent: calls no topg op; skipped under TOPG_DISABLE_NATIVE=1"
-    )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("TOPG_DISABLE_NATIVE") != "1":
-        return
-    skip = pytest.mark.skip(
-        reason="calls no topg op: the same run as the native lane's (TOPG_DISABLE_NATIVE=1)"
-    )
-    for item in items:
-        if item.get_closest_marker("native_independent"):
-            item.add_marker(skip)

@@ -10,7 +10,6 @@ import shutil
 import gguf
 import numpy as np
 import pytest
-from conftest import NATIVE_INDEPENDENT
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,7 +17,7 @@ from torch_topg.engine import gguf_meta
 from torch_topg.models import smollm2_available
 from torch_topg.models.hf import gguf_path
 
-pytestmark = NATIVE_INDEPENDENT
+pytestmark = pytest.mark.native_independent  # the reference lane deselects it (docs/build.md)
 
 _SCALARS = {
     "u8": (st.integers(0, 255), gguf.GGUFValueType.UINT8),

@@ -93,6 +93,39 @@ inline Prefetch next_rows(const T* run0, const T* run1, int64_t K) {
   return {{reinterpret_cast<const char*>(run0), reinterpret_cast<const char*>(run1)}};
 }
 
+// Cache lines of the weight row a GEMV reads next, prefetched a few at a time through a
+// pass over the current one: `lines` lines from `p`.
+struct LinePrefetch {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+
+// The share of `lines` lines from p0 that pass `pass` of `passes` prefetches (none if p0 is
+// null). The fp32 GEMV of more than 3 A rows spreads the next row's lines over all its
+// passes: only the first pass over a row misses in L1, and the hardware prefetcher, which
+// follows those misses, issues nothing during the later ones (docs/cpu-kernels.md, "AVX2,
+// 2026-12-04 (second session)").
+inline LinePrefetch pass_share(const char* p0, int64_t lines, int64_t pass, int64_t passes) {
+  if (!p0) return {};
+  const int64_t l0 = lines * pass / passes, l1 = lines * (pass + 1) / passes;
+  return {p0 + 64 * l0, l1 - l0};
+}
+
+// Issues pf's lines evenly over a loop of `steps` steps (call step() once per step).
+class LineSpread {
+ public:
+  LineSpread(LinePrefetch pf, int64_t steps)
+      : p_(pf.p), lines_(pf.p && steps > 0 ? pf.lines : 0), steps_(steps) {}
+  void step() {
+    for (due_ += lines_; lines_ && due_ >= steps_; due_ -= steps_, p_ += 64)
+      __builtin_prefetch(p_, 0, 3);
+  }
+
+ private:
+  const char* p_;
+  int64_t lines_, steps_, due_ = 0;
+};
+
 // Prefetches `bytes` (a multiple of 64, or less than 64) of each run and advances it.
 inline void prefetch_step(Prefetch& pf, int bytes) {
   for (const char*& p : pf.run) {
@@ -175,13 +208,6 @@ inline void dot_rows_m(const float* const* a, int m, const T* const* w, int64_t 
   }
 }
 
-// Cache lines of another weight row, prefetched a few at a time through a pass of
-// dot_row_seq: `lines` lines from `p`, spread evenly over the pass's `steps` 32-k steps.
-struct LinePrefetch {
-  const char* p = nullptr;
-  int64_t lines = 0;
-};
-
 // out[i] = a[i] . w for MB fp32 rows a and one fp32 weight row w, read front to back with
 // four independent sums per A row (k in strides of 32). Rows of a block are contiguous,
 // so a range of rows streams through memory in order, which the hardware prefetcher
@@ -192,12 +218,10 @@ inline void dot_row_seq(const float* const* a, const float* w, int64_t K, float*
   Vec8 acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = Vec8::zero();
-  const int64_t steps = K / 32;
-  int64_t due = 0;  // Bresenham: pf.lines prefetches over `steps` steps
+  LineSpread spread(pf, K / 32);
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    for (due += pf.lines; due >= steps && pf.p; due -= steps, pf.p += 64)
-      __builtin_prefetch(pf.p, 0, 3);
+    spread.step();
     for (int j = 0; j < 4; ++j) {
       const Vec8 wv = Vec8::load(w + k + 8 * j);
       for (int i = 0; i < MB; ++i)
@@ -241,27 +265,19 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
       return;
     }
 #endif
-    // More than 3 A rows: each weight row is read in ceil(M / 3) passes, and only the
-    // first reads it from memory, so the hardware prefetcher, which follows the demand
-    // misses, idles through the later passes. Those passes prefetch the next row
-    // instead, its lines spread evenly over them. Measured on a Zen 3 (AVX2, 2 threads,
-    // the decode plan's SmolLM2 step, fp32, in one process against no prefetch, medians
-    // of 8-12 rounds): batch 5 33.3 -> 31.3 ms, 8 46.0 -> 39.7, 12 58.4 -> 48.9, 16 76.5
-    // -> 70.8; batch 4 (passes of 3 and 1 rows) unchanged; the next row but one was no
-    // better at 8 rows and worse at 4 (docs/cpu-kernels.md).
+    // More than 3 A rows: the next weight row is prefetched through the passes over this
+    // one (pass_share). Measured on a Zen 3 (AVX2, 2 threads, the decode plan's SmolLM2
+    // step, fp32, in one process against no prefetch, docs/cpu-kernels.md): batch 4
+    // 29.6 -> 27.2 ms, batch 8 45.7 -> 39.2, batch 16 89.5 -> 83.4.
     const int64_t passes = ceil_div(M, 3), lines = ceil_div(K * int64_t(sizeof(float)), 64);
     for (int64_t n = n0; n < n1; ++n) {
       const float* row = w + n * ldw;
-      const char* ahead = passes > 1 && K >= 32 && n + 1 < n1
-                              ? reinterpret_cast<const char*>(w + (n + 1) * ldw)
-                              : nullptr;
+      const char* next = passes > 1 && n + 1 < n1
+                             ? reinterpret_cast<const char*>(w + (n + 1) * ldw)
+                             : nullptr;
       for (int64_t m = 0, p = 0; m < M; m += 3, ++p) {
         const int mb = int(std::min<int64_t>(3, M - m));
-        LinePrefetch pf;
-        if (ahead && p > 0) {  // pass p of 1..passes-1: lines [l0, l1)
-          const int64_t l0 = lines * (p - 1) / (passes - 1), l1 = lines * p / (passes - 1);
-          pf = {ahead + 64 * l0, l1 - l0};
-        }
+        const LinePrefetch pf = pass_share(next, lines, p, passes);
         if (mb == 1)
           dot_row_seq<1>(a + m, row, K, sums, pf);
         else if (mb == 2)
@@ -297,6 +313,8 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
     const T* rows[RB];
     for (int r = 0; r < RB; ++r) rows[r] = w + (n + std::min(r, rb - 1)) * ldw;
     // the first pass over this block prefetches the next; later passes hit the cache
+    // (spreading it over all passes, as the fp32 path does, measured 0.89-1.10x at
+    // batch 4 and 0.94-1.06x at batch 8 on a Zen 3, bf16: not taken)
     const Prefetch pf = n + 2 * RB <= n1 && ldw == K
                             ? next_rows(rows[0] + RB * K, rows[0] + (RB + RB / 2) * K, K)
                             : Prefetch{};

@@ -272,9 +272,8 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
     const int64_t passes = ceil_div(M, 3), lines = ceil_div(K * int64_t(sizeof(float)), 64);
     for (int64_t n = n0; n < n1; ++n) {
       const float* row = w + n * ldw;
-      const char* next = passes > 1 && n + 1 < n1
-                             ? reinterpret_cast<const char*>(w + (n + 1) * ldw)
-                             : nullptr;
+      const char* next =
+          passes > 1 && n + 1 < n1 ? reinterpret_cast<const char*>(w + (n + 1) * ldw) : nullptr;
       for (int64_t m = 0, p = 0; m < M; m += 3, ++p) {
         const int mb = int(std::min<int64_t>(3, M - m));
         const LinePrefetch pf = pass_share(next, lines, p, passes);

@@ -148,9 +148,15 @@ def acceptance(per_output: list) -> dict:
 def compare(engine, name, prompts, new, repeats, label, dtype, rows, spec_key="speculative"):
     run(engine, prompts, True, new)  # warm: the prompts enter the prefix cache
     base, fast, accs, same, lat = [], [], [], True, []
-    for _ in range(repeats):
-        n0, t0, _, d0 = run(engine, prompts, False, new)
-        n1, t1, per, d1 = run(engine, prompts, True, new)
+    for i in range(repeats):
+        # the order alternates (plain first in even repeats): on a VM whose speed drifts
+        # within a minute, a fixed order biases every pair the same way
+        if i % 2 == 0:
+            n0, t0, _, d0 = run(engine, prompts, False, new)
+            n1, t1, per, d1 = run(engine, prompts, True, new)
+        else:
+            n1, t1, per, d1 = run(engine, prompts, True, new)
+            n0, t0, _, d0 = run(engine, prompts, False, new)
         same &= n0 == n1
         base.append(n0 / t0)
         fast.append(n1 / t1)

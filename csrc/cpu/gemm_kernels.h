@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gemv_avx512.h"
+#include "gemv_f32_tiles.h"
 #include "vec.h"
 
 namespace topg::gemm {
@@ -92,39 +93,6 @@ inline Prefetch next_rows(const T* run0, const T* run1, int64_t K) {
   if (K * int64_t(sizeof(T)) > 3072) return {};
   return {{reinterpret_cast<const char*>(run0), reinterpret_cast<const char*>(run1)}};
 }
-
-// Cache lines of the weight row a GEMV reads next, prefetched a few at a time through a
-// pass over the current one: `lines` lines from `p`.
-struct LinePrefetch {
-  const char* p = nullptr;
-  int64_t lines = 0;
-};
-
-// The share of `lines` lines from p0 that pass `pass` of `passes` prefetches (none if p0 is
-// null). The fp32 GEMV of more than 3 A rows spreads the next row's lines over all its
-// passes: only the first pass over a row misses in L1, and the hardware prefetcher, which
-// follows those misses, issues nothing during the later ones (docs/cpu-kernels.md, "AVX2,
-// 2026-12-04 (second session)").
-inline LinePrefetch pass_share(const char* p0, int64_t lines, int64_t pass, int64_t passes) {
-  if (!p0) return {};
-  const int64_t l0 = lines * pass / passes, l1 = lines * (pass + 1) / passes;
-  return {p0 + 64 * l0, l1 - l0};
-}
-
-// Issues pf's lines evenly over a loop of `steps` steps (call step() once per step).
-class LineSpread {
- public:
-  LineSpread(LinePrefetch pf, int64_t steps)
-      : p_(pf.p), lines_(pf.p && steps > 0 ? pf.lines : 0), steps_(steps) {}
-  void step() {
-    for (due_ += lines_; lines_ && due_ >= steps_; due_ -= steps_, p_ += 64)
-      __builtin_prefetch(p_, 0, 3);
-  }
-
- private:
-  const char* p_;
-  int64_t lines_, steps_, due_ = 0;
-};
 
 // Prefetches `bytes` (a multiple of 64, or less than 64) of each run and advances it.
 inline void prefetch_step(Prefetch& pf, int bytes) {
@@ -265,6 +233,10 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
       return;
     }
 #endif
+    if (M >= kF32TileMinRows) {  // gemv_f32_tiles.h
+      dot_rows_f32_tiles(a, M, w, ldw, K, n0, n1, emit);
+      return;
+    }
     // More than 3 A rows: the next weight row is prefetched through the passes over this
     // one (pass_share). Measured on a Zen 3 (AVX2, 2 threads, the decode plan's SmolLM2
     // step, fp32, in one process against no prefetch, docs/cpu-kernels.md): batch 4

@@ -237,10 +237,10 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
       dot_rows_f32_tiles(a, M, w, ldw, K, n0, n1, emit);
       return;
     }
-    // More than 3 A rows: the next weight row is prefetched through the passes over this
-    // one (pass_share). Measured on a Zen 3 (AVX2, 2 threads, the decode plan's SmolLM2
-    // step, fp32, in one process against no prefetch, docs/cpu-kernels.md): batch 4
-    // 29.6 -> 27.2 ms, batch 8 45.7 -> 39.2, batch 16 89.5 -> 83.4.
+    // 4 to 11 A rows: the next weight row is prefetched through the passes over this one
+    // (pass_share). Measured on a Zen 3 (AVX2, 2 threads, the decode plan's SmolLM2 step,
+    // fp32, in one process against no prefetch, docs/cpu-kernels.md): batch 4 29.6 ->
+    // 27.2 ms, batch 8 45.7 -> 39.2 (batch 16, before the tiles took it: 89.5 -> 83.4).
     const int64_t passes = ceil_div(M, 3), lines = ceil_div(K * int64_t(sizeof(float)), 64);
     for (int64_t n = n0; n < n1; ++n) {
       const float* row = w + n * ldw;

@@ -196,17 +196,7 @@ inline void dot_row_seq(const float* const* a, const float* w, int64_t K, float*
         acc[i][j] = Vec8::fma(Vec8::load(a[i] + k + 8 * j), wv, acc[i][j]);
     }
   }
-  for (int j = 0; k + 8 <= K; k += 8, ++j) {
-    const Vec8 wv = Vec8::load(w + k);
-    for (int i = 0; i < MB; ++i) acc[i][j] = Vec8::fma(Vec8::load(a[i] + k), wv, acc[i][j]);
-  }
-  for (int i = 0; i < MB; ++i) {
-    float s = ((acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3])).sum();
-    // an explicit fma: whether `s += a * w` is contracted is the compiler's choice, and
-    // it differs between this function and the AVX-512 one (gemv_avx512.h)
-    for (int64_t kk = k; kk < K; ++kk) s = std::fma(a[i][kk], w[kk], s);
-    out[i] = s;
-  }
+  for (int i = 0; i < MB; ++i) out[i] = seq_finish(acc[i], a[i], w, k, K);
 }
 
 // For weight rows [n0, n1) of W ([N, K], row stride ldw) and M fp32 rows a[0..M): calls

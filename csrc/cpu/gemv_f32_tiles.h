@@ -62,6 +62,19 @@ class LineSpread {
   int64_t lines_, steps_, due_ = 0;
 };
 
+// The end of dot_row_seq's sum of a . w from k (K rounded down to 32) given its four partial
+// sums p: the tail's vectors of 8 to partials 0, 1, 2, the reduction, then the scalars.
+// Shared by dot_row_seq and the tiles, whose sums must stay bitwise equal.
+inline float seq_finish(Vec8 (&p)[4], const float* a, const float* w, int64_t k, int64_t K) {
+  for (int j = 0; k + 8 <= K; k += 8, ++j)
+    p[j] = Vec8::fma(Vec8::load(a + k), Vec8::load(w + k), p[j]);
+  float s = ((p[0] + p[1]) + (p[2] + p[3])).sum();
+  // an explicit fma: whether `s += a * w` is contracted is the compiler's choice, and it
+  // differs between this function and the AVX-512 one (gemv_avx512.h)
+  for (int64_t kk = k; kk < K; ++kk) s = std::fma(a[kk], w[kk], s);
+  return s;
+}
+
 // Weight rows per tile, and the A rows from which dot_rows_range takes the tiles.
 constexpr int kF32TileRows = 4;
 constexpr int64_t kF32TileMinRows = 12;
@@ -90,16 +103,10 @@ inline void dot_tile_f32(const float* const* a, const float* const* w, int64_t K
     for (int i = 0; i < MB; ++i)
       for (int r = 0; r < RB; ++r) part[j][i][r] = acc[i][r];
   }
-  // dot_row_seq's tail (vectors of 8 to partials 0, 1, 2; then scalars) and reduction
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < RB; ++r) {
       Vec8 p[4] = {part[0][i][r], part[1][i][r], part[2][i][r], part[3][i][r]};
-      int64_t k = kv;
-      for (int j = 0; k + 8 <= K; k += 8, ++j)
-        p[j] = Vec8::fma(Vec8::load(a[i] + k), Vec8::load(w[r] + k), p[j]);
-      float s = ((p[0] + p[1]) + (p[2] + p[3])).sum();
-      for (int64_t kk = k; kk < K; ++kk) s = std::fma(a[i][kk], w[r][kk], s);
-      out[i * RB + r] = s;
+      out[i * RB + r] = seq_finish(p, a[i], w[r], kv, K);
     }
 }
 

@@ -151,12 +151,10 @@ def compare(engine, name, prompts, new, repeats, label, dtype, rows, spec_key="s
     for i in range(repeats):
         # the order alternates (plain first in even repeats): on a VM whose speed drifts
         # within a minute, a fixed order biases every pair the same way
-        if i % 2 == 0:
-            n0, t0, _, d0 = run(engine, prompts, False, new)
-            n1, t1, per, d1 = run(engine, prompts, True, new)
-        else:
-            n1, t1, per, d1 = run(engine, prompts, True, new)
-            n0, t0, _, d0 = run(engine, prompts, False, new)
+        runs = {
+            spec: run(engine, prompts, spec, new) for spec in ((False, True), (True, False))[i % 2]
+        }
+        (n0, t0, _, d0), (n1, t1, per, d1) = runs[False], runs[True]
         same &= n0 == n1
         base.append(n0 / t0)
         fast.append(n1 / t1)

@@ -14,6 +14,7 @@ from torch_topg.engine.loading import check_supported, load, load_gguf_packed
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.speculative.config import resolve_speculative
 from torch_topg.quant.loading import apply_quantization, resolve_quantization
+from torch_topg.utils import hugepages
 
 
 def _device(device: Any) -> torch.device:
@@ -258,6 +259,8 @@ def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **optio
     dtype = _dtype(options.pop("dtype", None) or next(model.parameters()).dtype, device)
     model = model.to(device=device, dtype=dtype).eval()
     model = apply_quantization(model, quantization)  # issue 21: None leaves it as it is
+    if device.type == "cpu":  # the decode step streams the weights: huge pages
+        hugepages.rehome_(model)
     spec = resolve_speculative(options.pop("speculative", None), model, tokenizer, device, dtype)
     cfg = make_config(model.config, device=device, dtype=dtype, speculative=spec, **options)
     return cls(model, tokenizer, cfg)
@@ -337,6 +340,8 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
         m = apply_quantization(m, quantization)
     cleanup = []
+    if device.type == "cpu" and not depth:  # the decode step streams them: huge pages
+        hugepages.rehome_(m)
     if depth:
         import torch_topg
 

@@ -23,6 +23,7 @@ import torch
 
 from torch_topg.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
+from torch_topg.utils import hugepages
 
 #: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.cpp kMaxTokens).
 PLAN_MAX_TOKENS = 16
@@ -78,12 +79,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # Per layer [K, V] (auto) or [K, V, K scale, V scale] (int8), every tensor with the
         # block as dim 0, so `for t in kv_caches: t[dst] = t[src]` copies whole blocks.
-        # torch.empty: pages are committed as blocks are first written, so the RSS
-        # grows with the blocks in use up to the budget, never beyond it.
+        # Uninitialised: pages are committed as blocks are first written, so the RSS
+        # grows with the blocks in use up to the budget, never beyond it. On the CPU in
+        # transparent huge pages (torch_topg.utils.hugepages: the decode step reads the
+        # KV it attends over every step).
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_caches = []
         for _ in range(layers):
-            self.kv_caches += [torch.empty(s, dtype=t, device=self.device)
+            self.kv_caches += [_empty(s, t, self.device)
                                for s, t in _kv_tensors(num_blocks, block_size, kv, head_dim,
                                                        self.dtype, kv_cache_dtype)]  # fmt: skip
         self.kv_tensors_per_layer = len(self.kv_caches) // max(1, layers)
@@ -295,6 +298,12 @@ class ModelRunner:
                 self._warming = False
         if self._plan_wanted is True:
             self.relower()  # after compiling: the passes may re-point weights
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return hugepages.empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _kv_tensors(

@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_topg.compile import fx as F
 from torch_topg.ops import OPS
+from torch_topg.utils import hugepages
 
 
 @dataclass
@@ -87,7 +88,13 @@ class Context:
         fused = _adjacent(params)
         if fused is not None:  # fused by an earlier compile (another graph): share it
             return self.constant(fused, hint)
-        fused = torch.cat([p.detach() for p in params], dim=0)
+        rows = sum(p.shape[0] for p in params)
+        shape = (rows, *params[0].shape[1:])
+        if params[0].device.type == "cpu":  # streamed every step: in huge pages
+            fused = torch.cat([p.detach() for p in params], dim=0,
+                              out=hugepages.empty(shape, params[0].dtype))  # fmt: skip
+        else:
+            fused = torch.cat([p.detach() for p in params], dim=0)
         offset = 0
         for p in params:
             n = p.shape[0]

@@ -1,0 +1,97 @@
+"""torch_topg.utils.hugepages: host tensors advised for transparent huge pages, and the
+engine's CPU weights, fused weights and KV cache placed in them."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from engine_utils import prompts, tiny
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torch_topg.engine import Engine
+from torch_topg.utils import hugepages
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.uint8]
+
+
+@given(
+    rows=st.integers(1, 1100),
+    cols=st.sampled_from([1, 7, 256, 1024, 1031]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_empty_has_the_shape_and_dtype_and_is_advised_from_one_huge_page(rows, cols, dtype):
+    t = hugepages.empty((rows, cols), dtype)
+    assert t.shape == (rows, cols) and t.dtype == dtype and t.device.type == "cpu"
+    assert t.is_contiguous()
+    big = t.numel() * t.element_size() >= hugepages.HUGE_PAGE
+    assert hugepages.is_advised(t) == (big and hugepages.enabled())
+    t.fill_(3)  # writable, every byte
+    assert bool((t == 3).all())
+
+
+def test_views_keep_the_mapping_alive():
+    t = hugepages.empty((1024, 1024), torch.float32)
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view_as(t))
+    v = t[1000:1002]
+    del t
+    gc.collect()
+    junk = [torch.full((1 << 20,), 7.0) for _ in range(4)]  # reuse freed memory, if any
+    assert torch.equal(v, torch.arange(1000 * 1024, 1002 * 1024, dtype=torch.float32).view(2, -1))
+    del junk
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("TOPG_HUGEPAGES", "0")
+    assert not hugepages.enabled()
+    t = hugepages.empty((1024, 1024), torch.float32)
+    assert not hugepages.is_advised(t)
+    assert hugepages.rehome_(torch.nn.Linear(1024, 1024)) == 0
+
+
+def test_rehome_keeps_values_sharing_and_small_tensors():
+    emb = torch.nn.Embedding(1000, 1024)
+    head = torch.nn.Linear(1024, 1000, bias=False)
+    head.weight = emb.weight  # tied, as SmolLM2's
+    small = torch.nn.Linear(16, 16)
+    mod = torch.nn.ModuleList([emb, head, small])
+    mod.register_buffer("table", torch.randn(600, 1024))
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    small_ptr = small.weight.data_ptr()
+    moved = hugepages.rehome_(mod)
+    expect = 1000 * 1024 * 4 + 600 * 1024 * 4 if hugepages.enabled() else 0
+    assert moved == expect
+    for k, v in mod.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert emb.weight.data_ptr() == head.weight.data_ptr()
+    assert isinstance(emb.weight, torch.nn.Parameter) and emb.weight.requires_grad
+    assert small.weight.data_ptr() == small_ptr
+    assert hugepages.is_advised(emb.weight) == hugepages.enabled()
+    assert hugepages.is_advised(mod.table) == hugepages.enabled()
+
+
+def _engine_run(monkeypatch, on: bool):
+    monkeypatch.setenv("TOPG_HUGEPAGES", "1" if on else "0")
+    # every tiny tensor counts as big, so the tiny model takes the same paths as SmolLM2
+    monkeypatch.setattr(hugepages, "HUGE_PAGE", 4096)
+    with Engine.from_model(tiny("llama-tiny"), block_size=4) as eng:
+        out = eng.generate(prompts(3, [5, 11]), max_new_tokens=6, temperature=0, ignore_eos=True)
+        r = eng.runner
+        big = [p for p in r.model.parameters() if p.numel() * p.element_size() >= 4096]
+        advised = [hugepages.is_advised(p) for p in big]
+        kv = [hugepages.is_advised(t) for t in r.kv_caches]
+        active = eng.stats()["decode_plan"]["active"]
+    return [o.outputs[0].token_ids for o in out], advised, kv, active
+
+
+def test_engine_weights_fused_weights_and_kv_cache_in_huge_pages(monkeypatch):
+    if not hugepages._advice_accepted():
+        pytest.skip("this kernel does not accept MADV_HUGEPAGE (THP compiled out)")
+    toks_on, advised, kv, active = _engine_run(monkeypatch, True)
+    assert active and advised and all(advised), advised  # incl. the fused q/k/v, gate/up views
+    assert kv and all(kv)
+    toks_off, advised_off, kv_off, _ = _engine_run(monkeypatch, False)
+    assert not any(advised_off) and not any(kv_off)
+    assert toks_on == toks_off

@@ -165,6 +165,25 @@ inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t 
   Vec8 a[HG][NV];
   for (int g = 0; g < HG; ++g)
     for (int c = 0; c < NV; ++c) a[g][c] = Vec8::load(acc + g * as + e + 8 * c);
+  // The token's HG weights in registers, then one V vector at a time: HG * NV + HG + 1
+  // registers against HG * NV + NV + 1 below, which for SmolLM2's 3 heads x 4 vectors is
+  // 17 of the 16 ymm and kept one accumulator on the stack (a store-to-load round trip per
+  // token). The same FMAs in the same order. Standalone, 8 sequences x 256 keys of SmolLM2
+  // (one process, medians of 15): L3-warm 3.10 -> 2.72 ms, from DRAM 6.67 -> 6.44 ms.
+  if (HG <= NV && full) {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = vc + rows[t] + e;
+      Vec8 p[HG];
+      for (int g = 0; g < HG; ++g) p[g] = Vec8::load(pb + (t * HG + g) * 8);
+      for (int c = 0; c < NV; ++c) {
+        const Vec8 vv = Vec8::load(v + 8 * c);
+        for (int g = 0; g < HG; ++g) a[g][c] = Vec8::fma(p[g], vv, a[g][c]);
+      }
+    }
+    for (int g = 0; g < HG; ++g)
+      for (int c = 0; c < NV; ++c) a[g][c].store(acc + g * as + e + 8 * c);
+    return;
+  }
   for (int64_t t = 0; t < n; ++t) {
     const T* v = vc + rows[t] + e;
     Vec8 vv[NV];

@@ -8,7 +8,7 @@ lines. Linux backs memory with 2 MiB pages where a mapping asks for them
 ``THP_MEM_ALLOC_ENABLE=1`` is set before torch starts. Measured in one process on a
 2-core Zen 3 (the decode plan's SmolLM2 step over huge pages against 4 KiB-page copies,
 ``python/benchmarks/hugepages.py``, docs/decode-step.md "weights and KV cache in huge
-pages"): fp32 0.88-0.99x the time, bf16 0.96-1.0x; outputs bitwise equal.
+pages"): fp32 0.88-0.99x the time, bf16 0.96-1.02x; outputs bitwise equal.
 
 Memory comes from a private anonymous mapping (``mmap``), advised before it is touched,
 so pages are still committed on first write (a KV pool's unused blocks cost nothing).

@@ -180,19 +180,17 @@ inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t 
         for (int g = 0; g < HG; ++g) a[g][c] = Vec8::fma(p[g], vv, a[g][c]);
       }
     }
-    for (int g = 0; g < HG; ++g)
-      for (int c = 0; c < NV; ++c) a[g][c].store(acc + g * as + e + 8 * c);
-    return;
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    const T* v = vc + rows[t] + e;
-    Vec8 vv[NV];
-    for (int c = 0; c < NV; ++c)
-      vv[c] = full ? Vec8::load(v + 8 * c)
-                   : load_partial(v + 8 * c, int(std::clamp<int64_t>(d - e - 8 * c, 0, 8)));
-    for (int g = 0; g < HG; ++g) {
-      const Vec8 p = Vec8::load(pb + (t * HG + g) * 8);
-      for (int c = 0; c < NV; ++c) a[g][c] = Vec8::fma(p, vv[c], a[g][c]);
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = vc + rows[t] + e;
+      Vec8 vv[NV];
+      for (int c = 0; c < NV; ++c)
+        vv[c] = full ? Vec8::load(v + 8 * c)
+                     : load_partial(v + 8 * c, int(std::clamp<int64_t>(d - e - 8 * c, 0, 8)));
+      for (int g = 0; g < HG; ++g) {
+        const Vec8 p = Vec8::load(pb + (t * HG + g) * 8);
+        for (int c = 0; c < NV; ++c) a[g][c] = Vec8::fma(p, vv[c], a[g][c]);
+      }
     }
   }
   for (int g = 0; g < HG; ++g)

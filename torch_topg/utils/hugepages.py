@@ -57,7 +57,7 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
     :func:`enabled`), in memory advised for transparent huge pages. The tensor keeps its
     mapping alive; the mapping is unmapped when the last view of it is freed."""
     shape = tuple(int(s) for s in shape)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < HUGE_PAGE or not enabled():
         return torch.empty(shape, dtype=dtype)
     # MAP_PRIVATE: a shared anonymous mapping is shmem, which follows the separate

@@ -88,13 +88,11 @@ class Context:
         fused = _adjacent(params)
         if fused is not None:  # fused by an earlier compile (another graph): share it
             return self.constant(fused, hint)
-        rows = sum(p.shape[0] for p in params)
-        shape = (rows, *params[0].shape[1:])
+        out = None
         if params[0].device.type == "cpu":  # streamed every step: in huge pages
-            fused = torch.cat([p.detach() for p in params], dim=0,
-                              out=hugepages.empty(shape, params[0].dtype))  # fmt: skip
-        else:
-            fused = torch.cat([p.detach() for p in params], dim=0)
+            shape = (sum(p.shape[0] for p in params), *params[0].shape[1:])
+            out = hugepages.empty(shape, params[0].dtype)
+        fused = torch.cat([p.detach() for p in params], dim=0, out=out)
         offset = 0
         for p in params:
             n = p.shape[0]

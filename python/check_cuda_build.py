@@ -7,14 +7,47 @@ launched). Checks that ``_build_info.json`` says ``cuda: true``, that the librar
 through ``torch_topg._native`` and that every schema in ``_schemas.py`` has a kernel at
 the ``CUDA`` and at the ``CPU`` dispatch key, except those listed in
 ``torch_topg.ops._registry.PENDING_KERNELS`` (printed with their reason; an entry whose
-kernel now exists is an error: the list must stay true). Exits non-zero otherwise.
+kernel now exists is an error: the list must stay true). Then, in a child process, that
+a kernel's argument error reaches Python whole: with a libstdc++ linked into the library
+statically, the first number written into the message crashed the process (seen on the GPU
+machine, 2026-12-04; CMakeLists.txt now links the shared one). Exits non-zero otherwise.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
 import sys
+
+# A bad weight for rms_norm on the CPU (no GPU needed) and the first line of its message.
+_BAD_CALL = """
+import torch, torch_topg
+try:
+    torch.ops.topg.rms_norm(torch.ones(2, 3), torch.ones(4), 1e-6)
+except RuntimeError as e:
+    print(str(e).splitlines()[0])
+"""
+_EXPECTED = ("topg::rms_norm: argument 'weight' (shape [4], dtype float32, device cpu) "
+             "expected size 3 at dim 0")  # fmt: skip
+
+
+def error_reaches_python(lib_dir: pathlib.Path) -> str | None:
+    """None if the argument error of ``_BAD_CALL`` arrives whole, else what went wrong."""
+    env = {**os.environ, "TOPG_NATIVE_DIR": str(lib_dir), "TOPG_REQUIRE_NATIVE": "1"}
+    r = subprocess.run([sys.executable, "-c", _BAD_CALL], env=env, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    if r.returncode == 0 and _EXPECTED in r.stdout:
+        return None
+    try:
+        needed = subprocess.run(["readelf", "-d", str(lib_dir / "_C.so")],
+                                capture_output=True, text=True).stdout  # fmt: skip
+        libstdcxx = "libstdc++.so" in needed
+    except OSError:
+        libstdcxx = None
+    return (f"exit status {r.returncode}, message {r.stdout.strip()!r} (expected it to start "
+            f"with {_EXPECTED!r}); libstdc++.so among the library's needs: {libstdcxx}; "
+            f"{r.stderr.strip()[-300:]}")  # fmt: skip
 
 
 def main() -> int:
@@ -42,6 +75,9 @@ def main() -> int:
     if not info.get("cuda") or missing or stale:
         print(f"FAIL: cuda={info.get('cuda')}, kernels missing: {missing}, "
               f"registered but listed in PENDING_KERNELS: {stale}")  # fmt: skip
+        return 1
+    if why := error_reaches_python(lib_dir):
+        print(f"FAIL: a kernel's argument error does not reach Python whole: {why}")
         return 1
     for k, why in waiting.items():
         print(f"pending: {k} ({why}): the reference runs")

@@ -176,6 +176,8 @@ write_summary() {
   if command -v nvcc >/dev/null; then nvcc --version | grep release; else echo "nvcc: not on PATH"; fi
   command -v compute-sanitizer || echo "compute-sanitizer: not on PATH"
   echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS build=$BUILD"
+  # The toolchain as CMake will see it (a -static-libstdc++ here once crashed every error path).
+  echo "CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-} CXXFLAGS=${CXXFLAGS:-} LDFLAGS=${LDFLAGS:-}"
 } >"$ENV_TXT" 2>&1
 timeout 15 "$PY" -c "
 import sys, torch

@@ -14,6 +14,7 @@ from conftest import NEEDS_CUDA
 from offload_utils import TOKENS, tiny
 
 import torch_topg
+import torch_topg.compile
 
 pytestmark = NEEDS_CUDA
 DEV = "cuda"

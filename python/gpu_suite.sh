@@ -6,6 +6,8 @@
 #                                         #   own torch, CUDA tests, compute-sanitizer memcheck
 #   bash python/gpu_suite.sh bench        # <= 240 s: GPU benchmarks, CUDA-graph capture tests,
 #                                         #   offload H2D benchmark (reuses build-test's build)
+#   bash python/gpu_suite.sh profile      # <= 190 s, optional: engine decode with / without
+#                                         #   CUDA graphs; Nsight Compute over the slowest kernels
 #   bash python/gpu_suite.sh <mode> --dry-run   # print the stages, limits and files; run nothing
 #
 # Each stage runs under its own `timeout`, and a mode's stages never outlast its budget
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 64
 }
 MODE=${1:-}
@@ -64,7 +66,9 @@ CUDA_TESTS="tests/test_cuda_*.py$(device_tests)"
 XDIST="\$($(q "$PY") -c 'import xdist' >/dev/null 2>&1 && printf '%s' '-n 4')"
 CONFIGURE="cmake -S $(q "$ROOT") -B $(q "$BUILD") -G Ninja -DPython3_EXECUTABLE=\$(command -v $(q "$PY")) \
 -DTOPG_OUTPUT_DIR=$(q "$LIB_DIR") -DTOPG_CUDA=ON"
-BUILD_CMD="$CONFIGURE && cmake --build $(q "$BUILD") -- -j$MAX_JOBS && $(q "$PY") python/check_cuda_build.py $(q "$LIB_DIR")"
+# Configured once: a configure re-runs the torch queries (about 20 s), and `cmake --build`
+# configures again by itself when a CMake file changed.
+BUILD_CMD="{ [ -f $(q "$BUILD/build.ninja") ] || $CONFIGURE; } && cmake --build $(q "$BUILD") -- -j$MAX_JOBS && $(q "$PY") python/check_cuda_build.py $(q "$LIB_DIR")"
 
 RESULTS=()
 case "$MODE" in
@@ -91,6 +95,22 @@ case "$MODE" in
       "offload 35 offload.log $(q "$PY") python/benchmarks/gpu/offload_h2d.py --quick --md $(q "$OUT/offload.md")"
     )
     RESULTS=(results.md offload.md)
+    ;;
+  profile)
+    # Optional third call (docs/gpu.md): the engine's decode with and without CUDA graphs,
+    # and Nsight Compute over the kernels furthest from their targets.
+    BUDGET=180
+    QUICK=""
+    [ -f "$LIB_DIR/_C.so" ] || QUICK=" --quick"
+    NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)"
+    STAGES=(
+      "build 30 build.log $BUILD_CMD"
+      "engine 75 engine.log $(q "$PY") python/benchmarks/gpu/engine_decode.py$QUICK --md $(q "$OUT/engine.md")"
+      "ncu 55 ncu.log $(q "${NCU:-ncu}") --profile-from-start off --clock-control none --section SpeedOfLight \
+--section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+$(q "$PY") python/benchmarks/gpu/profile_cases.py"
+    )
+    RESULTS=(engine.md)
     ;;
   *) usage ;;
 esac

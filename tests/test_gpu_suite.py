@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "python" / "gpu_suite.sh"
 # Per mode: the script's own budget and the run's timeout_s that docs/gpu.md gives.
-MODES = {"build-test": (290, 300), "bench": (230, 240)}
+MODES = {"build-test": (290, 300), "bench": (230, 240), "profile": (180, 190)}
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bash") is None or shutil.which("timeout") is None,
@@ -58,6 +59,7 @@ def tree(tmp_path: Path) -> Path:
     bin_dir.mkdir()
     tools = {"python3": FAKE_PYTHON, "cmake": FAKE_TOOL % "CMAKE"}
     tools["compute-sanitizer"] = FAKE_TOOL % "SANITIZER"
+    tools["ncu"] = FAKE_TOOL % "NCU"
     for name, text in tools.items():
         path = bin_dir / name
         path.write_text(text)
@@ -99,6 +101,9 @@ def test_dry_run_fits_the_device_limits(tree: Path, mode: str) -> None:
     assert int(files.group(1)) == len(names) <= 8
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in names)
     assert not (tree / "out").exists()  # a dry run writes nothing
+    if mode == "profile":  # no tests: the engine benchmark and Nsight Compute
+        assert "engine_decode.py" in done.stdout and "--profile-from-start off" in done.stdout
+        return
     # The CUDA tests and the device-parametrised test files, not the others.
     pytest_line = next(line for line in done.stdout.splitlines() if "-m pytest" in line)
     assert "tests/test_cuda_*.py tests/test_norm.py -k" in pytest_line
@@ -132,7 +137,7 @@ def test_all_stages_pass(tree: Path, mode: str) -> None:
     summary = (tree / "out" / "summary.md").read_text()
     rows = re.findall(r"^\| ([\w-]+) \| (\S+) \| \d+ \|", summary, re.M)
     assert rows and all(rc == "0" for _, rc in rows), summary
-    if mode == "bench":
+    if mode != "build-test":
         assert "| fake | row |" in summary  # the result tables are in the summary too
 
 
@@ -171,3 +176,24 @@ def test_bench_reuses_a_finished_build(tree: Path) -> None:
     warm = run_suite(tree, "bench", "--dry-run").stdout
     assert "stage build limit=30s" in warm and "bench_gpu.py --md" in warm
     assert "the build stage gets" not in warm
+
+
+@pytest.mark.parametrize("script", ["profile_cases.py", "engine_decode.py"])
+def test_profile_scripts_run_on_the_cpu(script: str, tmp_path: Path) -> None:
+    """The profile mode's scripts at a small scale on the CPU, so an API change does not
+    first show on a lent GPU."""
+    args = ["--device", "cpu"]
+    if script == "engine_decode.py":
+        md = tmp_path / "engine.md"
+        args += ["--preset", "llama-tiny", "--context", "16", "--tokens", "4", "--quick"]
+        args += ["--md", str(md)]
+    path = ROOT / "python" / "benchmarks" / "gpu" / script
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    if script == "engine_decode.py":
+        rows = re.findall(r"^\| (1|8) \| ([\d.]+) \| ([\d.]+) \|", md.read_text(), re.M)
+        assert [r[0] for r in rows] == ["1", "8"] and all(float(r[1]) > 0 for r in rows)
+        assert "on: plan" in md.read_text()  # decode_plan=True took the plan on the CPU
+    else:
+        assert done.stdout.count(": ran, output") == 4

@@ -194,6 +194,7 @@ def test_profile_scripts_run_on_the_cpu(script: str, tmp_path: Path) -> None:
     if script == "engine_decode.py":
         rows = re.findall(r"^\| (1|8) \| ([\d.]+) \| ([\d.]+) \|", md.read_text(), re.M)
         assert [r[0] for r in rows] == ["1", "8"] and all(float(r[1]) > 0 for r in rows)
-        assert "on: plan" in md.read_text()  # decode_plan=True took the plan on the CPU
+        if os.environ.get("TOPG_DISABLE_NATIVE") != "1":  # the plan needs the native kernels
+            assert "on: plan" in md.read_text()  # decode_plan=True took the plan on the CPU
     else:
         assert done.stdout.count(": ran, output") == 4

@@ -6,15 +6,17 @@ Instruct real weights, context 256.
 Measured per dtype (fp32, bf16), in this order, so that every comparison is side by side:
 
 1. engine batch-1 decode ms/token: a 256-token random prompt, 64 new tokens, greedy,
-   (last token time - first token time) / 63; rounds alternate between an engine with the
-   plan (the default) and one with ``decode_plan=False`` (the compiled graph);
+   (last token time - first token time) / 63; each round runs an engine with the plan
+   (the default), one with ``decode_plan=False`` (the compiled graph) and llama.cpp
+   (``llama-bench -p 0 -n 64 -d 256 -r 1`` on the same weights: SmolLM2's GGUF converted
+   to F32 / BF16, built natively from llama-cpp-python's vendored sources) in turn, so a
+   slow period of the machine falls on all three; engine / llama.cpp is also given per
+   round (the median of the rounds' ratios);
 2. the step alone at context 256 (the runner, no scheduler or sampler): plan and graph at
    batch 1 and batch 8, interleaved rounds (``torch_topg.bench.timing.compare``);
 3. where the time goes: the plan's phases (``TOPG_PROFILE=1``, its own timers) and the
    graph's ops (``torch.profiler``), per step at batch 1;
-4. llama.cpp: ``llama-bench -p 0 -n 64 -d 256`` on the same weights (SmolLM2's GGUF
-   converted to F32 / BF16), built natively from llama-cpp-python's vendored sources;
-5. plain transformers through the backend: ``torch.compile(model.forward, backend="topg")``
+4. plain transformers through the backend: ``torch.compile(model.forward, backend="topg")``
    and ``generate(cache_implementation="static")``, 64 new tokens after the same 256-token
    prompt, ms/token from a streamer's clock (first to last new token); rounds alternate
    between the default (the decode graph on the plan, ``static_plan.py``) and
@@ -159,18 +161,41 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
     from torch_topg.engine.decode_plan import profile
 
     res: dict = {"dtype": dtype}
+    llama_run = None  # one llama-bench round, or None (the reason is in res["llama_error"])
+    if isinstance(llama, str):
+        res["llama_error"] = llama
+    else:
+        from engine_llama import gguf_for, llama_decode_samples
+
+        try:
+            gguf = gguf_for(dtype, llama["llama-quantize"])
+            llama_run = lambda: llama_decode_samples(llama["llama-bench"], gguf)  # noqa: E731
+        except Exception as e:  # reported; the rest still stands
+            res["llama_error"] = str(e)
     plan_eng, graph_eng = _engine(dtype, True), _engine(dtype, False)
     try:
         res["plan_reason"] = plan_eng.stats()["decode_plan"]["reason"]
         rng = random.Random(1)
         for eng in (plan_eng, graph_eng):
             engine_decode_ms(eng, rng)  # warm-up
-        plan_ms, graph_ms = [], []
+        plan_ms, graph_ms, llama_ms = [], [], []
         for _ in range(a.repeats):
             plan_ms.append(engine_decode_ms(plan_eng, rng))
             graph_ms.append(engine_decode_ms(graph_eng, rng))
+            if llama_run is not None:
+                try:
+                    samples, res["llama_cmd"] = llama_run()
+                    llama_ms.append(samples[0])
+                except Exception as e:  # reported; the rest still stands
+                    res["llama_error"], llama_run = str(e), None
         res["engine_plan_ms"] = summarize(plan_ms)
         res["engine_graph_ms"] = summarize(graph_ms)
+        if llama_run is not None and llama_ms:
+            res["llama"] = summarize(llama_ms)
+            res["llama_ms"] = res["llama"].median
+            res["plan_over_llama_by_round"] = summarize(
+                [p / q for p, q in zip(plan_ms, llama_ms, strict=True)]
+            )
         res["plan_steps"] = plan_eng.stats()["decode_plan"]["steps"]
         r = plan_eng.runner
         b1, b8 = step_batch(r, 1, 2), step_batch(r, 8, 3)
@@ -196,20 +221,6 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
         plan_eng.shutdown()
         graph_eng.shutdown()
     res.update(backend_static(dtype, a.repeats))
-    if isinstance(llama, str):
-        res["llama_error"] = llama
-    else:
-        from engine_llama import gguf_for, run_llama_bench
-
-        try:
-            gguf = gguf_for(dtype, llama["llama-quantize"])
-            lb = run_llama_bench(llama["llama-bench"], gguf, a.repeats)
-            d = lb["decode_ms"]
-            res["llama"] = Stats(d["median"], d["lo"], d["hi"], d["n"], d["spread"])
-            res["llama_ms"] = d["median"]
-            res["llama_cmd"] = lb["decode_ms_cmd"]
-        except Exception as e:  # reported; the rest still stands
-            res["llama_error"] = str(e)
     return res
 
 
@@ -259,7 +270,8 @@ def report(results: list[dict], bw: list[Stats], notes: list[str]) -> str:
         if lm:
             t = TARGET_VS_LLAMA[d]
             lines.append(f"- engine decode {pm.median:.2f} ms vs llama.cpp {lm:.2f} ms = "
-                         f"{pm.median / lm:.2f}x (target <= {t}x: {'met' if pm.median / lm <= t else 'missed'})")  # fmt: skip
+                         f"{pm.median / lm:.2f}x (target <= {t}x: {'met' if pm.median / lm <= t else 'missed'}); "
+                         f"per round (engine and llama.cpp in turn): {res['plan_over_llama_by_round'].fmt()}x")  # fmt: skip
             t = TARGET_BACKEND_VS_LLAMA
             r = bp.median / lm
             lines.append(f"- `backend=\"topg\"` static-cache generate {bp.median:.2f} ms vs llama.cpp = "

@@ -168,36 +168,40 @@ def run_llama_server(
     }
 
 
+def _llama_bench(bench: Path, gguf: Path, repeats: int, extra: list[str]) -> tuple[dict, str]:
+    """One ``llama-bench`` call: its first JSON row and the command."""
+    cmd = [str(bench), "-m", str(gguf), "-t", str(THREADS), "-r", str(repeats), "-o", "json",
+           *extra]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {p.returncode}: {p.stderr[-400:]}")
+    return json.loads(p.stdout)[0], shlex.join(cmd)
+
+
+DECODE_ARGS = ["-p", "0", "-n", str(DECODE_TOKENS), "-d", str(DECODE_CONTEXT)]
+
+
+def llama_decode_samples(bench: Path, gguf: Path, repeats: int = 1) -> tuple[list[float], str]:
+    """``llama-bench -p 0 -n 64 -d 256``: ms per decode token of each of ``repeats`` runs,
+    and the command (one call per round lets a benchmark interleave it with its own)."""
+    row, cmd = _llama_bench(bench, gguf, repeats, DECODE_ARGS)
+    return [x / 1e6 / DECODE_TOKENS for x in row["samples_ns"]], cmd
+
+
 def run_llama_bench(bench: Path, gguf: Path, repeats: int) -> dict:
     """``llama-bench -p 512 -n 0`` (prefill of 512 tokens = TTFT less sampling) and
     ``-p 0 -n 64 -d 256`` (64 decode steps after a 256-token context)."""
     out = {}
     for key, extra in (
         ("ttft_ms", ["-p", str(TTFT_PROMPT), "-n", "0"]),
-        ("decode_ms", ["-p", "0", "-n", str(DECODE_TOKENS), "-d", str(DECODE_CONTEXT)]),
+        ("decode_ms", DECODE_ARGS),
     ):
-        cmd = [
-            str(bench),
-            "-m",
-            str(gguf),
-            "-t",
-            str(THREADS),
-            "-r",
-            str(repeats),
-            "-o",
-            "json",
-            *extra,
-        ]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if p.returncode != 0:
-            raise RuntimeError(f"{shlex.join(cmd)} exited {p.returncode}: {p.stderr[-400:]}")
-        rows = json.loads(p.stdout)
-        ns = rows[0]["samples_ns"]
+        row, cmd = _llama_bench(bench, gguf, repeats, extra)
         per = 1 if key == "ttft_ms" else DECODE_TOKENS
-        out[key] = med([x / 1e6 / per for x in ns])
-        out[key + "_cmd"] = shlex.join(cmd)
-        out["flash_attn"] = rows[0].get("flash_attn")
-        out["build"] = f"{rows[0].get('build_commit')} ({rows[0].get('build_number')})"
+        out[key] = med([x / 1e6 / per for x in row["samples_ns"]])
+        out[key + "_cmd"] = cmd
+        out["flash_attn"] = row.get("flash_attn")
+        out["build"] = f"{row.get('build_commit')} ({row.get('build_number')})"
         variant = Path(bench).parent.parent / "variant.txt"  # llama_cpp_build.py writes it
         if variant.exists():
             out["build"] += ", " + variant.read_text().strip()

@@ -14,7 +14,7 @@ from conftest import NEEDS_CUDA
 from offload_utils import TOKENS, tiny
 
 import torch_topg
-import torch_topg.compile
+import torch_topg.compile  # registers backend="topg": the GPU suite runs uninstalled
 
 pytestmark = NEEDS_CUDA
 DEV = "cuda"

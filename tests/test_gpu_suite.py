@@ -167,11 +167,11 @@ def test_docs_give_the_commands() -> None:
 
 def test_bench_reuses_a_finished_build(tree: Path) -> None:
     fresh = run_suite(tree, "bench", "--dry-run").stdout
-    assert "the build stage gets 145 s" in fresh and "bench_gpu.py --quick" in fresh
+    assert "the build stage gets 125 s" in fresh and "bench_gpu.py --quick" in fresh
     # a configured but unfinished build (build-test stopped mid-compile) is no build
     (tree / "build" / "gpu" / "out").mkdir(parents=True)
     (tree / "build" / "gpu" / "out" / "_build_info.json").write_text("{}")
-    assert "the build stage gets 145 s" in run_suite(tree, "bench", "--dry-run").stdout
+    assert "the build stage gets 125 s" in run_suite(tree, "bench", "--dry-run").stdout
     (tree / "build" / "gpu" / "out" / "_C.so").write_text("")
     warm = run_suite(tree, "bench", "--dry-run").stdout
     assert "stage build limit=30s" in warm and "bench_gpu.py --md" in warm

@@ -97,6 +97,11 @@ def hf_static_ms(model, ids: torch.Tensor) -> float:
     return (t[-1] - t[0]) / (len(t) - 1) * 1e3
 
 
+def by_round(ours: list[float], theirs: list[float]) -> Stats:
+    """Our time over theirs, round by round (each pair measured minutes apart at most)."""
+    return summarize([a / b for a, b in zip(ours, theirs, strict=True)])
+
+
 def backend_static(dtype: str, repeats: int, llama_run=None) -> dict:  # type: ignore[no-untyped-def]
     """transformers ``generate(cache_implementation="static")`` on ``backend="topg"``, with
     the decode graph on the plan and (``decode_plan=False``) on the compiled graph; each
@@ -119,19 +124,21 @@ def backend_static(dtype: str, repeats: int, llama_run=None) -> dict:  # type: i
     for m in models.values():
         hf_static_ms(m, ids)  # compiles the prefill and decode graphs
     ms: dict[str, list[float]] = {"plan": [], "graph": [], "llama": []}
+    res: dict = {}
     for _ in range(repeats):
         for name, m in models.items():
             ms[name].append(hf_static_ms(m, ids))
         if llama_run is not None:
-            ms["llama"].append(llama_run()[0][0])
+            try:
+                ms["llama"].append(llama_run()[0][0])
+            except RuntimeError as e:  # reported; the backend's rows still stand
+                res["llama_error"], llama_run = f"in the backend rounds: {e}", None
     plans = [r.decode_plan for r in REPORTS if r.decode_plan]
-    res = {"backend_plan_ms": summarize(ms["plan"]), "backend_graph_ms": summarize(ms["graph"]),
-           "backend_decode_plan": plans[0] if plans else {}}  # fmt: skip
-    if ms["llama"]:
+    res.update(backend_plan_ms=summarize(ms["plan"]), backend_graph_ms=summarize(ms["graph"]),
+               backend_decode_plan=plans[0] if plans else {})  # fmt: skip
+    if llama_run is not None and ms["llama"]:
         res["backend_llama"] = summarize(ms["llama"])
-        res["backend_over_llama_by_round"] = summarize(
-            [p / q for p, q in zip(ms["plan"], ms["llama"], strict=True)]
-        )
+        res["backend_over_llama_by_round"] = by_round(ms["plan"], ms["llama"])
     return res
 
 
@@ -202,9 +209,7 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
         if llama_run is not None and llama_ms:
             res["llama"] = summarize(llama_ms)
             res["llama_ms"] = res["llama"].median
-            res["plan_over_llama_by_round"] = summarize(
-                [p / q for p, q in zip(plan_ms, llama_ms, strict=True)]
-            )
+            res["plan_over_llama_by_round"] = by_round(plan_ms, llama_ms)
         res["plan_steps"] = plan_eng.stats()["decode_plan"]["steps"]
         r = plan_eng.runner
         b1, b8 = step_batch(r, 1, 2), step_batch(r, 8, 3)
@@ -229,13 +234,7 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
     finally:
         plan_eng.shutdown()
         graph_eng.shutdown()
-    try:
-        res.update(backend_static(dtype, a.repeats, llama_run))
-    except RuntimeError as e:  # llama.cpp failing here: the backend rows without it
-        if llama_run is None:
-            raise
-        res["llama_error"] = f"in the backend rounds: {e}"
-        res.update(backend_static(dtype, a.repeats))
+    res.update(backend_static(dtype, a.repeats, llama_run))
     return res
 
 

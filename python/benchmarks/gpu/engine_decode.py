@@ -8,9 +8,9 @@ weights.
 
 Model: the ``llama-150m`` preset (random weights, bf16 on CUDA): nothing is downloaded on
 the GPU machine. Each engine decodes ``--tokens`` greedy tokens after a ``--context``-token
-prompt, for batch 1 and batch 8; a token's time is the gap between consecutive tokens of
-one sequence (``token_times``), the median over the sequences and rounds. Rounds alternate
-between the engines so a slow period of the machine hits both. ``--device cpu`` runs the
+prompt, for batch 1 and batch 8; a token's time is a sequence's mean gap between
+consecutive tokens (``token_times``, first to last), the median over the sequences and
+rounds. Rounds alternate between the engines so a slow period of the machine hits both. ``--device cpu`` runs the
 same rows on the CPU (the plan instead of graphs): the smoke test in
 ``tests/test_gpu_suite.py`` uses it.
 """
@@ -32,7 +32,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 def token_ms(outputs) -> list[float]:  # type: ignore[no-untyped-def]
-    """Median gap between consecutive tokens of each sequence, ms."""
+    """Each sequence's mean gap between consecutive tokens, ms."""
     gaps = []
     for o in outputs:
         tt = o.outputs[0].token_times

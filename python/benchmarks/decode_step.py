@@ -11,9 +11,12 @@ Measured per dtype (fp32, bf16), in this order, so that every comparison is side
    (``llama-bench -p 0 -n 64 -d 256 -r 1`` on the same weights: SmolLM2's GGUF converted
    to F32 / BF16, built natively from llama-cpp-python's vendored sources) in turn, so a
    slow period of the machine falls on all three; engine / llama.cpp is also given per
-   round (the median of the rounds' ratios);
+   round (the median of the rounds' ratios); each round also runs
+   ``llama-batched-bench -pps -npp 256 -ntg 64 -npl 1,8``: llama.cpp's own decode step of
+   1 and of 8 sequences at the same context, its batch 8 / batch 1;
 2. the step alone at context 256 (the runner, no scheduler or sampler): plan and graph at
-   batch 1 and batch 8, interleaved rounds (``torch_topg.bench.timing.compare``);
+   batch 1 and batch 8, interleaved rounds (``torch_topg.bench.timing.compare``), beside
+   llama.cpp's batch-8 / batch-1 step from step 1;
 3. where the time goes: the plan's phases (``TOPG_PROFILE=1``, its own timers) and the
    graph's ops (``torch.profiler``), per step at batch 1;
 4. plain transformers through the backend: ``torch.compile(model.forward, backend="topg")``
@@ -178,14 +181,16 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
 
     res: dict = {"dtype": dtype}
     llama_run = None  # one llama-bench round, or None (the reason is in res["llama_error"])
+    batched_run = None  # one llama-batched-bench round (batch 1 and 8), or None
     if isinstance(llama, str):
         res["llama_error"] = llama
     else:
-        from engine_llama import gguf_for, llama_decode_samples
+        from engine_llama import gguf_for, llama_batched_step_ms, llama_decode_samples
 
         try:
             gguf = gguf_for(dtype, llama["llama-quantize"])
             llama_run = lambda: llama_decode_samples(llama["llama-bench"], gguf)  # noqa: E731
+            batched_run = lambda: llama_batched_step_ms(llama["llama-batched-bench"], gguf)  # noqa: E731
         except Exception as e:  # reported; the rest still stands
             res["llama_error"] = str(e)
     plan_eng, graph_eng = _engine(dtype, True), _engine(dtype, False)
@@ -195,6 +200,7 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
         for eng in (plan_eng, graph_eng):
             engine_decode_ms(eng, rng)  # warm-up
         plan_ms, graph_ms, llama_ms = [], [], []
+        llama_step: dict[int, list[float]] = {1: [], 8: []}
         for _ in range(a.repeats):
             plan_ms.append(engine_decode_ms(plan_eng, rng))
             graph_ms.append(engine_decode_ms(graph_eng, rng))
@@ -204,12 +210,23 @@ def run_dtype(dtype: str, a, llama: dict | str) -> dict:
                     llama_ms.append(samples[0])
                 except Exception as e:  # reported; the rest still stands
                     res["llama_error"], llama_run = str(e), None
+            if batched_run is not None:
+                try:
+                    steps, res["llama_batched_cmd"] = batched_run()
+                    for n in llama_step:
+                        llama_step[n].append(steps[n])
+                except Exception as e:  # reported; the rest still stands
+                    res["llama_batched_error"], batched_run = str(e), None
         res["engine_plan_ms"] = summarize(plan_ms)
         res["engine_graph_ms"] = summarize(graph_ms)
         if llama_run is not None and llama_ms:
             res["llama"] = summarize(llama_ms)
             res["llama_ms"] = res["llama"].median
             res["plan_over_llama_by_round"] = by_round(plan_ms, llama_ms)
+        if llama_step[8]:
+            res["llama step b1"] = summarize(llama_step[1])
+            res["llama step b8"] = summarize(llama_step[8])
+            res["llama_b8_over_b1"] = by_round(llama_step[8], llama_step[1])
         res["plan_steps"] = plan_eng.stats()["decode_plan"]["steps"]
         r = plan_eng.runner
         b1, b8 = step_batch(r, 1, 2), step_batch(r, 8, 3)
@@ -273,13 +290,20 @@ def report(results: list[dict], bw: list[Stats], notes: list[str]) -> str:
             f"{f'{bp.median / bl.median:.2f}x' if bl else '-'} | {limit / bp.median:.0%} |"
         )
         s1, s8 = res["step plan b1"], res["step plan b8"]
-        lines.append(f"| step alone, batch 1 (ms) | {s1.fmt()} | {res['step graph b1'].fmt()} | | "
-                     f"{limit:.2f} | | {limit / s1.median:.0%} |")  # fmt: skip
-        lines.append(
-            f"| step alone, batch 8 (ms) | {s8.fmt()} | {res['step graph b8'].fmt()} | | | | |"
-        )
-        lines += ["", f"Batch 8 step over batch 1 step: plan {res['b8_over_b1'].fmt()}x, graph "
-                  f"{res['graph_b8_over_b1'].fmt()}x (target <= {TARGET_B8_OVER_B1}x). Bytes per "
+        l1, l8 = res.get("llama step b1"), res.get("llama step b8")
+        lines.append(f"| step alone, batch 1 (ms) | {s1.fmt()} | {res['step graph b1'].fmt()} | "
+                     f"{l1.fmt() if l1 else '-'} | {limit:.2f} | "
+                     f"{f'{s1.median / l1.median:.2f}x' if l1 else ''} | {limit / s1.median:.0%} |")  # fmt: skip
+        lines.append(f"| step alone, batch 8 (ms) | {s8.fmt()} | {res['step graph b8'].fmt()} | "
+                     f"{l8.fmt() if l8 else '-'} | | {f'{s8.median / l8.median:.2f}x' if l8 else ''} | |")  # fmt: skip
+        lb = res.get("llama_b8_over_b1")
+        peer = (f", llama.cpp {lb.fmt()}x (its own step of 1 and of 8 sequences, per round; "
+                f"`{res['llama_batched_cmd']}`)" if lb else
+                f", llama.cpp: {res.get('llama_batched_error', res.get('llama_error', '-'))}")  # fmt: skip
+        lines += ["", f"Batch 8 step over batch 1 step (target <= {TARGET_B8_OVER_B1}x): plan "
+                  f"{res['b8_over_b1'].fmt()}x, graph {res['graph_b8_over_b1'].fmt()}x{peer}. The "
+                  "llama.cpp step times are from the engine rounds (step 1), minutes before the "
+                  "plan's step times. Bytes per "
                   f"batch-1 step {res['bytes'] / 1e6:.1f} MB; plan decode steps in the engine rounds: "
                   f"{res['plan_steps']}.", ""]  # fmt: skip
         if lm:

@@ -1,5 +1,6 @@
 """The engine benchmark's llama.cpp side: the GGUF in F32 / BF16, ``llama-server``
-under 16 concurrent requests, ``llama-bench`` at batch 1."""
+under 16 concurrent requests, ``llama-bench`` at batch 1, ``llama-batched-bench``'s
+decode step at batch 1 and 8."""
 
 from __future__ import annotations
 
@@ -186,6 +187,26 @@ def llama_decode_samples(bench: Path, gguf: Path, repeats: int = 1) -> tuple[lis
     and the command (one call per round lets a benchmark interleave it with its own)."""
     row, cmd = _llama_bench(bench, gguf, repeats, DECODE_ARGS)
     return [x / 1e6 / DECODE_TOKENS for x in row["samples_ns"]], cmd
+
+
+def llama_batched_step_ms(
+    batched: Path, gguf: Path, batches: tuple[int, ...] = (1, 8)
+) -> tuple[dict[int, float], str]:
+    """``llama-batched-bench``: ms per decode step of ``b`` sequences for each ``b`` in
+    ``batches``, DECODE_TOKENS steps after a DECODE_CONTEXT-token prompt (``-pps``: the
+    prompt is prefilled once and copied to every sequence's own cache; the decode steps
+    read each sequence's cache as with distinct prompts), and the command."""
+    n_ctx = max(batches) * (DECODE_CONTEXT + DECODE_TOKENS)
+    cmd = [str(batched), "-m", str(gguf), "-t", str(THREADS), "-c", str(n_ctx), "-pps",
+           "-npp", str(DECODE_CONTEXT), "-ntg", str(DECODE_TOKENS),
+           "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    got = {r["pl"]: r["t_tg"] / r["tg"] * 1e3 for r in rows}
+    if p.returncode != 0 or set(got) != set(batches):
+        raise RuntimeError(f"{shlex.join(cmd)} exited {p.returncode} with rows for "
+                           f"{sorted(got)}: {p.stderr[-400:]}")  # fmt: skip
+    return got, shlex.join(cmd)
 
 
 def run_llama_bench(bench: Path, gguf: Path, repeats: int) -> dict:

@@ -1,4 +1,5 @@
-"""Build llama.cpp's `llama-server` and `llama-bench` from the sources vendored in the
+"""Build llama.cpp's `llama-server`, `llama-bench` and `llama-batched-bench` (and the
+quantizer, perplexity and tokenizer tools) from the sources vendored in the
 llama-cpp-python source distribution, once, into a cache folder outside the git tree.
 
     python python/benchmarks/llama_cpp_build.py          # build (or reuse) and print paths
@@ -23,7 +24,8 @@ import time
 from pathlib import Path
 
 VERSION = "0.3.36"
-TARGETS = ("llama-server", "llama-bench", "llama-quantize", "llama-perplexity", "llama-tokenize")
+TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize",
+           "llama-perplexity", "llama-tokenize")  # fmt: skip
 
 
 class LlamaCppUnavailable(RuntimeError):

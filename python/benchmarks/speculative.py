@@ -1,6 +1,8 @@
 """Speculative decoding benchmark: SmolLM2-135M-Instruct (real weights), one run.
 
-For fp32 and bf16, batch 1 and batch 8, greedy, EOS honoured, 2 threads:
+For fp32 and bf16, batch 1 (four prompts of a task, each alone, in turn: the row's
+speed-up is over their summed tokens and time, and each prompt's is given too) and batch 8,
+greedy, EOS honoured, 2 threads:
 
 (a) prompt lookup (``{"method": "ngram"}``, adaptive) against the same engine with
     ``speculative=False`` per request (same compiled step, same prefix cache, runs
@@ -102,7 +104,7 @@ def _chat(text: str) -> list[dict]:
 
 
 def tasks() -> dict[str, list[list[dict]]]:
-    """Each task: 8 prompts (batch 8); batch 1 uses the first."""
+    """Each task: 8 prompts (batch 8); batch 1 runs the first SERIAL, one at a time."""
     summary = [_chat("Summarise this text, reusing its wording.\n\n" + t) for t in TEXTS]
     code = [_chat(f"{ask}\n\n```python\n{src}```") for ask, src in CODES]
     return {
@@ -111,6 +113,12 @@ def tasks() -> dict[str, list[list[dict]]]:
         "grounded": [p for pair in zip(summary, code, strict=True) for p in pair],
         "chat": [_chat(q) for q in CHATS],
     }
+
+
+#: Distinct prompts a batch-1 row runs, one after another (each alone in the engine). The
+#: model copies some texts nearly verbatim and paraphrases others (docs/speculative.md), so
+#: one prompt says little about a task; the row gives each prompt's speed-up too.
+SERIAL = 4
 
 
 def run(engine: Engine, prompts: list, spec: bool, new: int) -> tuple[int, float, list, float]:
@@ -123,6 +131,14 @@ def run(engine: Engine, prompts: list, spec: bool, new: int) -> tuple[int, float
     done = statistics.mean(o.outputs[0].token_times[-1] for o in outs)  # from arrival
     return (sum(len(o.token_ids) for o in outs), dt, [o.outputs[0].speculative for o in outs],
             done)  # fmt: skip
+
+
+def run_serial(engine: Engine, prompts: list, spec: bool, new: int):  # type: ignore[no-untyped-def]
+    """``run`` for each prompt alone, one after another: the summed tokens and time, the
+    statistics, the mean completion time, and (tokens, seconds) per prompt."""
+    each = [run(engine, [p], spec, new) for p in prompts]
+    return (sum(e[0] for e in each), sum(e[1] for e in each), [e[2][0] for e in each],
+            statistics.mean(e[3] for e in each), [(e[0], e[1]) for e in each])  # fmt: skip
 
 
 def acceptance(per_output: list) -> dict:
@@ -145,25 +161,34 @@ def acceptance(per_output: list) -> dict:
     }
 
 
-def compare(engine, name, prompts, new, repeats, label, dtype, rows, spec_key="speculative"):
-    run(engine, prompts, True, new)  # warm: the prompts enter the prefix cache
+def compare(engine, name, prompts, new, repeats, label, dtype, rows, spec_key="speculative",
+            serial=False):  # fmt: skip
+    """Plain against speculative over ``prompts``: as one batch, or (``serial``) each alone
+    in turn (a batch-1 row over several prompts, with each prompt's speed-up)."""
+    go = run_serial if serial else run
+    go(engine, prompts, True, new)  # warm: the prompts enter the prefix cache
     base, fast, accs, same, lat = [], [], [], True, []
+    each: list[list[float]] = [[] for _ in prompts]  # per prompt (serial): speed-ups
     for i in range(repeats):
         # the order alternates (plain first in even repeats): on a VM whose speed drifts
         # within a minute, a fixed order biases every pair the same way
         runs = {
-            spec: run(engine, prompts, spec, new) for spec in ((False, True), (True, False))[i % 2]
+            spec: go(engine, prompts, spec, new) for spec in ((False, True), (True, False))[i % 2]
         }
-        (n0, t0, _, d0), (n1, t1, per, d1) = runs[False], runs[True]
+        (n0, t0, _, d0, *e0), (n1, t1, per, d1, *e1) = runs[False], runs[True]
         same &= n0 == n1
         base.append(n0 / t0)
         fast.append(n1 / t1)
         lat.append(d0 / d1)
         accs.append(acceptance(per))
+        if serial:
+            for j, ((a0, s0), (a1, s1)) in enumerate(zip(e0[0], e1[0], strict=True)):
+                each[j].append((a1 / s1) / (a0 / s0))
     ratio = [f / b for f, b in zip(fast, base, strict=True)]
     acc = accs[-1]
+    batch = f"batch 1 x {len(prompts)} prompts in turn" if serial else f"batch {len(prompts)}"
     row = {
-        "key": f"{label} | {name} | batch {len(prompts)} | {dtype}",
+        "key": f"{label} | {name} | {batch} | {dtype}",
         "unit": "tok/s",
         "figures": {"plain": summarize(base).to_dict(), spec_key: summarize(fast).to_dict()},
         "ratios": {
@@ -176,12 +201,17 @@ def compare(engine, name, prompts, new, repeats, label, dtype, rows, spec_key="s
         "same_token_count": same,
         **acc,
     }
+    if serial:  # each prompt's median speed-up and its own acceptance (last repeat)
+        row["per_prompt_speedup"] = [round(statistics.median(x), 3) for x in each]
+        row["per_prompt_acceptance"] = [round(acceptance([x])["acceptance_rate"], 3) for x in per]
     rows.append(row)
     print(f"{row['key']:<44} plain {statistics.median(base):6.1f}  spec "
           f"{statistics.median(fast):6.1f} tok/s  x{statistics.median(ratio):.2f} "
           f"(mean completion x{statistics.median(lat):.2f})  "
           f"accept {acc['acceptance_rate']:.2f}  len {acc['mean_accepted_length']:.2f}  "
-          f"speculating {acc['speculating_share']:.0%}", flush=True)  # fmt: skip
+          f"speculating {acc['speculating_share']:.0%}"
+          + (f"  per prompt x{row['per_prompt_speedup']} accept {row['per_prompt_acceptance']}"
+             if serial else ""), flush=True)  # fmt: skip
 
 
 def cost_curve(engine: Engine, dtype: str, rows: list, repeats: int) -> None:
@@ -222,7 +252,7 @@ def main() -> None:
         with Engine.from_pretrained(dtype=dtype, speculative=spec, **common) as eng:
             cost_curve(eng, dtype, rows, 3 if a.quick else 5)
             for name in ("summary", "code", "chat"):
-                compare(eng, name, T[name][:1], new, reps, "ngram", dtype, rows)
+                compare(eng, name, T[name][:SERIAL], new, reps, "ngram", dtype, rows, serial=True)
             for name in ("grounded", "chat"):
                 compare(eng, name, T[name], new, reps, "ngram", dtype, rows)
             curve = eng.stats()["speculative"]["cost_curve_s"]

@@ -150,7 +150,12 @@ inline void dot_block(const float* const* a, const T* const* w, int64_t K, float
       for (int m = 0; m < MB; ++m) acc[m][r] = Vec8::fma(av[m], wv, acc[m][r]);
     }
   }
+  // Unrolled, so that acc stays in registers: as plain loops, GCC 12 kept a copy of acc on
+  // the stack for them and stored every accumulator in every step of the loops above (15
+  // stores a step beside 24 FMAs in dot_block<3, 4, bf16>; docs/cpu-kernels.md).
+#pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       float s = acc[m][r].sum();
       for (int64_t kk = k; kk < K; ++kk) s += a[m][kk] * to_float(w[r][kk]);

@@ -85,7 +85,7 @@ struct PagedArgs {
 };
 
 struct Workspace {
-  std::vector<float> q, s, acc, pb;
+  std::vector<float> q, s, acc;
   std::vector<float> ksc, vsc;  // int8 caches: [hkv, ps] scales of the partition's tokens
   std::vector<int64_t> slots;   // int8 caches: the tokens' cache slots
   std::vector<int64_t> rows;
@@ -118,13 +118,19 @@ inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* row
     Vec8 acc[HG * TT];
     for (Vec8& x : acc) x = Vec8::zero();
     int64_t e = 0;
-    if constexpr (HG == 3) {  // 12 accumulators: one K vector live at a time, q from L1
-      for (; e + 8 <= d; e += 8)
+    if constexpr (HG == 3) {  // 12 accumulators, the 3 query vectors, one K vector: 16 ymm
+      // Both pinned to registers: left to itself GCC loaded q once per token and K once
+      // per head (24 loads for 12 FMAs, 2 loads a cycle); pinned, 7 loads. Bitwise the
+      // same. One tile x kv head of SmolLM2 (16 keys, d 64, L1-warm): fp32 5.1-6.4 ->
+      // 3.6-3.8 us, bf16 4.1-4.9 -> 3.0-3.8 us.
+      for (; e + 8 <= d; e += 8) {
+        Vec8 qv[HG];
+        for (int g = 0; g < HG; ++g) qv[g] = Vec8::pinned(Vec8::load(q + g * dp + e));
         for (int j = 0; j < TT; ++j) {
-          const Vec8 kv = Vec8::load(k[j] + e);
-          for (int g = 0; g < HG; ++g)
-            acc[g * TT + j] = Vec8::fma(Vec8::load(q + g * dp + e), kv, acc[g * TT + j]);
+          const Vec8 kv = Vec8::pinned(Vec8::load(k[j] + e));
+          for (int g = 0; g < HG; ++g) acc[g * TT + j] = Vec8::fma(qv[g], kv, acc[g * TT + j]);
         }
+      }
     }
     for (; e + 8 <= d; e += 8) {
       Vec8 kv[TT];
@@ -150,11 +156,14 @@ inline void qk_heads(const float* q, int64_t dp, const T* kc, const int64_t* row
 
 // acc[g, e:e + 8 * NV] += sum_t p[g, t] * v_t[e:e + 8 * NV] for HG heads over a token
 // tile; dims past d read as zero (acc rows are padded, so always loadable).
-// The weights come pre-broadcast (pb[(t * HG + g) * 8 ..], one Vec8 each): a plain
-// load folds into the FMA, where a broadcast would take a shuffle slot per FMA pair.
+// The weights are broadcast from the scores (p[g * ps + t]): a broadcast from memory is a
+// load, no shuffle. Pre-broadcasting them into a buffer (a store and a reload per weight,
+// done until 2026-12-04) made the P V pass 2.5x slower on Zen 3: one tile x kv head of
+// SmolLM2 (16 keys, 3 heads, d 64, L1-warm) 7.6 -> 2.8 us fp32, 8.7 -> 3.3 us bf16.
 template <int HG, int NV, typename T>
-inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t e,
-                     int64_t d, float* acc, int64_t as, const char* const* pf, int64_t pf_off) {
+inline void pv_strip(const float* p, int64_t ps, const T* vc, const int64_t* rows, int64_t n,
+                     int64_t e, int64_t d, float* acc, int64_t as, const char* const* pf,
+                     int64_t pf_off) {
   const bool full = e + 8 * NV <= d;
   {  // this strip's lines of the rows to be read later
     const int64_t b0 = e * int64_t(sizeof(T)), b1 = std::min(e + 8 * NV, d) * int64_t(sizeof(T));
@@ -168,16 +177,15 @@ inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t 
   // The token's HG weights in registers, then one V vector at a time: HG * NV + HG + 1
   // registers against HG * NV + NV + 1 below, which for SmolLM2's 3 heads x 4 vectors is
   // 17 of the 16 ymm and kept one accumulator on the stack (a store-to-load round trip per
-  // token). The same FMAs in the same order. Standalone, 8 sequences x 256 keys of SmolLM2
-  // (one process, medians of 15): L3-warm 3.10 -> 2.72 ms, from DRAM 6.67 -> 6.44 ms.
+  // token). The same FMAs in the same order.
   if (HG <= NV && full) {
     for (int64_t t = 0; t < n; ++t) {
       const T* v = vc + rows[t] + e;
-      Vec8 p[HG];
-      for (int g = 0; g < HG; ++g) p[g] = Vec8::load(pb + (t * HG + g) * 8);
+      Vec8 w[HG];
+      for (int g = 0; g < HG; ++g) w[g] = Vec8(p[g * ps + t]);
       for (int c = 0; c < NV; ++c) {
         const Vec8 vv = Vec8::load(v + 8 * c);
-        for (int g = 0; g < HG; ++g) a[g][c] = Vec8::fma(p[g], vv, a[g][c]);
+        for (int g = 0; g < HG; ++g) a[g][c] = Vec8::fma(w[g], vv, a[g][c]);
       }
     }
   } else {
@@ -188,8 +196,8 @@ inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t 
         vv[c] = full ? Vec8::load(v + 8 * c)
                      : load_partial(v + 8 * c, int(std::clamp<int64_t>(d - e - 8 * c, 0, 8)));
       for (int g = 0; g < HG; ++g) {
-        const Vec8 p = Vec8::load(pb + (t * HG + g) * 8);
-        for (int c = 0; c < NV; ++c) a[g][c] = Vec8::fma(p, vv[c], a[g][c]);
+        const Vec8 w(p[g * ps + t]);
+        for (int c = 0; c < NV; ++c) a[g][c] = Vec8::fma(w, vv[c], a[g][c]);
       }
     }
   }
@@ -199,12 +207,13 @@ inline void pv_strip(const float* pb, const T* vc, const int64_t* rows, int64_t 
 
 // All dims in strips of as many Vec8 as the registers allow (HG * NV accumulators).
 template <int HG, typename T>
-inline void pv_heads(const float* pb, const T* vc, const int64_t* rows, int64_t n, int64_t d,
-                     float* acc, int64_t as, const char* const* pf, int64_t pf_off) {
+inline void pv_heads(const float* p, int64_t ps, const T* vc, const int64_t* rows, int64_t n,
+                     int64_t d, float* acc, int64_t as, const char* const* pf, int64_t pf_off) {
   constexpr int NV = HG == 4 ? 3 : HG == 3 || HG == 2 ? 4 : 8;
   int64_t e = 0;
-  for (; e + 8 * NV <= d; e += 8 * NV) pv_strip<HG, NV>(pb, vc, rows, n, e, d, acc, as, pf, pf_off);
-  for (; e < d; e += 8) pv_strip<HG, 1>(pb, vc, rows, n, e, d, acc, as, pf, pf_off);
+  for (; e + 8 * NV <= d; e += 8 * NV)
+    pv_strip<HG, NV>(p, ps, vc, rows, n, e, d, acc, as, pf, pf_off);
+  for (; e < d; e += 8) pv_strip<HG, 1>(p, ps, vc, rows, n, e, d, acc, as, pf, pf_off);
 }
 
 // Largest head group the micro-kernels handle that divides G (3: SmolLM2's 9 / 3 heads,
@@ -261,7 +270,6 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
   if (!bf16dp) ws.q.assign(VH * dp, 0.f);  // the bf16 dot path reads ws.qb
   ws.acc.assign(VH * as, 0.f);
   ws.s.resize(VH * ps);
-  ws.pb.resize(TOKEN_TILE * 4 * 8);
   ws.rows.resize(n);
   const bool quant = a.ks != nullptr;
   if (quant) ws.slots.resize(n);
@@ -414,21 +422,19 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
       for (int64_t vh = 0; vh < VH; ++vh) unpermute_pairs(acc + vh * as, d);
     }
 #endif
+  if (quant)  // int8 caches: p[t] * vs[t], the weight each V row is summed with
+    for (int64_t vh = 0; vh < VH; ++vh)
+      for (int64_t c = 0; c < round_up(n, 8); c += 8)
+        (Vec8::load(scores + vh * ps + c) * Vec8::load(ws.vsc.data() + (vh / VG) * ps + c))
+            .store(scores + vh * ps + c);
   if (!bf16dp)
     with_head_group(head_group(VG), [&]<int HG>() {
       for (int64_t t = 0; t < n; t += TOKEN_TILE) {
         const int64_t nt = std::min(TOKEN_TILE, n - t);
         for (int64_t kvh = 0; kvh < a.hkv; ++kvh) {
-          for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG) {
-            float* const pb = ws.pb.data();
-            const float* vsc = quant ? ws.vsc.data() + kvh * ps + t : nullptr;
-            for (int64_t j = 0; j < nt; ++j)
-              for (int g = 0; g < HG; ++g)
-                Vec8(scores[(h + g) * ps + t + j] * (vsc ? vsc[j] : 1.f))
-                    .store(pb + (j * HG + g) * 8);
-            pv_heads<HG>(pb, a.vc + kvh * hs, rows + t, nt, d, acc + h * as, as,
-                         h == kvh * VG ? ws.pfv.data() + t : nullptr, kvh * rsz);
-          }
+          for (int64_t h = kvh * VG; h < (kvh + 1) * VG; h += HG)
+            pv_heads<HG>(scores + h * ps + t, ps, a.vc + kvh * hs, rows + t, nt, d, acc + h * as,
+                         as, h == kvh * VG ? ws.pfv.data() + t : nullptr, kvh * rsz);
         }
       }
     });

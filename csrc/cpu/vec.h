@@ -178,6 +178,12 @@ struct Vec8 {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // This value, held in a register from here on: GCC otherwise folds the load that made it
+  // into every FMA that uses it (one load per use) when the registers run short.
+  static Vec8 pinned(Vec8 x) {
+    asm("" : "+x"(x.v));
+    return x;
+  }
 };
 
 // exp(x) for x already known to lie in [-87, 88]: range reduction x = n ln2 + r, a
@@ -253,6 +259,7 @@ struct Vec8 {
     return a;
   }
   Vec8 reciprocal() const { return Vec8(1.f) / *this; }
+  static Vec8 pinned(Vec8 x) { return x; }
   Vec8 swap_pairs() const {
     Vec8 r;
     for (int i = 0; i < 8; i += 2) r.v[i] = v[i + 1], r.v[i + 1] = v[i];

@@ -315,6 +315,7 @@ class DecodePlan : public torch::CustomClassHolder {
   }
   // A weight [N, K] (N = -1: any): in the model dtype, or packed ([N, row_bytes(K)] uint8).
   void expect(Lin& w, const std::string& name, int64_t N, int64_t K) {
+    w.p = w.t.const_data_ptr();  // checked below; bound_ catches a later move
     if (!w.f) {
       expect(w.t, name, {N, K});
       w.rb = K * int64_t(c10::elementSize(dtype_));

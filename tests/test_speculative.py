@@ -463,6 +463,30 @@ def test_probes_are_rationed_by_the_budget():
     assert spent / elapsed == pytest.approx(ctl.probe_budget, rel=0.25)
 
 
+def test_nothing_to_propose_skips_pricing_but_counts_idle_steps():
+    """Candidates that found nothing (caps 0) get k = 0 without the cost curve being
+    consulted, and their idle steps still count towards a probe once they can propose."""
+
+    class Counting(CostModel):
+        calls = 0
+
+        def __call__(self, tokens: int) -> float:
+            Counting.calls += 1
+            return super().__call__(tokens)
+
+    cost = Counting()
+    cost.seed(1, 0.01)
+    cost.seed(2, 0.02)  # a proposal costs a whole step: only a probe proposes
+    ctl = AdaptiveController(k_max=4, cost=cost, probe_every=5)
+    for _ in range(60):  # steps enough that one probe fits the budget
+        ctl.observe_step(1, 0.01)
+    for _ in range(5):
+        assert ctl.plan([("s", 0)], base_tokens=1) == [0]
+    assert Counting.calls == 0
+    assert ctl.plan([("s", 2)], base_tokens=1) == [1]  # due: five idle steps, a probe
+    assert Counting.calls > 0
+
+
 def test_spec_stats():
     st_ = SpecStats()
     st_.record(4, 4)

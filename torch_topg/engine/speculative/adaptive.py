@@ -268,6 +268,10 @@ class AdaptiveController:
         caps = [max(0, min(c, self.k_max)) for _, c in cands]
         if not self.adaptive:
             return caps
+        if not any(caps):  # nothing to propose (prompt lookup found no match): no pricing
+            for key, _ in cands:
+                self._seqs.setdefault(key, _Seq()).idle += 1
+            return ks
         acc = [self.acceptance(key) for key, _ in cands]
         gains = sorted(
             ((acc[i] ** j, i) for i in range(B) for j in range(1, caps[i] + 1)), reverse=True

@@ -119,15 +119,16 @@ def _in_subprocess(tmp_path, script: str, payload, env: dict[str, str]):
 _AVX2_SCRIPT = """
 import sys, torch, torch_topg
 x, ws, packed = torch.load(sys.argv[1])
-out = [torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w) for w in ws for m in (3, 8, 16)]
+out = [torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w) for w in ws for m in (1, 2, 3, 8, 16)]
 out += [torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f) for q, f, k in packed for m in (3, 8, 16)]
 torch.save(out, sys.argv[2])
 """
 
 
 def test_avx512_and_avx2_dot_paths_agree_bitwise(tmp_path):
-    """The fp32 dot path of 3-16 rows and linear_q's fp32-activation GEMV take an AVX-512F
-    form where the CPU has it (gemv_avx512.h) and the AVX2 form elsewhere: both must give
+    """The fp32 dot path (of 1-16 rows on Intel CPUs, 3-16 elsewhere) and linear_q's
+    fp32-activation GEMV take an AVX-512F form where the CPU has it (gemv_avx512.h) and
+    the AVX2 form elsewhere: both must give
     the same bits, so a model's outputs do not depend on the CPU's vector width. The AVX2
     form runs in a subprocess with TOPG_DISABLE_AVX512=1 (on a CPU without AVX-512 both
     sides are AVX2 and the test still runs)."""
@@ -142,7 +143,9 @@ def test_avx512_and_avx2_dot_paths_agree_bitwise(tmp_path):
     ]
     theirs = _in_subprocess(tmp_path, _AVX2_SCRIPT, (x, ws, packed), {"TOPG_DISABLE_AVX512": "1"})
     ours = [
-        torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w) for w in ws for m in (3, 8, 16)
+        torch_topg.ops.linear(x[:m, : w.shape[1]].contiguous(), w)
+        for w in ws
+        for m in (1, 2, 3, 8, 16)
     ]
     ours += [
         torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f)

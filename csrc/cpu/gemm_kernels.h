@@ -234,10 +234,10 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
     // 2 threads, weights cold, 3 alternating runs: [3072, 576] 29-30 vs 21-26 GB/s,
     // [49152, 576] 29-32 vs 26-28 GB/s. bf16 keeps the blocks: its AVX2 form is bound by
     // widening the weights, not by the reads (gemv_bf16dp.h has the AVX-512 BF16 form).
-    // From 3 rows with AVX-512F: 8 rows a pass and the rows ahead prefetched
-    // (gemv_avx512.h), bitwise the same sums.
+    // With AVX-512F, from 3 rows (from 1 on Intel CPUs): 8 rows a pass and the rows ahead
+    // prefetched (gemv_avx512.h), bitwise the same sums.
 #if TOPG_F32X16
-    if (M >= kF32x16MinRows && use_avx512()) {
+    if (M >= f32x16_min_rows() && use_avx512()) {
       dot_rows_f32x16(a, M, w, ldw, K, n0, n1, emit);
       return;
     }

@@ -17,7 +17,12 @@
 // weights cold, EPYC Zen 4 VM; standalone kernel, medians of 200 calls): [3072, 576] x 8 rows 472
 // -> 289-306 us, x 4 rows 233 -> 188-191 us, x 16 rows 917 -> 778-796 us; [49152, 576] x 8 rows 7.3
 // -> 4.3 ms; [576, 1536] x 8 rows 297 -> 241 us. At 1 and 2 rows the hardware prefetcher alone is
-// as fast or faster (209 vs 221 us, 211 vs 225 us), so those keep the AVX2 path.
+// as fast or faster there (209 vs 221 us, 211 vs 225 us), so on AMD those keep the AVX2 path.
+// On Intel (a 2-core Xeon VM with AVX-512 and AMX, 2026-12-04) the same one-row AVX2 path
+// streamed at 24-26 GB/s where torch's own readers reached 33-36: the L2 prefetch of the rows
+// ahead is what it lacked, and this path from one row up took the plan's fp32 batch-1 step
+// from 21.3-22.0 to 19.6-20.1 ms (three processes each, alternating; bitwise the same).
+// So f32x16_min_rows() is 1 on Intel CPUs and 3 elsewhere.
 // TOPG_DISABLE_AVX512=1 turns it off (with the AVX-512 BF16 path).
 #pragma once
 
@@ -60,8 +65,26 @@ inline void with_rows(int r, F&& f) {
   f.template operator()<N>();
 }
 
-// Rows of A from which the AVX-512 fp32 path is taken, and rows per pass.
+// Rows of A from which the AVX-512 fp32 path is taken by linear_q's fp32-activation GEMV
+// (the dense fp32 GEMV takes f32x16_min_rows()).
 constexpr int64_t kF32x16MinRows = 3;
+
+// Rows of A from which the dense fp32 GEMV takes the AVX-512 path: 1 on Intel CPUs, where
+// its prefetch of the rows ahead makes even one row stream faster, else kF32x16MinRows (see
+// the top of this file).
+inline int64_t f32x16_min_rows() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const int64_t rows = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? int64_t(1) : kF32x16MinRows;
+  }();
+  return rows;
+#else
+  return kF32x16MinRows;
+#endif
+}
+
+// Rows per pass.
 constexpr int kF32x16Rows = 8;
 // Weight rows taken together: the first pass over a group prefetches the next group.
 constexpr int kF32x16Group = 4;

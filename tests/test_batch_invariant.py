@@ -128,10 +128,10 @@ torch.save(out, sys.argv[2])
 def test_avx512_and_avx2_dot_paths_agree_bitwise(tmp_path):
     """The fp32 dot path (of 1-16 rows on Intel CPUs, 3-16 elsewhere) and linear_q's
     fp32-activation GEMV take an AVX-512F form where the CPU has it (gemv_avx512.h) and
-    the AVX2 form elsewhere: both must give
-    the same bits, so a model's outputs do not depend on the CPU's vector width. The AVX2
-    form runs in a subprocess with TOPG_DISABLE_AVX512=1 (on a CPU without AVX-512 both
-    sides are AVX2 and the test still runs)."""
+    the AVX2 form elsewhere: both must give the same bits, so a model's outputs do not
+    depend on the CPU's vector width. The AVX2 form runs in a subprocess with
+    TOPG_DISABLE_AVX512=1 (on a CPU without AVX-512 both sides are AVX2 and the test still
+    runs)."""
     from torch_topg.quant import quantize_weight
 
     g = torch.Generator().manual_seed(7)

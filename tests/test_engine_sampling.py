@@ -309,6 +309,15 @@ def test_greedy_ties_take_lowest_id():
     ps = [SP(temperature=0, presence_penalty=0.5, logprobs=1)] * 3
     out = s(logits, ps, *_keys(3), [[]] * 3, [[]] * 3)
     assert out.tokens.tolist() == [1, 0, 2]
+    # vocabulary-sized rows with many exact ties (the CPU path reduces with max, not
+    # argmax): the lowest id of the maxima, as torch.argmax; a NaN counts as the largest
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(0, 4, (6, 49157), generator=g).float()
+    long[4, 40000] = float("nan")
+    long[5, 123] = long[5, 45000] = float("inf")
+    expect = torch.tensor([int(r.argmax()) for r in long])
+    assert torch.equal(s(long, [SP(temperature=0)] * 6, *_keys(6)).tokens, expect)
+    assert expect[4] == 40000 and expect[5] == 123
 
 
 class _Calls(TorchFunctionMode):
@@ -321,13 +330,15 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_greedy_fast_path_is_one_argmax():
+def test_greedy_fast_path_is_one_reduction():
+    """Greedy rows cost one row-wise reduction (on the CPU max's indices, which are
+    argmax's and 2.4x faster there): no copy, no noise."""
     logits = _logits(16, 1000)
     seeds, pos = _keys(16)
     with _Calls() as calls:
         out = Sampler()(logits, [SP(temperature=0)] * 16, seeds, pos)
     metadata = {"__get__", "dim", "is_floating_point", "to", "size"}
-    assert calls.names - metadata == {"argmax"}, calls.names
+    assert calls.names - metadata == {"max"}, calls.names
     assert torch.equal(out.tokens, logits.argmax(-1))
 
 

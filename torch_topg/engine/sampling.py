@@ -590,8 +590,13 @@ def argmax_rows(x: Tensor) -> Tensor:
 
 def _argmax(x: Tensor) -> Tensor:
     """Row-wise argmax, int64 ``[R]``; ties go to the lowest index (as ``torch.argmax``)."""
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        x = x.float()  # exact, and 4x faster than a half-precision argmax on the CPU
+    if x.device.type == "cpu":
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.float()  # exact, and 4x faster than a half-precision argmax on the CPU
+        # max's indices: the same rule (the first maximal value; NaN counts as the
+        # largest), 2.4x faster than argmax on the CPU (a SmolLM2 row of 49152 fp32: 26
+        # against 62 us, 2 threads)
+        return x.max(-1).indices
     return x.argmax(-1)
 
 

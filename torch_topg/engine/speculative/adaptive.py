@@ -268,10 +268,33 @@ class AdaptiveController:
         caps = [max(0, min(c, self.k_max)) for _, c in cands]
         if not self.adaptive:
             return caps
-        if not any(caps):  # nothing to propose (prompt lookup found no match): no pricing
-            for key, _ in cands:
-                self._seqs.setdefault(key, _Seq()).idle += 1
-            return ks
+        if any(caps):  # else nothing to propose (prompt lookup found no match): no pricing
+            ks = self._priced(cands, caps, base_tokens)
+        due = -1  # the candidate idle longest, when it is due for a probe
+        for i, (key, _) in enumerate(cands):
+            s = self._seqs.setdefault(key, _Seq())
+            if ks[i]:
+                s.idle = 0
+                continue
+            s.idle += 1
+            if self.probe_every and s.idle >= self.probe_every and caps[i] > 0:
+                if due < 0 or s.idle > self._seqs[cands[due][0]].idle:
+                    due = i
+        if due >= 0:
+            kp = min(caps[due], self.probe_k or caps[due])
+            t = base_tokens + sum(ks)
+            extra = max(0.0, self.cost(t + kp) - self.cost(t))
+            if self._probe_spent + extra <= self.probe_budget * self._elapsed:
+                self._probe_spent += extra
+                ks[due], self._seqs[cands[due][0]].idle = kp, 0
+        return ks
+
+    def _priced(
+        self, cands: Sequence[tuple[Hashable, int]], caps: list[int], base_tokens: int
+    ) -> list[int]:
+        """The rule's proposals per candidate (module docstring), before probes."""
+        B = len(cands)
+        ks = [0] * B
         acc = [self.acceptance(key) for key, _ in cands]
         gains = sorted(
             ((acc[i] ** j, i) for i in range(B) for j in range(1, caps[i] + 1)), reverse=True
@@ -295,23 +318,6 @@ class AdaptiveController:
                 best, best_n = rate / base_rate, n
         for _, i in gains[:best_n]:
             ks[i] += 1
-        due = -1  # the candidate idle longest, when it is due for a probe
-        for i, (key, _) in enumerate(cands):
-            s = self._seqs.setdefault(key, _Seq())
-            if ks[i]:
-                s.idle = 0
-                continue
-            s.idle += 1
-            if self.probe_every and s.idle >= self.probe_every and caps[i] > 0:
-                if due < 0 or s.idle > self._seqs[cands[due][0]].idle:
-                    due = i
-        if due >= 0:
-            kp = min(caps[due], self.probe_k or caps[due])
-            t = base_tokens + sum(ks)
-            extra = max(0.0, self.cost(t + kp) - self.cost(t))
-            if self._probe_spent + extra <= self.probe_budget * self._elapsed:
-                self._probe_spent += extra
-                ks[due], self._seqs[cands[due][0]].idle = kp, 0
         return ks
 
     def expected_speedup(self, acceptance: float, k: int, base_tokens: int = 1) -> float:

@@ -22,7 +22,8 @@
 // streamed at 24-26 GB/s where torch's own readers reached 33-36: the L2 prefetch of the rows
 // ahead is what it lacked, and this path from one row up took the plan's fp32 batch-1 step
 // from 21.3-22.0 to 19.6-20.1 ms (three processes each, alternating; bitwise the same).
-// So f32x16_min_rows() is 1 on Intel CPUs and 3 elsewhere.
+// So f32x16_min_rows() is 1 on Intel CPUs and 3 elsewhere; one row reads four weight rows
+// side by side (dot_side1, 2026-12-05: another 7% off that step).
 // TOPG_DISABLE_AVX512=1 turns it off (with the AVX-512 BF16 path).
 #pragma once
 
@@ -94,6 +95,16 @@ constexpr int kF32x16Group = 4;
 // 255-277 -> 154-232 us chunked; x 4 rows (24 KiB of A) 105 whole against 132 chunked.
 constexpr int64_t kF32x16L1Bytes = 24 << 10;
 constexpr int64_t kF32x16Chunk = 384;  // a multiple of 32: the lanes' k order is kept
+// One A row (dot_side1): weight rows read kF32x16Group side by side, each row's lines this
+// far ahead prefetched into L2. Measured on the Intel VM (the decode plan's fp32 batch-1
+// step, one process, 10 alternating rounds each, bitwise the same output), against
+// dot_group<1> (one row after another, the next group prefetched): 8 / 16 / 32 KiB ahead
+// 0.95 / 0.94 / 0.96x the time; in a second process 12 / 16 / 24 KiB 0.94 / 0.93 / 0.93x
+// (23.4 -> 21.7 ms at 16 KiB) and 2 / 8 rows side by side 0.93 / 0.94x. Two and three A
+// rows side by side were slower or even (1.12x / 0.98x at batch 2 / 3): they keep
+// dot_group. A standalone stream over 2 GiB ([N, 576], 2 threads): 25.6-25.8 GB/s one row
+// after another, 27.1-27.7 side by side 16-32 KiB ahead, torch.dot's 26.7-26.9.
+constexpr int64_t kF32x16Ahead = 16 << 10;
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TOPG_F32X16 1
@@ -184,6 +195,34 @@ TOPG_TARGET_F32X16 void dot_group(const float* const* a, const float* w, int64_t
   }
 }
 
+// One A row: G weight rows read side by side (out[r] = a . w[r]), each row's lines
+// kF32x16Ahead bytes ahead prefetched into L2 while they stay below pf_end. Each row's
+// sum takes the same fused multiply-adds in the same order as dot_group<1>'s.
+template <int G>
+TOPG_TARGET_F32X16 void dot_side1(const float* a, const float* w, int64_t ldw, int64_t K,
+                                  const char* pf_end, float* out) {
+  const int64_t kv = K / 32 * 32;
+  Acc16<1> acc[G];
+  for (int r = 0; r < G; ++r) acc[r][0][0] = acc[r][0][1] = _mm512_setzero_ps();
+  const char* pf[G];
+  for (int r = 0; r < G; ++r) pf[r] = reinterpret_cast<const char*>(w + r * ldw) + kF32x16Ahead;
+  const bool ahead = pf[G - 1] + K * int64_t(sizeof(float)) <= pf_end;
+  for (int64_t k = 0; k < kv; k += 32) {
+    const __m512 x0 = _mm512_loadu_ps(a + k), x1 = _mm512_loadu_ps(a + k + 16);
+    for (int r = 0; r < G; ++r) {
+      const float* row = w + r * ldw;
+      acc[r][0][0] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(row + k), acc[r][0][0]);
+      acc[r][0][1] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(row + k + 16), acc[r][0][1]);
+    }
+    if (ahead)
+      for (int r = 0; r < G; ++r) {
+        _mm_prefetch(pf[r] + k * 4, _MM_HINT_T1);
+        _mm_prefetch(pf[r] + k * 4 + 64, _MM_HINT_T1);
+      }
+  }
+  for (int r = 0; r < G; ++r) finish<1>(acc[r], &a, w + r * ldw, kv, K, out + r);
+}
+
 // For weight rows [n0, n1) of W (fp32 [N, K], row stride ldw) and M fp32 rows a[0..M):
 // emit(m, n, sum) for every pair; groups of 4 weight rows against up to 8 A rows a pass.
 template <typename Emit>
@@ -192,6 +231,15 @@ TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const 
                                         Emit&& emit) {
   constexpr int G = kF32x16Group;
   float sums[G * kF32x16Rows];
+  if (M == 1) {
+    const char* end = reinterpret_cast<const char*>(w + (n1 - 1) * ldw + K);
+    for (int64_t n = n0; n < n1; n += G) {
+      const int g = int(std::min<int64_t>(G, n1 - n));
+      with_rows<G>(g, [&]<int R>() { dot_side1<R>(a[0], w + n * ldw, ldw, K, end, sums); });
+      for (int r = 0; r < g; ++r) emit(0, n + r, sums[r]);
+    }
+    return;
+  }
   for (int64_t n = n0; n < n1; n += G) {
     const int g = int(std::min<int64_t>(G, n1 - n));
     const int npf = int(std::clamp<int64_t>(n1 - n - G, 0, g));

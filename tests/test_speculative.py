@@ -112,6 +112,15 @@ def test_ngram_index_and_numpy_match_the_reference(tokens, k, nmin, extra):
     assert propose_ngram_numpy(tokens, k, nmin, nmax) == want
 
 
+def test_ngram_lookup_gives_the_match_length():
+    idx = NgramIndex(1, 3)
+    t = [7, 1, 2, 5, 8, 2, 6, 9, 1, 2]
+    assert idx.lookup(t, 2) == ([5, 8], 2)
+    assert idx.lookup([*t, 3], 2) == ([], 0)
+    assert NgramIndex(1, 1).lookup(t, 2) == ([6, 9], 1)
+    assert NgramIndex(2, 3).lookup([1, 2, 3], 2) == ([], 0)
+
+
 def test_ngram_index_refuses_a_shrunk_sequence():
     idx = NgramIndex(2, 3)
     idx.propose([1, 2, 3, 1, 2], 2)
@@ -438,6 +447,29 @@ def test_probe_and_shadow_update_a_switched_off_sequence():
     assert ctl.acceptance("s") > before
     ctl.forget("s")
     assert ctl.acceptance("s") == ctl.global_acceptance
+
+
+def test_acceptance_prior_is_pooled_per_group():
+    """Keys (owner, group): a new key starts from its group's pooled rate (prompt lookup:
+    the match length), other keys from the rate of all; the pooled rate of all moves
+    with every key."""
+    ctl = AdaptiveController(k_max=4, cost=_flat(0.02, 0.005), probe_every=0)
+    for _ in range(40):
+        ctl.observe(("a", 1), 4, 0)  # one-token matches: every proposal rejected
+        ctl.observe(("a", 3), 4, 4)  # three-token matches: all accepted
+    low, high = ctl.group_acceptance(1), ctl.group_acceptance(3)
+    assert low < 0.1 and high > 0.9
+    assert low < ctl.global_acceptance < high
+    # a new sequence: its estimate per match length is its group's
+    assert ctl.acceptance(("b", 1)) == pytest.approx(low)
+    assert ctl.acceptance(("b", 3)) == pytest.approx(high)
+    assert ctl.acceptance("b") == ctl.global_acceptance
+    assert ctl.group_acceptance(2) == ctl.global_acceptance  # nothing seen in group 2
+    # priced apart: the same sequence proposes after a long match, not after a short one
+    assert ctl.plan([(("b", 3), 4)], 1)[0] > 0
+    assert ctl.plan([(("b", 1), 4)], 1) == [0]
+    ctl.forget(("a", 1))
+    assert ctl.group_acceptance(1) == pytest.approx(low)  # the pool outlives its keys
 
 
 def test_probes_are_rationed_by_the_budget():

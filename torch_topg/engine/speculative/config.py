@@ -38,7 +38,10 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int = DEFAULT_K
-    prompt_lookup_min: int = 2
+    # 1, as transformers' prompt lookup and llama.cpp's lookup decoding: one-token matches
+    # lifted input-grounded tasks by 6-12% (docs/speculative.md, "Prompt lookup from one
+    # token"); the adaptive rule prices them apart (acceptance per match length)
+    prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: Any = None  # "draft": a path, Hub id or nn.Module
     num_layers: int | None = None  # "self": the target's first n layers
@@ -93,7 +96,7 @@ def parse_speculative(spec: Any) -> SpeculativeConfig | None:
         disable = _int("disable_by_batch_size", disable, 1)
     kw: dict[str, Any] = {}
     if method == "ngram":
-        lo = _int("prompt_lookup_min", spec.get("prompt_lookup_min", 2), 1)
+        lo = _int("prompt_lookup_min", spec.get("prompt_lookup_min", 1), 1)
         hi = _int("prompt_lookup_max", spec.get("prompt_lookup_max", max(lo, 4)), 1)
         if hi < lo:
             raise ValueError(

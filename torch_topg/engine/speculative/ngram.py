@@ -81,6 +81,12 @@ class NgramIndex:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` proposed next tokens for ``tokens`` (this sequence's, grown only)."""
+        return self.lookup(tokens, k)[0]
+
+    def lookup(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """:meth:`propose` and the length ``n`` of the suffix that matched (0: none).
+        The engine keeps acceptance per sequence and ``n``: a proposal after a one-token
+        match is accepted less often than one after a four-token match."""
         if self._upto and len(tokens) < self._upto + 1:
             raise ValueError("NgramIndex: the token list shrank (one index per sequence)")
         self._extend(tokens)
@@ -92,5 +98,5 @@ class NgramIndex:
             pattern = tuple(tokens[L - n :])
             e = self._maps[j].get(hash(pattern))
             if e is not None and tuple(tokens[e - n + 1 : e + 1]) == pattern:
-                return list(tokens[e + 1 : e + 1 + k])
-        return []
+                return list(tokens[e + 1 : e + 1 + k]), n
+        return [], 0

@@ -79,6 +79,10 @@ class Speculator:
         self._seq_stats: dict[Sequence, SpecStats] = {}
         self._ngram: dict[Sequence, NgramIndex] = {}
         self._pending: dict[Sequence, list[int]] = {}  # prompt lookup: found before scheduling
+        # prompt lookup's acceptance is kept per (sequence, match length): the controller's
+        # key of a sequence verifying proposals, until its rollback
+        self._lookup_ns = range(cfg.prompt_lookup_min, cfg.prompt_lookup_max + 1)
+        self._key: dict[Sequence, tuple[Sequence, int]] = {}
         self._steps = 0
         self.time = {"draft_s": 0.0, "profile_s": 0.0}
 
@@ -130,24 +134,32 @@ class Speculator:
                     idx = self._ngram[seq] = NgramIndex(
                         self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
                     )
-                self.ctl.check_shadow(seq, seq.token_ids)
-                prop = idx.propose(seq.token_ids, cap)
+                for n in self._lookup_ns:
+                    self.ctl.check_shadow((seq, n), seq.token_ids)
+                prop, n = idx.lookup(seq.token_ids, cap)
                 self._pending[seq] = prop
-                cap = len(prop)
-            cands.append((seq, cap))
+                cands.append(((seq, n), len(prop)))
+            else:
+                cands.append((seq, cap))
         base = min(base, scheduler.max_num_batched_tokens)
         ks = self.ctl.plan(cands, base) if cands else []
-        for (seq, _), k in zip(cands, ks, strict=True):
+        for (key, _), k in zip(cands, ks, strict=True):
+            seq = self._seq_of(key)
             seq.num_spec = k
             if self.cfg.method == "ngram":
                 prop = self._pending.pop(seq)
                 if k:
                     seq.spec_tokens = prop[:k]
+                    self._key[seq] = key
                 elif prop:
-                    self.ctl.set_shadow(seq, prop, seq.num_tokens)
+                    self.ctl.set_shadow(key, prop, seq.num_tokens)
             if k == 0:
                 self._stats_of(seq).record(0, 0)
                 self.stats.skipped += 1
+
+    @staticmethod
+    def _seq_of(key: Sequence | tuple[Sequence, int]) -> Sequence:
+        return key[0] if isinstance(key, tuple) else key
 
     def _eligible(self, seq: Sequence) -> bool:
         req = seq.request
@@ -178,7 +190,7 @@ class Speculator:
         k = len(seq.spec_tokens)
         committed = seq.num_tokens  # before the appends: the verified rows start here
         scheduler.rollback(seq, committed + num_accepted)
-        self.ctl.observe(seq, k, num_accepted)
+        self.ctl.observe(self._key.pop(seq, seq), k, num_accepted)
         self.stats.record(k, num_accepted)
         st = self._stats_of(seq)
         st.record(k, num_accepted)
@@ -202,10 +214,12 @@ class Speculator:
 
     def _prune(self) -> None:
         """Forget finished sequences."""
-        for table in (self._seq_stats, self._ngram):
+        for table in (self._seq_stats, self._ngram, self._key):
             for seq in [s for s in table if s.finished]:
                 del table[seq]
                 self.ctl.forget(seq)
+                for n in self._lookup_ns:
+                    self.ctl.forget((seq, n))
                 if self.draft is not None:
                     self.draft.forget(seq)
 

@@ -57,6 +57,22 @@ def _outputs(eng, ps, **kw):
     return [o.token_ids for o in eng.generate(ps, **kw)]
 
 
+def test_adaptive_prompt_lookup_forgets_finished_sequences():
+    """Prompt lookup keys the adaptive rule by (sequence, match length), 0 for a step that
+    found nothing; once its sequences finish, the periodic prune leaves no state of them
+    (a server runs for days)."""
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with _engine(spec) as eng:
+        eng.generate(_looping_prompts(), max_new_tokens=24, **GREEDY)
+        sp = eng.spec
+        keys = list(sp.ctl._seqs)
+        assert keys and all(isinstance(k, tuple) and 0 <= k[1] <= 3 for k in keys)
+        assert sp.stats.proposals > 0
+        sp._prune()
+        assert sp.ctl._seqs == {} and sp._ngram == {} and sp._key == {}
+        assert sp.ctl._groups  # the pooled rates per match length stay
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_and_seeded_outputs_equal_the_plain_engine(plain, method):
     ps = _looping_prompts()

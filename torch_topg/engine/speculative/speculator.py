@@ -218,7 +218,7 @@ class Speculator:
             for seq in [s for s in table if s.finished]:
                 del table[seq]
                 self.ctl.forget(seq)
-                for n in self._lookup_ns:
+                for n in (0, *self._lookup_ns):  # 0: steps that found no match
                     self.ctl.forget((seq, n))
                 if self.draft is not None:
                     self.draft.forget(seq)

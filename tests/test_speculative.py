@@ -27,6 +27,7 @@ from torch_topg.engine.speculative import (
 from torch_topg.engine.speculative.config import check_num_layers
 from torch_topg.engine.speculative.ngram import propose_ngram_reference
 from torch_topg.engine.speculative.rejection import SALT_DRAFT
+from torch_topg.engine.speculative.speculator import joined_rows, rows_of
 
 # --------------------------------------------------------------------------- config
 
@@ -110,6 +111,24 @@ def test_ngram_index_and_numpy_match_the_reference(tokens, k, nmin, extra):
     want = propose_ngram_reference(tokens, k, nmin, nmax)
     assert idx.propose(tokens, k) == want
     assert propose_ngram_numpy(tokens, k, nmin, nmax) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joined_rows_is_a_view_when_rows_are_in_order(dtype):
+    logits = torch.randn(9, 11).to(dtype)
+    views = [r.view(-1, 11) for r in rows_of(logits, [1, 0, 3, 1, 2]) if r is not None]
+    got = joined_rows(views)
+    assert torch.equal(got, torch.cat(views)) and got.data_ptr() == logits.data_ptr()
+    assert joined_rows(views[1:]).data_ptr() == logits[1].data_ptr()
+    # a row used twice (a fork's children), rows out of order, or another tensor: a copy
+    for vs in (
+        [views[0], views[0]],
+        [views[1], views[0]],
+        [views[0], torch.randn(1, 11).to(dtype)],
+    ):
+        got = joined_rows(vs)
+        assert torch.equal(got, torch.cat(vs)) and got.data_ptr() != logits.data_ptr()
+    assert joined_rows(views[:1]) is views[0]
 
 
 def test_ngram_lookup_gives_the_match_length():

@@ -36,7 +36,7 @@ from torch_topg.engine.sampling import (
 )
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
-from torch_topg.engine.speculative.speculator import Speculator, accepted, rows_of
+from torch_topg.engine.speculative.speculator import Speculator, accepted, joined_rows, rows_of
 
 
 class QueueFull(RuntimeError):
@@ -435,7 +435,7 @@ class Engine:
             (s, p[:j]) for (s, _), p in zip(sampled, props, strict=True) for j in range(len(p) + 1)
         ]
         views = [r.view(-1, r.shape[-1]) for _, r in sampled]
-        logits = views[0] if len(views) == 1 else torch.cat(views)  # batch 1: no copy
+        logits = joined_rows(views)  # a view of the runner's logits when rows are in order
         params = [s.request.params for s, _ in rows]
         if plain_greedy(params):  # the sampler's own fast path, without building its inputs
             res = SamplerOutput(argmax_rows(logits))

@@ -279,3 +279,30 @@ def rows_of(logits: torch.Tensor, samples: Seq[int]) -> list[torch.Tensor | None
         rows.append(None if m == 0 else logits[r] if m == 1 else logits[r : r + m])
         r += m
     return rows
+
+
+def joined_rows(views: Seq[torch.Tensor]) -> torch.Tensor:
+    """``[m_i, V]`` row blocks as one ``[sum m_i, V]`` tensor: a view when they are
+    consecutive rows of one contiguous tensor (the runner's logits split by
+    :func:`rows_of`, the usual case), else ``torch.cat``. The copy cost the engine's
+    batch-8 step 0.6 ms of ~14 (bf16, SmolLM2, 2026-12-05: a fresh 1.5 MB buffer a step)."""
+    v0 = views[0]
+    if len(views) == 1:
+        return v0
+    width, base = v0.shape[-1], v0.untyped_storage().data_ptr()
+    offset, ok = v0.storage_offset(), True
+    for v in views:
+        if (
+            not v.is_contiguous()
+            or v.shape[-1] != width
+            or v.dtype != v0.dtype
+            or v.untyped_storage().data_ptr() != base
+            or v.storage_offset() != offset
+        ):
+            ok = False
+            break
+        offset += v.shape[0] * width
+    if not ok:
+        return torch.cat(list(views))
+    rows = (offset - v0.storage_offset()) // width
+    return v0.as_strided((rows, width), (width, 1), v0.storage_offset())

@@ -435,6 +435,22 @@ def test_plan_speculates_when_it_pays_and_not_otherwise():
     ]
 
 
+def test_a_closed_batch_needs_the_larger_margin():
+    """A batch no request waits to join speculates only for a predicted gain above
+    ``closed_min_gain``: its length is set by its slowest sequence."""
+    ctl = AdaptiveController(k_max=4, cost=_flat(0.0065, 0.0005), probe_every=0)
+    for _ in range(40):  # ~0.8: the best plan gains ~8% (5% more time per token)
+        ctl.observe("a", 5, 4)
+        ctl.observe("b", 4, 4)
+    assert 0.75 < ctl.acceptance("a") < 0.85 and ctl.acceptance("b") > 0.95
+    others = [(f"o{i}", 0) for i in range(7)]
+    assert ctl.plan([("a", 4), *others], base_tokens=8)[0] > 0
+    assert ctl.plan([("a", 4), *others], base_tokens=8, closed=True)[0] == 0
+    assert ctl.plan([("b", 4), *others], base_tokens=8, closed=True)[0] == 4
+    ctl.closed_min_gain = ctl.min_gain
+    assert ctl.plan([("a", 4), *others], base_tokens=8, closed=True)[0] > 0
+
+
 def test_plan_counts_the_draft_models_time():
     ctl = AdaptiveController(k_max=4, cost=_flat(), probe_every=0)
     for _ in range(20):

@@ -195,8 +195,12 @@ TOPG_TARGET_AMX void dot_rows(const bf16* b, int64_t M, const bf16* w, int64_t l
     }
     _tile_stored(0, sums, 64);
     if (nr1 > 0) _tile_stored(1, sums + 256, 64);
-    for (int r = 0; r < left; ++r)
-      for (int64_t m = 0; m < M; ++m) emit(m, n + r, sums[r * 16 + m]);
+    // One output row at a time: its 32 sums are adjacent in memory. Rows of an LM head's
+    // output lie a multiple of 4 KiB apart (one L1 set each); weight row by weight row,
+    // 16 output rows took turns in a 12-way set (bf16 [49152, 576] x 16 rows 3.43 ->
+    // 2.71 ms, x 12 unchanged; the plan's LM head at 16 rows 4.05 -> 2.34 ms).
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < left; ++r) emit(m, n + r, sums[r * 16 + m]);
   }
   _tile_release();
 }

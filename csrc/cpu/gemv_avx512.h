@@ -249,8 +249,8 @@ TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const 
       const int pf = m == 0 ? npf : 0;
       with_rows<kF32x16Rows>(mb,
                              [&]<int MB>() { dot_group<MB>(a + m, rows, ldw, K, g, pf, sums); });
-      for (int r = 0; r < g; ++r)
-        for (int i = 0; i < mb; ++i) emit(m + i, n + r, sums[r * mb + i]);
+      for (int i = 0; i < mb; ++i)
+        for (int r = 0; r < g; ++r) emit(m + i, n + r, sums[r * mb + i]);
     }
   }
 }

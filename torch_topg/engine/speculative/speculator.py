@@ -142,7 +142,8 @@ class Speculator:
             else:
                 cands.append((seq, cap))
         base = min(base, scheduler.max_num_batched_tokens)
-        ks = self.ctl.plan(cands, base) if cands else []
+        closed = not scheduler.waiting and len(scheduler.running) > 1
+        ks = self.ctl.plan(cands, base, closed) if cands else []
         for (key, _), k in zip(cands, ks, strict=True):
             seq = self._seq_of(key)
             seq.num_spec = k

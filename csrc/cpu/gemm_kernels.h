@@ -221,9 +221,10 @@ inline void dot_row_seq(const float* const* a, const float* w, int64_t K, float*
 // For weight rows [n0, n1) of W ([N, K], row stride ldw) and M fp32 rows a[0..M): calls
 // emit(m, n, sum) for every pair. Rows are taken RB at a time (pointer rows are clamped
 // so the tail block stays in bounds); each block is read from memory once for all M.
+// il: the rows' pack_f32x16 copy (gemv_avx512.h) for the AVX-512F path, or nullptr.
 template <typename T, typename Emit>
 void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, int64_t K,
-                    int64_t n0, int64_t n1, Emit&& emit) {
+                    int64_t n0, int64_t n1, Emit&& emit, const float* il = nullptr) {
   // Weight rows per block: 8 for one A row (8 accumulators), else 4 against up to 3 A
   // rows at a time (12 accumulators + 3 A vectors + 1 weight vector = 16 ymm).
   constexpr int RB = 4;
@@ -238,7 +239,7 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
     // prefetched (gemv_avx512.h), bitwise the same sums.
 #if TOPG_F32X16
     if (M >= f32x16_min_rows() && use_avx512()) {
-      dot_rows_f32x16(a, M, w, ldw, K, n0, n1, emit);
+      dot_rows_f32x16(a, M, w, ldw, K, n0, n1, emit, il);
       return;
     }
 #endif

@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <vector>
 
 #include "vec.h"
 
@@ -87,6 +88,22 @@ inline int64_t f32x16_min_rows() {
 
 // Rows per pass.
 constexpr int kF32x16Rows = 8;
+
+// A 64-byte aligned float buffer that keeps its storage between uses.
+class AlignedFloats {
+ public:
+  // n floats (contents undefined).
+  float* fit(int64_t n) {
+    buf_.resize(size_t(n + 16));
+    const auto p = reinterpret_cast<uintptr_t>(buf_.data());
+    return data_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
+  }
+  float* data() const { return data_; }
+
+ private:
+  std::vector<float> buf_;
+  float* data_ = nullptr;
+};
 // Weight rows taken together: the first pass over a group prefetches the next group.
 constexpr int kF32x16Group = 4;
 // A pass whose A rows (rows x K fp32) exceed this no longer sits in L1 beside the weight
@@ -114,20 +131,55 @@ constexpr int64_t kF32x16Ahead = 16 << 10;
 template <int MB>
 using Acc16 = __m512[MB][2];
 
-// acc += the products of k in [k0, k1) (multiples of 32); pf: a row to prefetch into L2
-// over the same k (nullptr: none), two cache lines per 32 k.
+// A pass of MB rows reads them from the caller's interleaved copy (pack_f32x16) when there
+// is one. Measured (standalone, [N, 576] fp32 x 400 MiB, 2 threads, weights cold, 15
+// alternating rounds, GB/s, row pointers / interleaved): 3 rows 24.6 / 26.5, 4 rows
+// 27.4-32.4 / 25.7-28.1, 5 rows 24.1-27.1 / 29.5-30.6, 6 rows 22.9 / 25.0, 7 rows 24.0 /
+// 26.3, 8 rows 22.3 / 24.9, 2 rows 28.3 / 28.3: 4 rows keep their pointers. In the decode
+// plan (SmolLM2 fp32, one sequence of T tokens against one token, 3 alternating processes,
+// 2026-12-05): T = 3 / 5 / 6 / 8 / 9 1.08-1.10 / 1.17-1.18 / 1.23-1.26 / 1.34-1.39 /
+// 1.45-1.52 -> 1.03-1.05 / 1.08-1.10 / 1.13-1.14 / 1.23-1.24 / 1.34-1.35.
 template <int MB>
-TOPG_TARGET_F32X16 inline void fma_span(Acc16<MB>& acc, const float* const* a, const float* w,
-                                        int64_t k0, int64_t k1, const float* pf) {
+constexpr bool kF32x16Interleaved = MB == 3 || MB >= 5;
+
+// The interleaved copy of A: for each pass of up to kF32x16Rows rows from m0, its rows'
+// values k < K rounded down to 32, 32 at a time row after row: il[m0 * kv + k * mb + 32 i
+// + k % 32] = a[m0 + i][k] (kv = K / 32 * 32, mb the pass's rows). il: M x kv floats,
+// 64-byte aligned. The sums are the same fused multiply-adds in the same order as with the
+// row pointers: only where each A vector is loaded from changes.
+inline void pack_f32x16(const float* const* a, int64_t M, int64_t K, float* il) {
+  const int64_t kv = K / 32 * 32;
+  for (int64_t m0 = 0; m0 < M; m0 += kF32x16Rows) {
+    const int64_t mb = std::min<int64_t>(kF32x16Rows, M - m0);
+    float* dst = il + m0 * kv;
+    for (int64_t k = 0; k < kv; k += 32)
+      for (int64_t i = 0; i < mb; ++i, dst += 32) std::copy(a[m0 + i] + k, a[m0 + i] + k + 32, dst);
+  }
+}
+
+// acc += the products of k in [k0, k1) (multiples of 32); pf: a row to prefetch into L2
+// over the same k (nullptr: none), two cache lines per 32 k. IL: the A vectors from il
+// (this pass's rows of pack_f32x16), else from the row pointers a.
+template <int MB, bool IL>
+TOPG_TARGET_F32X16 inline void fma_span(Acc16<MB>& acc, const float* const* a, const float* il,
+                                        const float* w, int64_t k0, int64_t k1, const float* pf) {
   for (int64_t k = k0; k < k1; k += 32) {
     if (pf) {
       _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(pf + k + 16), _MM_HINT_T1);
     }
     const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
-    for (int i = 0; i < MB; ++i) {
-      acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(a[i] + k), w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(a[i] + k + 16), w1, acc[i][1]);
+    if constexpr (IL) {
+      const float* ak = il + k * MB;
+      for (int i = 0; i < MB; ++i) {
+        acc[i][0] = _mm512_fmadd_ps(_mm512_load_ps(ak + 32 * i), w0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(_mm512_load_ps(ak + 32 * i + 16), w1, acc[i][1]);
+      }
+    } else {
+      for (int i = 0; i < MB; ++i) {
+        acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(a[i] + k), w0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(a[i] + k + 16), w1, acc[i][1]);
+      }
     }
   }
 }
@@ -161,17 +213,17 @@ TOPG_TARGET_F32X16 inline void finish(Acc16<MB>& acc, const float* const* a, con
 }
 
 // out[r * MB + i] = a[i] . w[r] for g <= kF32x16Group weight rows w + r * ldw. The first
-// npf rows prefetch the row kF32x16Group below them.
-template <int MB>
-TOPG_TARGET_F32X16 void dot_group(const float* const* a, const float* w, int64_t ldw, int64_t K,
-                                  int g, int npf, float* out) {
+// npf rows prefetch the row kF32x16Group below them. IL: A read from il (fma_span).
+template <int MB, bool IL>
+TOPG_TARGET_F32X16 void dot_group(const float* const* a, const float* il, const float* w,
+                                  int64_t ldw, int64_t K, int g, int npf, float* out) {
   const int64_t kv = K / 32 * 32;
   const auto ahead = [&](int r) { return r < npf ? w + (r + kF32x16Group) * ldw : nullptr; };
   if (MB * K * int64_t(sizeof(float)) <= kF32x16L1Bytes) {
     for (int r = 0; r < g; ++r) {
       Acc16<MB> acc;
       for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-      fma_span<MB>(acc, a, w + r * ldw, 0, kv, ahead(r));
+      fma_span<MB, IL>(acc, a, il, w + r * ldw, 0, kv, ahead(r));
       finish<MB>(acc, a, w + r * ldw, kv, K, out + r * MB);
     }
     return;
@@ -184,7 +236,7 @@ TOPG_TARGET_F32X16 void dot_group(const float* const* a, const float* w, int64_t
     for (int r = 0; r < g; ++r) {
       Acc16<MB> acc;
       for (int i = 0; i < MB; ++i) acc[i][0] = park[r][i][0], acc[i][1] = park[r][i][1];
-      fma_span<MB>(acc, a, w + r * ldw, k0, k1, ahead(r));
+      fma_span<MB, IL>(acc, a, il, w + r * ldw, k0, k1, ahead(r));
       for (int i = 0; i < MB; ++i) park[r][i][0] = acc[i][0], park[r][i][1] = acc[i][1];
     }
   }
@@ -225,10 +277,11 @@ TOPG_TARGET_F32X16 void dot_side1(const float* a, const float* w, int64_t ldw, i
 
 // For weight rows [n0, n1) of W (fp32 [N, K], row stride ldw) and M fp32 rows a[0..M):
 // emit(m, n, sum) for every pair; groups of 4 weight rows against up to 8 A rows a pass.
+// il: the rows' pack_f32x16 copy, or nullptr (the row pointers only; the same sums).
 template <typename Emit>
 TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const float* w,
-                                        int64_t ldw, int64_t K, int64_t n0, int64_t n1,
-                                        Emit&& emit) {
+                                        int64_t ldw, int64_t K, int64_t n0, int64_t n1, Emit&& emit,
+                                        const float* il = nullptr) {
   constexpr int G = kF32x16Group;
   float sums[G * kF32x16Rows];
   if (M == 1) {
@@ -247,8 +300,13 @@ TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const 
     for (int64_t m = 0; m < M; m += kF32x16Rows) {
       const int mb = int(std::min<int64_t>(kF32x16Rows, M - m));
       const int pf = m == 0 ? npf : 0;
-      with_rows<kF32x16Rows>(mb,
-                             [&]<int MB>() { dot_group<MB>(a + m, rows, ldw, K, g, pf, sums); });
+      with_rows<kF32x16Rows>(mb, [&]<int MB>() {
+        if constexpr (kF32x16Interleaved<MB>) {
+          if (il)
+            return dot_group<MB, true>(a + m, il + m * (K / 32 * 32), rows, ldw, K, g, pf, sums);
+        }
+        dot_group<MB, false>(a + m, nullptr, rows, ldw, K, g, pf, sums);
+      });
       for (int i = 0; i < mb; ++i)
         for (int r = 0; r < g; ++r) emit(m + i, n + r, sums[r * mb + i]);
     }

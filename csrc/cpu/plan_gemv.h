@@ -51,6 +51,8 @@ struct GemvInput {
   std::vector<int8_t> xq;
   std::vector<bf16> bp;
   quant::RowsScratch qs;
+  gemm::AlignedFloats il_buf;  // fp32 rows for the AVX-512F path (gemv_avx512.h pack_f32x16)
+  const float* il = nullptr;
   bool packed = false, a8 = false, dp = false, amx = false;
 
   void fit(int64_t rows, int64_t kmax, bool packed_, bool a8_, bool dp_, bool amx_) {
@@ -88,6 +90,15 @@ struct GemvInput {
       if (amx && gemm::amx::fits(rows, K))
         gemm::amx::pack_b(reinterpret_cast<const bf16* const*>(src.data()), rows, K, bp.data());
     }
+    il = nullptr;
+#if TOPG_F32X16
+    if constexpr (std::is_same_v<T, float>) {
+      if (rows >= 3 && gemm::use_avx512()) {
+        il = il_buf.fit(rows * K);
+        gemm::pack_f32x16(ap.data(), rows, K, il_buf.data());
+      }
+    }
+#endif
   }
 
   // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.
@@ -123,7 +134,7 @@ struct GemvInput {
       }
     }
 #endif
-    gemm::dot_rows_range(ap.data(), rows, w.data<T>(), K, K, n0, n1, emit);
+    gemm::dot_rows_range(ap.data(), rows, w.data<T>(), K, K, n0, n1, emit, il);
   }
 };
 

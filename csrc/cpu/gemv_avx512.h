@@ -89,21 +89,6 @@ inline int64_t f32x16_min_rows() {
 // Rows per pass.
 constexpr int kF32x16Rows = 8;
 
-// A 64-byte aligned float buffer that keeps its storage between uses.
-class AlignedFloats {
- public:
-  // n floats (contents undefined).
-  float* fit(int64_t n) {
-    buf_.resize(size_t(n + 16));
-    const auto p = reinterpret_cast<uintptr_t>(buf_.data());
-    return data_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
-  }
-  float* data() const { return data_; }
-
- private:
-  std::vector<float> buf_;
-  float* data_ = nullptr;
-};
 // Weight rows taken together: the first pass over a group prefetches the next group.
 constexpr int kF32x16Group = 4;
 // A pass whose A rows (rows x K fp32) exceed this no longer sits in L1 beside the weight
@@ -123,6 +108,22 @@ constexpr int64_t kF32x16Chunk = 384;  // a multiple of 32: the lanes' k order i
 // after another, 27.1-27.7 side by side 16-32 KiB ahead, torch.dot's 26.7-26.9.
 constexpr int64_t kF32x16Ahead = 16 << 10;
 
+// A 64-byte aligned float buffer that keeps its storage between uses.
+class AlignedFloats {
+ public:
+  // n floats (contents undefined).
+  float* fit(int64_t n) {
+    buf_.resize(size_t(n + 16));
+    const auto p = reinterpret_cast<uintptr_t>(buf_.data());
+    return data_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
+  }
+  float* data() const { return data_; }
+
+ private:
+  std::vector<float> buf_;
+  float* data_ = nullptr;
+};
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TOPG_F32X16 1
 #define TOPG_TARGET_F32X16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -134,7 +135,7 @@ using Acc16 = __m512[MB][2];
 // A pass of MB rows reads them from the caller's interleaved copy (pack_f32x16) when there
 // is one. Measured (standalone, [N, 576] fp32 x 400 MiB, 2 threads, weights cold, 15
 // alternating rounds, GB/s, row pointers / interleaved): 3 rows 24.6 / 26.5, 4 rows
-// 27.4-32.4 / 25.7-28.1, 5 rows 24.1-27.1 / 29.5-30.6, 6 rows 22.9 / 25.0, 7 rows 24.0 /
+// 27.4-32.4 / 25.7-28.1, 5 rows 27.0-27.1 / 29.5-30.6, 6 rows 22.9 / 25.0, 7 rows 24.0 /
 // 26.3, 8 rows 22.3 / 24.9, 2 rows 28.3 / 28.3: 4 rows keep their pointers. In the decode
 // plan (SmolLM2 fp32, one sequence of T tokens against one token, 3 alternating processes,
 // 2026-12-05): T = 3 / 5 / 6 / 8 / 9 1.08-1.10 / 1.17-1.18 / 1.23-1.26 / 1.34-1.39 /

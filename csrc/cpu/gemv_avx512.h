@@ -115,13 +115,11 @@ class AlignedFloats {
   float* fit(int64_t n) {
     buf_.resize(size_t(n + 16));
     const auto p = reinterpret_cast<uintptr_t>(buf_.data());
-    return data_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
+    return buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
   }
-  float* data() const { return data_; }
 
  private:
   std::vector<float> buf_;
-  float* data_ = nullptr;
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -316,5 +314,19 @@ TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const 
 #else
 #define TOPG_F32X16 0
 #endif
+
+// The interleaved copy of M fp32 rows that dot_rows_f32x16 reads (pack_f32x16), made in
+// buf, or nullptr where that path takes none (fewer than 3 rows, or no AVX-512F).
+inline const float* f32x16_interleave(const float* const* a, int64_t M, int64_t K,
+                                      AlignedFloats& buf) {
+#if TOPG_F32X16
+  if (M >= 3 && use_avx512()) {
+    float* il = buf.fit(M * K);
+    pack_f32x16(a, M, K, il);
+    return il;
+  }
+#endif
+  return nullptr;
+}
 
 }  // namespace topg::gemm

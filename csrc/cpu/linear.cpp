@@ -72,16 +72,9 @@ void linear_dot(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T
       a[m] = a32.data() + m * K;
     }
   }
-  const float* il = nullptr;  // the AVX-512F path's interleaved A (gemv_avx512.h)
-  gemm::AlignedFloats il_buf;
-#if TOPG_F32X16
-  if constexpr (std::is_same_v<T, float>) {
-    if (M >= 3 && gemm::use_avx512()) {
-      il = il_buf.fit(M * K);
-      gemm::pack_f32x16(a.data(), M, K, il_buf.data());
-    }
-  }
-#endif
+  gemm::AlignedFloats il_buf;  // the AVX-512F path's interleaved A (gemv_avx512.h)
+  const float* il = nullptr;
+  if constexpr (std::is_same_v<T, float>) il = gemm::f32x16_interleave(a.data(), M, K, il_buf);
   parallel_items(gemm::ceil_div(N, rows), [&](int64_t item) {
     const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
     gemm::dot_rows_range(

@@ -91,14 +91,8 @@ struct GemvInput {
         gemm::amx::pack_b(reinterpret_cast<const bf16* const*>(src.data()), rows, K, bp.data());
     }
     il = nullptr;
-#if TOPG_F32X16
-    if constexpr (std::is_same_v<T, float>) {
-      if (rows >= 3 && gemm::use_avx512()) {
-        il = il_buf.fit(rows * K);
-        gemm::pack_f32x16(ap.data(), rows, K, il_buf.data());
-      }
-    }
-#endif
+    if constexpr (std::is_same_v<T, float>)
+      il = gemm::f32x16_interleave(ap.data(), rows, K, il_buf);
   }
 
   // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.

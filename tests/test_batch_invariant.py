@@ -58,15 +58,16 @@ def test_linear_rows_independent_of_batch(dtype):
 def test_linear_dot_path_rows_independent_of_rows(dtype, k):
     """Without the mode, the dot path (up to 16 rows: decode and speculative verify steps)
     still gives each row the sums it gets alone, whatever kernel a row count takes (the
-    one-row GEMV, the AVX2 tiles from 12 rows, the AVX-512 passes of up to 8 rows, the
-    AVX-512 BF16 dot products):
+    one-row GEMV, the AVX2 passes of 3 rows (read from an interleaved copy of A from 4
+    rows), the AVX2 tiles from 12 rows, the AVX-512 passes of up to 8 rows, the AVX-512
+    BF16 dot products):
     a verify step's logits must equal the decode step's."""
     g = torch.Generator().manual_seed(k)
     x = torch.randn(16, k, generator=g).to(dtype)
     w = (torch.randn(37, k, generator=g) / k**0.5).to(dtype)
     fn = lambda a: torch_topg.ops.linear(a, w)  # noqa: E731
     alone = torch.cat([fn(x[i : i + 1]) for i in range(16)])
-    for m in (2, 3, 5, 8, 9, 11, 12, 13, 16):
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16):
         assert torch.equal(fn(x[:m]), alone[:m]), f"rows of a {m}-row call"
 
 

@@ -199,14 +199,27 @@ inline void dot_rows_m(const float* const* a, int m, const T* const* w, int64_t 
 // four independent sums per A row (k in strides of 32). Rows of a block are contiguous,
 // so a range of rows streams through memory in order, which the hardware prefetcher
 // follows best (see dot_rows_range). pf: lines to prefetch meanwhile (no effect on the sums).
+// il: these MB rows' part of a pack_passes copy (k < K rounded down to 32 read from it, the
+// rest from a), or nullptr; the same sums either way.
 template <int MB>
 inline void dot_row_seq(const float* const* a, const float* w, int64_t K, float* out,
-                        LinePrefetch pf = {}) {
+                        LinePrefetch pf = {}, const float* il = nullptr) {
   Vec8 acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = Vec8::zero();
   LineSpread spread(pf, K / 32);
   int64_t k = 0;
+  if (il) {
+    for (; k + 32 <= K; k += 32) {
+      spread.step();
+      const float* ak = il + k * MB;
+      for (int j = 0; j < 4; ++j) {
+        const Vec8 wv = Vec8::load(w + k + 8 * j);
+        for (int i = 0; i < MB; ++i)
+          acc[i][j] = Vec8::fma(Vec8::load(ak + 32 * i + 8 * j), wv, acc[i][j]);
+      }
+    }
+  }
   for (; k + 32 <= K; k += 32) {
     spread.step();
     for (int j = 0; j < 4; ++j) {
@@ -218,10 +231,41 @@ inline void dot_row_seq(const float* const* a, const float* w, int64_t K, float*
   for (int i = 0; i < MB; ++i) out[i] = seq_finish(acc[i], a[i], w, k, K);
 }
 
+// A pass of the AVX2 fp32 GEMV (dot_row_seq) and the A rows from which its passes read an
+// interleaved copy of A (interleave_a_rows) instead of the row pointers. Measured on a
+// 2-core Zen 3 (AVX2 only; the decode plan's SmolLM2 fp32 step, one process, 10 rounds,
+// the two forms switched in random order, medians, ms): one sequence of T = 5 / 8 / 9
+// tokens 27.52 / 37.91 / 40.21 -> 24.61 / 32.50 / 34.33, batch 8 of one token 38.20 ->
+// 32.66 (one pass, T = 3, in an earlier process: 20.79 / 21.05). Aligning the row
+// pointers' rows to 64 bytes instead gained about half as much. From 12 rows the tiles
+// stay ahead: 16 rows 65.7 ms against 75.0 on the interleaved passes, 12 rows even.
+constexpr int kF32SeqRows = 3;
+constexpr int64_t kF32SeqInterleavedRows = 4;
+
+// The interleaved copy (pack_passes, gemv_avx512.h) of the M fp32 A rows that
+// dot_rows_range's fp32 path reads them from, made in buf, in the pass size of the form it
+// takes for M rows: kF32x16Rows with AVX-512F from 3 rows, kF32SeqRows on AVX2 for 4 to
+// kF32TileMinRows - 1 rows; nullptr where that form reads the row pointers.
+inline int64_t interleaved_pass(int64_t M) {
+#if TOPG_F32X16
+  if (M >= f32x16_min_rows() && use_avx512()) return M >= 3 ? kF32x16Rows : 0;
+#endif
+  return M >= kF32SeqInterleavedRows && M < kF32TileMinRows ? kF32SeqRows : 0;
+}
+
+inline const float* interleave_a_rows(const float* const* a, int64_t M, int64_t K,
+                                      AlignedFloats& buf) {
+  const int64_t pass = interleaved_pass(M);
+  if (pass == 0) return nullptr;
+  float* il = buf.fit(M * K);
+  pack_passes(a, M, K, pass, il);
+  return il;
+}
+
 // For weight rows [n0, n1) of W ([N, K], row stride ldw) and M fp32 rows a[0..M): calls
 // emit(m, n, sum) for every pair. Rows are taken RB at a time (pointer rows are clamped
 // so the tail block stays in bounds); each block is read from memory once for all M.
-// il: the rows' pack_f32x16 copy (gemv_avx512.h) for the AVX-512F path, or nullptr.
+// il: the rows' interleave_a_rows copy (fp32 only), or nullptr.
 template <typename T, typename Emit>
 void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, int64_t K,
                     int64_t n0, int64_t n1, Emit&& emit, const float* il = nullptr) {
@@ -251,20 +295,22 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
     // (pass_share). Measured on a Zen 3 (AVX2, 2 threads, the decode plan's SmolLM2 step,
     // fp32, in one process against no prefetch, docs/cpu-kernels.md): batch 4 29.6 ->
     // 27.2 ms, batch 8 45.7 -> 39.2 (batch 16, before the tiles took it: 89.5 -> 83.4).
-    const int64_t passes = ceil_div(M, 3), lines = ceil_div(K * int64_t(sizeof(float)), 64);
+    constexpr int P = kF32SeqRows;
+    const int64_t passes = ceil_div(M, P), lines = ceil_div(K * int64_t(sizeof(float)), 64);
     for (int64_t n = n0; n < n1; ++n) {
       const float* row = w + n * ldw;
       const char* next =
           passes > 1 && n + 1 < n1 ? reinterpret_cast<const char*>(w + (n + 1) * ldw) : nullptr;
-      for (int64_t m = 0, p = 0; m < M; m += 3, ++p) {
-        const int mb = int(std::min<int64_t>(3, M - m));
+      for (int64_t m = 0, p = 0; m < M; m += P, ++p) {
+        const int mb = int(std::min<int64_t>(P, M - m));
         const LinePrefetch pf = pass_share(next, lines, p, passes);
+        const float* ilp = il ? il + m * (K / 32 * 32) : nullptr;
         if (mb == 1)
-          dot_row_seq<1>(a + m, row, K, sums, pf);
+          dot_row_seq<1>(a + m, row, K, sums, pf, ilp);
         else if (mb == 2)
-          dot_row_seq<2>(a + m, row, K, sums, pf);
+          dot_row_seq<2>(a + m, row, K, sums, pf, ilp);
         else
-          dot_row_seq<3>(a + m, row, K, sums, pf);
+          dot_row_seq<3>(a + m, row, K, sums, pf, ilp);
         for (int i = 0; i < mb; ++i) emit(m + i, n, sums[i]);
       }
     }

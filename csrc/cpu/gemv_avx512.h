@@ -122,6 +122,23 @@ class AlignedFloats {
   std::vector<float> buf_;
 };
 
+// The interleaved copy of M fp32 A rows that a GEMV reading them `pass` rows at a time
+// loads its A vectors from (gemm_kernels.h interleave_a_rows): for each pass of up to
+// `pass` rows from m0, its rows' values k < K rounded down to 32, 32 at a time row after
+// row: il[m0 * kv + k * mb + 32 i + k % 32] = a[m0 + i][k] (kv = K / 32 * 32, mb the
+// pass's rows). il: M x kv floats, 64-byte aligned. The sums are the same fused
+// multiply-adds in the same order as with the row pointers: only where each A vector is
+// loaded from changes.
+inline void pack_passes(const float* const* a, int64_t M, int64_t K, int64_t pass, float* il) {
+  const int64_t kv = K / 32 * 32;
+  for (int64_t m0 = 0; m0 < M; m0 += pass) {
+    const int64_t mb = std::min<int64_t>(pass, M - m0);
+    float* dst = il + m0 * kv;
+    for (int64_t k = 0; k < kv; k += 32)
+      for (int64_t i = 0; i < mb; ++i, dst += 32) std::copy(a[m0 + i] + k, a[m0 + i] + k + 32, dst);
+  }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TOPG_F32X16 1
 #define TOPG_TARGET_F32X16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -130,35 +147,20 @@ class AlignedFloats {
 template <int MB>
 using Acc16 = __m512[MB][2];
 
-// A pass of MB rows reads them from the caller's interleaved copy (pack_f32x16) when there
-// is one. Measured (standalone, [N, 576] fp32 x 400 MiB, 2 threads, weights cold, 15
-// alternating rounds, GB/s, row pointers / interleaved): 3 rows 24.6 / 26.5, 4 rows
-// 27.4-32.4 / 25.7-28.1, 5 rows 27.0-27.1 / 29.5-30.6, 6 rows 22.9 / 25.0, 7 rows 24.0 /
-// 26.3, 8 rows 22.3 / 24.9, 2 rows 28.3 / 28.3: 4 rows keep their pointers. In the decode
-// plan (SmolLM2 fp32, one sequence of T tokens against one token, 3 alternating processes,
-// 2026-12-05): T = 3 / 5 / 6 / 8 / 9 1.08-1.10 / 1.17-1.18 / 1.23-1.26 / 1.34-1.39 /
-// 1.45-1.52 -> 1.03-1.05 / 1.08-1.10 / 1.13-1.14 / 1.23-1.24 / 1.34-1.35.
+// A pass of MB rows reads them from the caller's interleaved copy (pack_passes,
+// kF32x16Rows a pass) when there is one. Measured (standalone, [N, 576] fp32 x 400 MiB, 2 threads,
+// weights cold, 15 alternating rounds, GB/s, row pointers / interleaved): 3 rows 24.6 / 26.5, 4
+// rows 27.4-32.4 / 25.7-28.1, 5 rows 27.0-27.1 / 29.5-30.6, 6 rows 22.9 / 25.0, 7 rows 24.0 / 26.3,
+// 8 rows 22.3 / 24.9, 2 rows 28.3 / 28.3: 4 rows keep their pointers. In the decode plan (SmolLM2
+// fp32, one sequence of T tokens against one token, 3 alternating processes, 2026-12-05): T = 3 / 5
+// / 6 / 8 / 9 1.08-1.10 / 1.17-1.18 / 1.23-1.26 / 1.34-1.39 / 1.45-1.52 -> 1.03-1.05 / 1.08-1.10
+// / 1.13-1.14 / 1.23-1.24 / 1.34-1.35.
 template <int MB>
 constexpr bool kF32x16Interleaved = MB == 3 || MB >= 5;
 
-// The interleaved copy of A: for each pass of up to kF32x16Rows rows from m0, its rows'
-// values k < K rounded down to 32, 32 at a time row after row: il[m0 * kv + k * mb + 32 i
-// + k % 32] = a[m0 + i][k] (kv = K / 32 * 32, mb the pass's rows). il: M x kv floats,
-// 64-byte aligned. The sums are the same fused multiply-adds in the same order as with the
-// row pointers: only where each A vector is loaded from changes.
-inline void pack_f32x16(const float* const* a, int64_t M, int64_t K, float* il) {
-  const int64_t kv = K / 32 * 32;
-  for (int64_t m0 = 0; m0 < M; m0 += kF32x16Rows) {
-    const int64_t mb = std::min<int64_t>(kF32x16Rows, M - m0);
-    float* dst = il + m0 * kv;
-    for (int64_t k = 0; k < kv; k += 32)
-      for (int64_t i = 0; i < mb; ++i, dst += 32) std::copy(a[m0 + i] + k, a[m0 + i] + k + 32, dst);
-  }
-}
-
 // acc += the products of k in [k0, k1) (multiples of 32); pf: a row to prefetch into L2
 // over the same k (nullptr: none), two cache lines per 32 k. IL: the A vectors from il
-// (this pass's rows of pack_f32x16), else from the row pointers a.
+// (this pass's rows of pack_passes), else from the row pointers a.
 template <int MB, bool IL>
 TOPG_TARGET_F32X16 inline void fma_span(Acc16<MB>& acc, const float* const* a, const float* il,
                                         const float* w, int64_t k0, int64_t k1, const float* pf) {
@@ -276,7 +278,8 @@ TOPG_TARGET_F32X16 void dot_side1(const float* a, const float* w, int64_t ldw, i
 
 // For weight rows [n0, n1) of W (fp32 [N, K], row stride ldw) and M fp32 rows a[0..M):
 // emit(m, n, sum) for every pair; groups of 4 weight rows against up to 8 A rows a pass.
-// il: the rows' pack_f32x16 copy, or nullptr (the row pointers only; the same sums).
+// il: the rows' pack_passes copy (kF32x16Rows a pass), or nullptr (the row pointers only; the same
+// sums).
 template <typename Emit>
 TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const float* w,
                                         int64_t ldw, int64_t K, int64_t n0, int64_t n1, Emit&& emit,
@@ -314,19 +317,5 @@ TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const 
 #else
 #define TOPG_F32X16 0
 #endif
-
-// The interleaved copy of M fp32 rows that dot_rows_f32x16 reads (pack_f32x16), made in
-// buf, or nullptr where that path takes none (fewer than 3 rows, or no AVX-512F).
-inline const float* f32x16_interleave(const float* const* a, int64_t M, int64_t K,
-                                      AlignedFloats& buf) {
-#if TOPG_F32X16
-  if (M >= 3 && use_avx512()) {
-    float* il = buf.fit(M * K);
-    pack_f32x16(a, M, K, il);
-    return il;
-  }
-#endif
-  return nullptr;
-}
 
 }  // namespace topg::gemm

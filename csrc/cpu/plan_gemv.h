@@ -51,7 +51,7 @@ struct GemvInput {
   std::vector<int8_t> xq;
   std::vector<bf16> bp;
   quant::RowsScratch qs;
-  gemm::AlignedFloats il_buf;  // fp32 rows for the AVX-512F path (gemv_avx512.h pack_f32x16)
+  gemm::AlignedFloats il_buf;  // the fp32 rows interleaved (gemm::interleave_a_rows)
   const float* il = nullptr;
   bool packed = false, a8 = false, dp = false, amx = false;
 
@@ -92,7 +92,7 @@ struct GemvInput {
     }
     il = nullptr;
     if constexpr (std::is_same_v<T, float>)
-      il = gemm::f32x16_interleave(ap.data(), rows, K, il_buf);
+      il = gemm::interleave_a_rows(ap.data(), rows, K, il_buf);
   }
 
   // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.

@@ -147,14 +147,14 @@ inline void pack_passes(const float* const* a, int64_t M, int64_t K, int64_t pas
 template <int MB>
 using Acc16 = __m512[MB][2];
 
-// A pass of MB rows reads them from the caller's interleaved copy (pack_passes,
-// kF32x16Rows a pass) when there is one. Measured (standalone, [N, 576] fp32 x 400 MiB, 2 threads,
-// weights cold, 15 alternating rounds, GB/s, row pointers / interleaved): 3 rows 24.6 / 26.5, 4
-// rows 27.4-32.4 / 25.7-28.1, 5 rows 27.0-27.1 / 29.5-30.6, 6 rows 22.9 / 25.0, 7 rows 24.0 / 26.3,
-// 8 rows 22.3 / 24.9, 2 rows 28.3 / 28.3: 4 rows keep their pointers. In the decode plan (SmolLM2
-// fp32, one sequence of T tokens against one token, 3 alternating processes, 2026-12-05): T = 3 / 5
-// / 6 / 8 / 9 1.08-1.10 / 1.17-1.18 / 1.23-1.26 / 1.34-1.39 / 1.45-1.52 -> 1.03-1.05 / 1.08-1.10
-// / 1.13-1.14 / 1.23-1.24 / 1.34-1.35.
+// A pass of MB rows reads them from the caller's interleaved copy (pack_passes, kF32x16Rows
+// a pass) when there is one. Measured (standalone, [N, 576] fp32 x 400 MiB, 2 threads,
+// weights cold, 15 alternating rounds, GB/s, row pointers / interleaved): 3 rows 24.6 /
+// 26.5, 4 rows 27.4-32.4 / 25.7-28.1, 5 rows 27.0-27.1 / 29.5-30.6, 6 rows 22.9 / 25.0, 7
+// rows 24.0 / 26.3, 8 rows 22.3 / 24.9, 2 rows 28.3 / 28.3: 4 rows keep their pointers. In
+// the decode plan (SmolLM2 fp32, one sequence of T tokens against one token, 3 alternating
+// processes, 2026-12-05): T = 3 / 5 / 6 / 8 / 9 1.08-1.10 / 1.17-1.18 / 1.23-1.26 /
+// 1.34-1.39 / 1.45-1.52 -> 1.03-1.05 / 1.08-1.10 / 1.13-1.14 / 1.23-1.24 / 1.34-1.35.
 template <int MB>
 constexpr bool kF32x16Interleaved = MB == 3 || MB >= 5;
 
@@ -278,8 +278,8 @@ TOPG_TARGET_F32X16 void dot_side1(const float* a, const float* w, int64_t ldw, i
 
 // For weight rows [n0, n1) of W (fp32 [N, K], row stride ldw) and M fp32 rows a[0..M):
 // emit(m, n, sum) for every pair; groups of 4 weight rows against up to 8 A rows a pass.
-// il: the rows' pack_passes copy (kF32x16Rows a pass), or nullptr (the row pointers only; the same
-// sums).
+// il: the rows' pack_passes copy (kF32x16Rows a pass), or nullptr (the row pointers only;
+// the same sums).
 template <typename Emit>
 TOPG_TARGET_F32X16 void dot_rows_f32x16(const float* const* a, int64_t M, const float* w,
                                         int64_t ldw, int64_t K, int64_t n0, int64_t n1, Emit&& emit,

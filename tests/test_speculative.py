@@ -416,6 +416,29 @@ def test_cost_model_prices_rare_counts_by_the_profile_shape_at_todays_level():
     assert d(2) == pytest.approx(0.02)
 
 
+_cost_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["observe", "observe", "observe", "seed"]),
+        st.integers(1, 12),
+        st.sampled_from([0.0, -1.0, 0.010, 0.011, 0.012, 0.015, 0.020, 0.050]),
+    ),
+    max_size=80,
+)
+
+
+@given(ops=_cost_ops, horizon=st.integers(1, 12), window=st.integers(1, 6),
+       max_counts=st.integers(1, 8))  # fmt: skip
+def test_cost_model_cached_fit_equals_the_refit(ops, horizon, window, max_counts):
+    """The fit from cached per-count medians equals the fit from every measurement after
+    any history: counts leaving the horizon, the window and the bound on counts, seeds
+    after observations, rejected measurements."""
+    c = CostModel(window=window, horizon=horizon, max_counts=max_counts)
+    for op, T, s in ops:
+        getattr(c, op)(T, s)
+        assert c._fit() == c._fit_reference()
+        assert c.at(range(1, 14)) == [c(T) for T in range(1, 14)]
+
+
 def _flat(t1=0.02, slope=0.0):
     c = CostModel()
     for T in (1, 2, 4, 8, 16, 64, 128):

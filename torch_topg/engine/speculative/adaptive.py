@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -110,24 +110,40 @@ class CostModel:
         self._seed: dict[int, list[float]] = {}
         self._prof: tuple[list[int], list[float]] | None = None
         self._curve: tuple[list[int], list[float]] | None = None
+        # per count: (recent measurements, their median, the clock at which the oldest
+        # of them leaves the horizon), kept until the count is measured again or that
+        # clock comes; the counts the fit walks, in order; the profile's curve at each
+        self._recent: dict[int, tuple[int, float, int]] = {}
+        self._keys: list[int] | None = None
+        self._prof_at: dict[int, float] = {}
 
     def seed(self, tokens: int, seconds: float) -> None:
         """A start-up profile point (see the class docstring)."""
         if tokens >= 1 and seconds > 0:
+            if tokens not in self._seed:
+                self._keys = None
             self._seed.setdefault(tokens, []).append(seconds)
             self._prof = self._curve = None
+            self._prof_at.clear()
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step the engine ran."""
         if tokens < 1 or not seconds > 0:
             return
         self._clock += 1
-        obs = self._obs.setdefault(tokens, [])
+        obs = self._obs.get(tokens)
+        if obs is None:
+            obs = self._obs[tokens] = []
+            self._keys = None
         obs.append((self._clock, seconds))
         if len(obs) > self.window:
             del obs[0]
+        self._recent.pop(tokens, None)
         if len(self._obs) > self.max_counts:  # the count measured longest ago goes
-            del self._obs[min(self._obs, key=lambda t: self._obs[t][-1][0])]
+            gone = min(self._obs, key=lambda t: self._obs[t][-1][0])
+            del self._obs[gone]
+            self._recent.pop(gone, None)
+            self._keys = None
         self._curve = None
 
     @staticmethod
@@ -160,36 +176,65 @@ class CostModel:
         w = (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
         return v[i - 1] + w * (v[i] - v[i - 1])
 
-    def _fit(self) -> tuple[list[int], list[float]]:
-        if self._curve is None:
-            if self._prof is None:  # the profile's own curve changes only with seed()
-                self._prof = self._monotone(
-                    [(t, statistics.median(x), 1.0) for t, x in sorted(self._seed.items())]
-                )
-            prof = self._prof
+    def _profile(self) -> tuple[list[int], list[float]]:
+        if self._prof is None:  # the profile's own curve changes only with seed()
+            self._prof = self._monotone(
+                [(t, statistics.median(x), 1.0) for t, x in sorted(self._seed.items())]
+            )
+        return self._prof
+
+    def _recent_of(self, t: int) -> tuple[int, float, int]:
+        """Count ``t``'s measurements within the horizon: how many, their median (0.0 if
+        none), and the clock at which that changes without a new measurement."""
+        r = self._recent.get(t)
+        if r is None or self._clock >= r[2]:
             since = self._clock - self.horizon
-            recent: dict[int, list[float]] = {}
-            for t, obs in self._obs.items():
-                r = [x for c, x in obs if c > since]
-                if r:
-                    recent[t] = r
-            # anchor: the count measured most often lately; level: its median over the
-            # profile's value there (the profile's curve times level is the prior)
+            obs = self._obs[t]
+            i = 0
+            while i < len(obs) and obs[i][0] <= since:
+                i += 1
+            if i == len(obs):
+                r = (0, 0.0, 1 << 62)  # none lately: only a new measurement changes that
+            else:
+                r = (len(obs) - i, statistics.median(x for _, x in obs[i:]),
+                     obs[i][0] + self.horizon)  # fmt: skip
+            self._recent[t] = r
+        return r
+
+    def _fit(self) -> tuple[list[int], list[float]]:
+        """The fitted curve (the class docstring), refitted after a new measurement from
+        what each count's cached recent median says: the work of a refit is then a pass
+        over the counts, not over every measurement (:meth:`_fit_reference` is the same
+        fit from scratch; the tests compare the two)."""
+        if self._curve is None:
+            prof = self._profile()
+            if self._keys is None:
+                self._keys = sorted(set(self._obs) | set(self._seed))
+            recent = {t: r for t in self._obs if (r := self._recent_of(t))[0]}
+            prof_at = self._prof_at
             anchor, level = 0, 0.0
             if recent and prof[0]:
-                anchor = max(recent, key=lambda t: (len(recent[t]), t))
-                level = statistics.median(recent[anchor]) / self._interp(prof, anchor)
+                anchor = max(recent, key=lambda t: (recent[t][0], t))
+                level = recent[anchor][1] / self._interp(prof, anchor)
+            pw = self.prior_weight
             pts: list[tuple[int, float, float]] = []
-            for t in sorted(set(self._obs) | set(self._seed)):
-                prior = level * self._interp(prof, t) if anchor else None
-                if t in recent:
-                    n, v = len(recent[t]), statistics.median(recent[t])
-                    if prior is not None:  # pulled towards the prior
-                        v = (n * v + self.prior_weight * prior) / (n + self.prior_weight)
+            for t in self._keys:  # as in _fit_reference, with the cached values
+                if anchor:
+                    p = prof_at.get(t)
+                    if p is None:
+                        p = prof_at[t] = self._interp(prof, t)
+                    prior: float | None = level * p
+                else:
+                    prior = None
+                r = recent.get(t)
+                if r is not None:
+                    n, v = r[0], r[1]
+                    if prior is not None:
+                        v = (n * v + pw * prior) / (n + pw)
                     pts.append((t, v, float(n)))
                 elif prior is not None:
-                    if t in self._seed:  # an unseeded count not measured lately: the prior
-                        pts.append((t, prior, 1.0))  # restated, left to the interpolation
+                    if t in self._seed:
+                        pts.append((t, prior, 1.0))
                 elif t in self._obs:
                     pts.append((t, statistics.median(x for _, x in self._obs[t]), 1.0))
                 else:
@@ -197,8 +242,45 @@ class CostModel:
             self._curve = self._monotone(pts)
         return self._curve
 
+    def _fit_reference(self) -> tuple[list[int], list[float]]:
+        """The fit from every measurement, recomputed (what :meth:`_fit` must equal)."""
+        prof = self._profile()
+        since = self._clock - self.horizon
+        recent: dict[int, list[float]] = {}
+        for t, obs in self._obs.items():
+            r = [x for c, x in obs if c > since]
+            if r:
+                recent[t] = r
+        # anchor: the count measured most often lately; level: its median over the
+        # profile's value there (the profile's curve times level is the prior)
+        anchor, level = 0, 0.0
+        if recent and prof[0]:
+            anchor = max(recent, key=lambda t: (len(recent[t]), t))
+            level = statistics.median(recent[anchor]) / self._interp(prof, anchor)
+        pts: list[tuple[int, float, float]] = []
+        for t in sorted(set(self._obs) | set(self._seed)):
+            prior = level * self._interp(prof, t) if anchor else None
+            if t in recent:
+                n, v = len(recent[t]), statistics.median(recent[t])
+                if prior is not None:  # pulled towards the prior
+                    v = (n * v + self.prior_weight * prior) / (n + self.prior_weight)
+                pts.append((t, v, float(n)))
+            elif prior is not None:
+                if t in self._seed:  # an unseeded count not measured lately: the prior
+                    pts.append((t, prior, 1.0))  # restated, left to the interpolation
+            elif t in self._obs:
+                pts.append((t, statistics.median(x for _, x in self._obs[t]), 1.0))
+            else:
+                pts.append((t, self._interp(prof, t), 1.0))
+        return self._monotone(pts)
+
     def __call__(self, tokens: int) -> float:
         return self._interp(self._fit(), tokens)
+
+    def at(self, tokens: Iterable[int]) -> list[float]:
+        """``[t(T) for T in tokens]`` from one fit (the rule prices every prefix)."""
+        curve = self._fit()
+        return [self._interp(curve, t) for t in tokens]
 
     def points(self) -> dict[int, float]:
         """The fitted curve at the measured token counts ``{tokens: seconds}``."""
@@ -357,7 +439,8 @@ class AdaptiveController:
         gains = sorted(
             ((acc[i] ** j, i) for i in range(B) for j in range(1, caps[i] + 1)), reverse=True
         )
-        t0 = self.cost(base_tokens)
+        cost = self.cost.at(range(base_tokens, base_tokens + len(gains) + 1))
+        t0 = cost[0]
         base_rate = B / t0
         best, best_n = 1.0 + (self.closed_min_gain if closed else self.min_gain), 0
         emitted, per_step = float(B), [0] * (self.k_max + 1)  # per_step[j]: seqs with k >= j
@@ -371,7 +454,7 @@ class AdaptiveController:
                 c = per_step[j]
                 draft_t += self.draft_cost(c + 1) - (self.draft_cost(c) if c else 0.0)
                 per_step[j] = c + 1
-            rate = emitted / (self.cost(base_tokens + n) + draft_t)
+            rate = emitted / (cost[n] + draft_t)
             if rate / base_rate > best:
                 best, best_n = rate / base_rate, n
         for _, i in gains[:best_n]:

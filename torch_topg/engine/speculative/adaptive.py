@@ -90,8 +90,9 @@ class CostModel:
     median cached until it is measured again or its oldest recent measurement leaves the
     horizon (:meth:`_fit_reference` is the fit from scratch; the tests hold the two equal):
     the speculator's planning at batch-8 chat (bf16, 2-core Zen 3; one process, 8 rounds
-    alternating with the fit from scratch) 0.35 -> 0.29 ms a step. The full refit cost
-    19 vs 24 us in a loop of its own: between model steps its data is out of the cache.
+    alternating with the fit from scratch) 0.33 -> 0.30 ms a step, though in a loop of its
+    own the refit costs about the same either way (21 us): between model steps the
+    measurements it no longer walks are out of the cache.
 
     Through the points: the best non-decreasing fit (pool-adjacent-violators, each point
     weighted by its number of measurements: a step never gets cheaper with more tokens),
@@ -117,29 +118,21 @@ class CostModel:
         self._curve: tuple[list[int], list[float]] | None = None
         # per count: (recent measurements, their median, the clock at which the oldest
         # of them leaves the horizon), kept until the count is measured again or that
-        # clock comes; the counts the fit walks, in order; the profile's curve at each
+        # clock comes
         self._recent: dict[int, tuple[int, float, int]] = {}
-        self._keys: list[int] | None = None
-        self._prof_at: dict[int, float] = {}
 
     def seed(self, tokens: int, seconds: float) -> None:
         """A start-up profile point (see the class docstring)."""
         if tokens >= 1 and seconds > 0:
-            if tokens not in self._seed:
-                self._keys = None
             self._seed.setdefault(tokens, []).append(seconds)
             self._prof = self._curve = None
-            self._prof_at.clear()
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step the engine ran."""
         if tokens < 1 or not seconds > 0:
             return
         self._clock += 1
-        obs = self._obs.get(tokens)
-        if obs is None:
-            obs = self._obs[tokens] = []
-            self._keys = None
+        obs = self._obs.setdefault(tokens, [])
         obs.append((self._clock, seconds))
         if len(obs) > self.window:
             del obs[0]
@@ -148,7 +141,6 @@ class CostModel:
             gone = min(self._obs, key=lambda t: self._obs[t][-1][0])
             del self._obs[gone]
             self._recent.pop(gone, None)
-            self._keys = None
         self._curve = None
 
     @staticmethod
@@ -213,24 +205,15 @@ class CostModel:
         fit from scratch; the tests compare the two)."""
         if self._curve is None:
             prof = self._profile()
-            if self._keys is None:
-                self._keys = sorted(set(self._obs) | set(self._seed))
             recent = {t: r for t in self._obs if (r := self._recent_of(t))[0]}
-            prof_at = self._prof_at
             anchor, level = 0, 0.0
             if recent and prof[0]:
                 anchor = max(recent, key=lambda t: (recent[t][0], t))
                 level = recent[anchor][1] / self._interp(prof, anchor)
             pw = self.prior_weight
             pts: list[tuple[int, float, float]] = []
-            for t in self._keys:  # as in _fit_reference, with the cached values
-                if anchor:
-                    p = prof_at.get(t)
-                    if p is None:
-                        p = prof_at[t] = self._interp(prof, t)
-                    prior: float | None = level * p
-                else:
-                    prior = None
+            for t in sorted(set(self._obs) | set(self._seed)):  # as in _fit_reference
+                prior = level * self._interp(prof, t) if anchor else None
                 r = recent.get(t)
                 if r is not None:
                     n, v = r[0], r[1]

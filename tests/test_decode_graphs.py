@@ -89,8 +89,10 @@ def test_moved_weights_are_captured_again():
 def test_engine_on_cuda_would_use_graphs_and_cpu_the_plan():
     from torch_topg.engine.config import EngineConfig
     from torch_topg.engine.engine import _decode_plan_wanted
+    from torch_topg.engine.options import EngineArgs
 
-    assert _decode_plan_wanted(EngineConfig(torch.device("cuda"), torch.float32)) is True
-    assert "no decode plan" in _decode_plan_wanted(
-        EngineConfig(torch.device("meta"), torch.float32)
-    )
+    def config(device: str) -> EngineConfig:
+        return EngineConfig(EngineArgs(), torch.device(device), torch.float32, 64, 512, 8)
+
+    assert _decode_plan_wanted(config("cuda")) is True
+    assert "no decode plan" in _decode_plan_wanted(config("meta"))

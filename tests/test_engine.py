@@ -221,7 +221,23 @@ def test_n_samples_fork_from_the_prompt_blocks(prompt_len):
         # block) continue exactly as one sequence would.
         assert [o.token_ids for o in out.outputs] == [want] * 3
         # Full blocks shared; a partial last block copied once per other sample.
-        assert len(forks) == 1 and len(forks[0]) == (0 if prompt_len % 4 == 0 else 2)
+        started, copies = forks[0]
+        assert len(forks) == 1 and len(started) == 2
+        assert len(copies) == (0 if prompt_len % 4 == 0 else 2)
+
+
+def test_n_samples_fork_within_max_batch_size():
+    """The samples that do not fit under max_batch_size wait and prefill on their own
+    (from the prefix cache); every step stays within the limit, the answers are the same."""
+    ref = tiny("llama-tiny")
+    p = prompts(19, [9])[0]
+    want = hf_greedy(ref, p, 6)
+    with Engine.from_model(tiny("llama-tiny"), block_size=4, compile=False) as eng, whole_pool(eng):
+        eng.configure(max_batch_size=2)
+        out = eng.generate([p], n=4, max_new_tokens=6, **GREEDY)[0]
+        assert [o.token_ids for o in out.outputs] == [want] * 4
+        assert max(eng.stats()["steps"]["batch_sizes"]) <= 2
+        assert out.outputs[3].finish_reason == "length"
 
 
 @pytest.mark.parametrize(

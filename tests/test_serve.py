@@ -467,20 +467,47 @@ def test_import_torch_topg_does_not_import_fastapi() -> None:
 
 
 def test_cli_options() -> None:
-    from torch_topg.serve.cli import engine_options, parser, served_name
+    from torch_topg.engine.options import from_cli_args
+    from torch_topg.serve.cli import parser, served_name
 
     args = parser().parse_args(
         ["--max-batch-size", "4", "--kv-cache-memory", "30%", "--dtype", "bfloat16",
          "--no-compile", "--tp-size", "2", "--batch-timeout", "5"]
     )  # fmt: skip
-    assert engine_options(args) == {
+    assert from_cli_args(args) == {
         "max_batch_size": 4, "kv_cache_memory": "30%", "dtype": "bfloat16", "compile": False,
         "tp_size": 2, "batch_timeout": 5.0,
     }  # fmt: skip
     assert served_name(args) == "SmolLM2-135M-Instruct"
     args = parser().parse_args(["--model", "/m/qwen.gguf", "--kv-cache-memory", "1000000"])
-    assert engine_options(args) == {"kv_cache_memory": 1000000}
+    assert from_cli_args(args) == {"kv_cache_memory": 1000000}
     assert served_name(args) == "qwen"
+
+
+def test_cli_has_a_flag_for_every_engine_option() -> None:
+    """The server's flags come from EngineArgs: every option, dicts as JSON."""
+    from torch_topg.engine.options import EngineArgs, flag, from_cli_args, names
+    from torch_topg.serve.cli import parser
+
+    p = parser()
+    flags = {s for a in p._actions for s in a.option_strings}
+    assert {flag(n) for n in names()} <= flags
+    args = p.parse_args(
+        ["--model", "m.gguf", "--quantization", '{"method": "gguf", "int8_activations": true}',
+         "--speculative", '{"method": "ngram", "num_speculative_tokens": 3}',
+         "--kv-cache-dtype", "int8", "--no-prefix-caching", "--session-ttl", "30"]
+    )  # fmt: skip
+    opts = from_cli_args(args)
+    assert opts == {
+        "quantization": {"method": "gguf", "int8_activations": True},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+        "kv_cache_dtype": "int8", "prefix_caching": False, "session_ttl": 30.0,
+    }  # fmt: skip
+    checked = EngineArgs.from_options(opts)
+    assert checked.speculative.num_speculative_tokens == 3 and not checked.prefix_caching
+    assert from_cli_args(p.parse_args(["--quantization", "gguf"])) == {"quantization": "gguf"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative", "{not json"])
 
 
 def test_disconnect_while_waiting_aborts(client, engine, monkeypatch) -> None:

@@ -20,7 +20,7 @@ except (ImportError, RuntimeError) as e:  # starlette's TestClient needs httpx2 
 from engine_utils import wait_idle
 from test_serve import chat_engine, events
 
-from torch_topg.serve import create_app, generation, monitor
+from torch_topg.serve import create_app, monitor
 from torch_topg.serve.metrics import ServerMetrics
 
 MODEL = "tiny-llama"
@@ -82,17 +82,6 @@ def test_session_id_reaches_the_engine(client, engine) -> None:
             "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "session_id": bad}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
-
-
-def test_session_id_refused_by_an_engine_without_sessions() -> None:
-    class Old:
-        def submit(self, input, **sampling):  # the engine's signature before sessions
-            raise AssertionError("not reached")
-
-    req = SimpleNamespace(sampling={}, session_id="s", inputs=["hi"])
-    with pytest.raises(generation.APIError, match="session_id") as e:
-        generation.submit(Old(), req)  # type: ignore[arg-type]
-    assert e.value.status == 400
 
 
 def test_metrics_export_prefix_cache_tiers_sessions(client, engine) -> None:

@@ -13,7 +13,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torch_topg.engine.sampling import Sampler, SamplingParams, sample_from_probs, seed_tensor
+from torch_topg.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    joined_rows,
+    rows_of,
+    sample_from_probs,
+    seed_tensor,
+)
 from torch_topg.engine.speculative import (
     NgramIndex,
     SpecStats,
@@ -25,7 +32,6 @@ from torch_topg.engine.speculative import (
 from torch_topg.engine.speculative.config import check_num_layers
 from torch_topg.engine.speculative.ngram import propose_ngram_reference
 from torch_topg.engine.speculative.rejection import SALT_DRAFT
-from torch_topg.engine.speculative.speculator import joined_rows, rows_of
 
 # --------------------------------------------------------------------------- config
 

@@ -1,41 +1,122 @@
-"""Engine options, resolved once in ``from_pretrained``."""
+"""The engine's resolved configuration: what the options (``EngineArgs``) imply for one
+model on one device, computed once in :func:`resolve`.
+
+``EngineArgs`` holds the options as given; :class:`EngineConfig` adds what follows from
+them and the model: the device and dtype chosen, the context length and step budget, the
+KV pool's size in blocks and the lower tiers' sizes.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from torch_topg.engine.errors import ParameterError
+from torch_topg.engine.options import EngineArgs
+
 
 @dataclass
 class EngineConfig:
+    args: EngineArgs  # the options as given (checked)
     device: torch.device
     dtype: torch.dtype
-    tp_size: int = 1
-    prefetch_depth: int = 0
-    max_batch_size: int = 16
-    batch_timeout: float = 0.0  # ms
-    max_num_batched_tokens: int = 512
-    max_queue: int | None = None
-    block_size: int = 16
-    max_model_len: int = 2048
-    num_blocks: int = 0
-    seed: int | None = None
-    deterministic: bool = False
-    compile: bool = True
-    decode_plan: bool = True  # decode batches as one native call (decode_plan.py)
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (with scales)
-    # the KV cache hierarchy (kv_cache.py)
-    prefix_caching: bool = True
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_blocks: int  # the device KV pool
     host_kv_blocks: int = 0
-    disk_kv_path: str | None = None
+    disk_kv_path: str | None = None  # the disk tier's folder (checked writable)
     disk_kv_blocks: int = 0
-    session_ttl: float = 600.0
-    session_kv_share: float = 0.5
-    # speculative decoding (engine/speculative): a SpeculativeConfig, None: off
-    speculative: Any = None
+    speculative: Any = None  # a resolved SpeculativeConfig (draft model loaded); None: off
+
+
+def device_of(args: EngineArgs) -> torch.device:
+    """``device``: as given, else CUDA when available, else the CPU."""
+    if args.device is not None:
+        return args.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dtype_of(args: EngineArgs, device: torch.device) -> torch.dtype:
+    """``dtype``: as given, else float32 on the CPU and bfloat16 elsewhere."""
+    if args.dtype is not None:
+        return args.dtype
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def resolve(
+    args: EngineArgs,
+    model_config: Any,
+    *,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    kv_heads: int | None = None,
+    speculative: Any = None,
+) -> EngineConfig:
+    """Everything the options imply for a model of ``model_config``.
+
+    ``device`` / ``dtype``: where the model already is (default: :func:`device_of`,
+    :func:`dtype_of`); ``kv_heads``: KV heads the pool holds per layer (tensor parallel:
+    the ranks' sum on the CPU); ``speculative``: the resolved speculative config (a draft
+    model's KV is counted in each block).
+    """
+    from torch_topg.engine.model_runner import ModelRunner
+
+    device = device or device_of(args)
+    dtype = dtype or dtype_of(args, device)
+    text = model_config.get_text_config()
+    max_model_len = args.max_model_len or getattr(text, "max_position_embeddings", None) or 2048
+    # CPU: a 512-token chunk is ~2 s of a 135M model on 2 cores, the longest pause a
+    # prefill should put between two decode steps of the others; CUDA: vLLM's 2048.
+    budget_tokens = args.max_num_batched_tokens or (512 if device.type == "cpu" else 2048)
+    per_block = ModelRunner.bytes_per_block(
+        model_config, args.block_size, dtype, kv_heads, args.kv_cache_dtype
+    )
+    if speculative is not None and speculative.method == "draft":  # its own KV per block
+        per_block += ModelRunner.bytes_per_block(speculative.model.config, args.block_size, dtype)
+    wanted = per_block * args.max_batch_size * -(-max_model_len // args.block_size)
+    budget = kv_budget(args.kv_cache_memory, device, wanted)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ParameterError(
+            "kv_cache_memory",
+            f"{budget} bytes hold no KV block ({per_block} bytes per block of "
+            f"{args.block_size} tokens)",
+        )
+    cfg = EngineConfig(args, device, dtype, max_model_len, budget_tokens, num_blocks,
+                       speculative=speculative)  # fmt: skip
+    if args.host_kv_memory is not None:
+        host = kv_budget(args.host_kv_memory, torch.device("cpu"), 0)
+        cfg.host_kv_blocks = _blocks("host_kv_memory", host, per_block)
+    if args.disk_kv_path is not None:
+        from torch_topg.engine.kv_tiers import check_disk_folder
+
+        folder = check_disk_folder(args.disk_kv_path)
+        free = shutil.disk_usage(folder).free
+        spec = args.disk_kv_memory
+        if spec is None:
+            disk = int(0.1 * free)
+        elif isinstance(spec, str):  # a percentage (checked by EngineArgs)
+            disk = int(float(spec[:-1]) / 100 * free)
+        else:
+            disk = spec
+            if disk > free:
+                raise ParameterError(
+                    "disk_kv_memory", f"{disk} bytes, but {folder!r} has {free} bytes free"
+                )
+        cfg.disk_kv_path = folder
+        cfg.disk_kv_blocks = _blocks("disk_kv_memory", disk, per_block)
+    return cfg
+
+
+def _blocks(name: str, budget: int, per_block: int) -> int:
+    n = budget // per_block
+    if n < 1:
+        raise ParameterError(name, f"{budget} bytes hold no KV block ({per_block} bytes per block)")
+    return n
 
 
 def available_memory(device: torch.device) -> int:
@@ -53,27 +134,12 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def kv_budget(
-    spec: int | str | None,
-    device: torch.device,
-    wanted: int,
-    name: str = "kv_cache_memory",
-) -> int:
-    """Bytes for a KV pool. ``spec``: bytes, ``"40%"`` of the available memory, or
-    None: ``wanted`` (every sequence slot at full length) capped at 40% of it."""
+def kv_budget(spec: int | str | None, device: torch.device, wanted: int) -> int:
+    """Bytes for a KV pool. ``spec`` (checked by ``EngineArgs``): bytes, ``"40%"`` of the
+    available memory, or None: ``wanted`` (every sequence slot at full length) capped at
+    40% of it."""
     if spec is None:
         return min(wanted, int(0.4 * available_memory(device)))
     if isinstance(spec, str):
-        s = spec.strip()
-        if not s.endswith("%"):
-            raise ValueError(f"{name}: expected bytes or a percentage like '40%', got {spec!r}")
-        try:
-            frac = float(s[:-1]) / 100
-        except ValueError:
-            raise ValueError(f"{name}: not a percentage: {spec!r}") from None
-        if not 0 < frac <= 0.95:
-            raise ValueError(f"{name}: expected a percentage in (0, 95], got {spec!r}")
-        return int(frac * available_memory(device))
-    if isinstance(spec, bool) or not isinstance(spec, int) or spec <= 0:
-        raise ValueError(f"{name}: expected a positive byte count, got {spec!r}")
+        return int(float(spec.strip()[:-1]) / 100 * available_memory(device))
     return spec

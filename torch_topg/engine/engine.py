@@ -23,24 +23,26 @@ import torch
 
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.config import EngineConfig
+from torch_topg.engine.errors import ParameterError, QueueFull
 from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
+from torch_topg.engine.options import runtime_names
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
+from torch_topg.engine.proposer import Proposer
 from torch_topg.engine.sampling import (
     Sampler,
     SamplerOutput,
     SamplingParams,
     argmax_rows,
+    joined_rows,
     plain_greedy,
+    rows_of,
     seed_tensor,
 )
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
-from torch_topg.engine.speculative.speculator import Speculator, accepted, joined_rows, rows_of
 
-
-class QueueFull(RuntimeError):
-    """``submit`` found ``max_queue`` requests already waiting."""
+__all__ = ["Engine", "QueueFull"]
 
 
 class Engine:
@@ -73,40 +75,42 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        args = config.args
         plan = _decode_plan_wanted(config)
         self.runner = runner or ModelRunner(
             model,
             num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            max_blocks_per_seq=-(-config.max_model_len // config.block_size),
-            compile=config.compile,
-            kv_cache_dtype=config.kv_cache_dtype,
+            block_size=args.block_size,
+            max_blocks_per_seq=-(-config.max_model_len // args.block_size),
+            compile=args.compile,
+            kv_cache_dtype=args.kv_cache_dtype,
             decode_plan=plan,
         )
         if runner is not None and isinstance(plan, str):  # a runner built elsewhere (TP)
             self.runner.plan_reason = plan
-        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.pool = BlockPool(config.num_blocks, args.block_size)
         self.kv = KVCacheManager(
             self.pool,
-            enabled=config.prefix_caching,
-            salt=_cache_salt(model, self.runner.kv_caches, config.block_size),
+            enabled=args.prefix_caching,
+            salt=_cache_salt(model, self.runner.kv_caches, args.block_size),
             host_blocks=config.host_kv_blocks,
             disk_folder=config.disk_kv_path,
             disk_blocks=config.disk_kv_blocks,
-            session_ttl=config.session_ttl,
-            session_share=config.session_kv_share,
+            session_ttl=args.session_ttl,
+            session_share=args.session_kv_share,
         )
         self.kv.bind(self.runner.kv_caches)
-        self.scheduler = Scheduler(
-            self.pool, config.max_batch_size, config.max_num_batched_tokens, cache=self.kv
-        )
+        self.scheduler = Scheduler(self.pool, args.max_batch_size, config.max_num_batched_tokens,
+                                   cache=self.kv, max_model_len=config.max_model_len)  # fmt: skip
         self.sampler = Sampler()
-        self.spec: Speculator | None = None
+        self.proposer = Proposer()  # no proposals: the plain step
         if config.speculative is not None:
-            self.spec = Speculator(config.speculative, self.runner,
-                                   max_model_len=config.max_model_len, compile=config.compile)  # fmt: skip
+            from torch_topg.engine.speculative.speculator import Speculator
+
+            self.proposer = Speculator(config.speculative, self.runner,
+                                       max_model_len=config.max_model_len, compile=args.compile)  # fmt: skip
         self._eos = _eos_ids(model, tokenizer)
-        self._rng = random.Random(config.seed)
+        self._rng = random.Random(args.seed)
         self._ids = itertools.count()
         self._on_shutdown = [*(on_shutdown or []), self.kv.close]
         # inbox (guarded by _cv)
@@ -118,34 +122,31 @@ class Engine:
         self._queued = 0  # requests submitted and not yet admitted to a step
         self._requests: dict[str, Request] = {}  # loop thread only
         self._stats = _Stats()
-        if config.deterministic:
+        if args.deterministic:
             self._on_shutdown.append(batch_invariant_mode())
         t0 = time.perf_counter()
         self.runner.warmup()
-        if self.spec is not None:
-            self.spec.warmup(config.max_batch_size, config.max_num_batched_tokens)
+        self.proposer.warmup(args.max_batch_size, config.max_num_batched_tokens)
         self._stats.time["warmup_s"] = time.perf_counter() - t0
         self._compiles_at_ready = self.runner.compilations
         self._thread = threading.Thread(target=self._loop, name="topg-engine", daemon=True)
         self._thread.start()
 
     # --- configuration -----------------------------------------------------------------
-    def configure(
-        self, max_batch_size: int | None = None, batch_timeout: float | None = None
-    ) -> None:
-        """Change the batch limit and the idle batching delay (ms) at any time."""
+    def configure(self, **changes: Any) -> None:
+        """Change options marked changeable at run time (``max_batch_size``,
+        ``batch_timeout``: ms) while serving; None leaves one as it is. Checked as
+        ``from_pretrained`` checks them (``EngineArgs``)."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        fixed = sorted(set(changes) - set(runtime_names()))
+        if fixed:
+            raise ParameterError(
+                fixed[0], f"Engine.configure: {fixed} cannot change while serving; "
+                f"changeable: {runtime_names()}",
+            )  # fmt: skip
         with self._cv:
-            if max_batch_size is not None:
-                if not isinstance(max_batch_size, int) or max_batch_size < 1:
-                    raise ValueError(
-                        f"max_batch_size: expected an int >= 1, got {max_batch_size!r}"
-                    )
-                self.config.max_batch_size = max_batch_size
-                self.scheduler.max_batch_size = max_batch_size
-            if batch_timeout is not None:
-                if batch_timeout < 0:
-                    raise ValueError(f"batch_timeout: expected >= 0 ms, got {batch_timeout!r}")
-                self.config.batch_timeout = float(batch_timeout)
+            self.config.args = self.config.args.replace(**changes)
+            self.scheduler.max_batch_size = self.config.args.max_batch_size
             self._cv.notify_all()
 
     # --- the way in --------------------------------------------------------------------
@@ -158,9 +159,10 @@ class Engine:
         as the session's: they are kept in preference to others while the session is
         active (see ``session_ttl`` and :meth:`close_session`)."""
         if session_id is not None and not isinstance(session_id, str):
-            raise ValueError(f"session_id: expected a string, got {type(session_id).__name__}")
+            raise ParameterError(
+                "session_id", f"expected a string, got {type(session_id).__name__}"
+            )
         params = SamplingParams.from_kwargs(**sampling)
-        params.validate()
         prompt, ids = self._tokenize(input)
         max_tokens = self._max_tokens(params, len(ids))
         rid = f"req-{next(self._ids)}"
@@ -174,7 +176,7 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("Engine: submit after shutdown()")
-            limit = self.config.max_queue
+            limit = self.config.args.max_queue
             if limit is not None and self._queued >= limit:
                 raise QueueFull(
                     f"Engine: the queue is full ({self._queued} requests waiting, "
@@ -243,13 +245,15 @@ class Engine:
     def _tokenize(self, input: Any) -> tuple[str | None, list[int]]:
         if isinstance(input, str):
             if not input:
-                raise ValueError("prompt: empty string")
+                raise ParameterError("prompt", "empty string")
             if self.tokenizer is None:
-                raise ValueError("prompt: a string needs a tokenizer; this engine has none")
+                raise ParameterError("prompt", "a string needs a tokenizer; this engine has none")
             return input, list(self.tokenizer.encode(input, add_special_tokens=True))
         if isinstance(input, (list, tuple)) and input and all(isinstance(m, dict) for m in input):
             if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("prompt: chat messages need a tokenizer with a chat template")
+                raise ParameterError(
+                    "prompt", "chat messages need a tokenizer with a chat template"
+                )
             text = self.tokenizer.apply_chat_template(
                 list(input), add_generation_prompt=True, tokenize=False
             )
@@ -259,42 +263,46 @@ class Engine:
             isinstance(t, int) and not isinstance(t, bool) for t in input
         ):
             if not input:
-                raise ValueError("prompt: empty token id list")
+                raise ParameterError("prompt", "empty token id list")
             vocab = self.model.config.get_text_config().vocab_size
             bad = [t for t in input if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt: token ids outside [0, {vocab}): {bad[:8]}")
+                raise ParameterError("prompt", f"token ids outside [0, {vocab}): {bad[:8]}")
             return None, list(input)
         if isinstance(input, torch.Tensor) and input.dim() == 1:
             return self._tokenize(input.tolist())
-        raise ValueError(
-            "prompt: expected a string, a list of token ids, or chat messages "
-            f"(a list of {{'role', 'content'}} dicts), got {type(input).__name__}"
+        raise ParameterError(
+            "prompt",
+            "expected a string, a list of token ids, or chat messages "
+            f"(a list of {{'role', 'content'}} dicts), got {type(input).__name__}",
         )
 
     def _max_tokens(self, p: SamplingParams, prompt_len: int) -> int:
         limit = self.config.max_model_len
         if prompt_len >= limit:
-            raise ValueError(
-                f"prompt: {prompt_len} tokens, the context is {limit} (max_model_len); "
-                "leave room for at least one new token"
+            raise ParameterError(
+                "prompt",
+                f"{prompt_len} tokens, the context is {limit} (max_model_len); "
+                "leave room for at least one new token",
             )
         n = limit - prompt_len
         if p.max_new_tokens is not None:
             n = min(n, p.max_new_tokens)
         if p.max_length is not None:
             if p.max_length <= prompt_len:
-                raise ValueError(
-                    f"max_length: {p.max_length} leaves no room after the {prompt_len}-token prompt"
+                raise ParameterError(
+                    "max_length",
+                    f"{p.max_length} leaves no room after the {prompt_len}-token prompt",
                 )
             n = min(n, p.max_length - prompt_len)
         if p.max_new_tokens is None and p.max_length is None:
             n = min(n, 16)  # vLLM's default max_tokens
         need = self.pool.blocks_for(prompt_len + n) * p.n
         if need > self.pool.num_blocks:
-            raise ValueError(
-                f"prompt: {p.n} x {prompt_len + n} tokens need {need} KV blocks, the pool "
-                f"has {self.pool.num_blocks} (raise kv_cache_memory or lower max_new_tokens)"
+            raise ParameterError(
+                "prompt",
+                f"{p.n} x {prompt_len + n} tokens need {need} KV blocks, the pool "
+                f"has {self.pool.num_blocks} (raise kv_cache_memory or lower max_new_tokens)",
             )
         return n
 
@@ -345,24 +353,23 @@ class Engine:
 
     def _wait_for_companions(self) -> None:
         """Idle engine, new request: let it wait ``batch_timeout`` ms for others (holds _cv)."""
-        timeout = self.config.batch_timeout / 1000
+        timeout = self.config.args.batch_timeout / 1000
         if timeout <= 0 or self.scheduler.running or not self._inbox:
             return
         deadline = time.perf_counter() + timeout
-        while len(self._inbox) < self.config.max_batch_size and not self._stopping:
+        while len(self._inbox) < self.scheduler.max_batch_size and not self._stopping:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
             self._cv.wait(left)
 
     def _step(self) -> None:
+        """One step: plan proposals, schedule, run the model, sample, update, emit."""
         st = self._stats
         t0 = time.perf_counter()
-        if self.spec is not None:
-            self.spec.plan(self.scheduler)
+        self.proposer.plan(self.scheduler)
         out = self.scheduler.schedule()
-        if self.spec is not None:
-            self.spec.propose(out)
+        self.proposer.propose(out)
         t1 = time.perf_counter()
         st.time["schedule_s"] += t1 - t0
         if not out.scheduled:
@@ -374,18 +381,14 @@ class Engine:
             rows = self._run_isolated(out)
         t2 = time.perf_counter()
         st.time["model_s"] += t2 - t1
+        self.scheduler.update(out)  # the scheduled tokens are in the cache
         sampled = [(s.seq, r) for s, r in zip(out.scheduled, rows, strict=True) if r is not None]
-        self.scheduler.update(out)
         if sampled:
-            self._sample(sampled)
+            self._sample(self._fork(sampled))
         self.scheduler.commit([s.seq for s in out.scheduled])
         st.time["sample_s"] += time.perf_counter() - t2
-        if self.spec is not None:
-            self.spec.observe_step(out, time.perf_counter() - t1)
-        st.steps += 1
-        st.batch_sizes[len(out.scheduled)] += 1
-        st.tokens_per_step += out.num_tokens
-        st.tokens["computed"] += out.num_tokens
+        self.proposer.observe_step(out, time.perf_counter() - t1)
+        st.count_step(out)
         with self._cv:
             self._queued = len(self._inbox) + sum(
                 1 for r in self._requests.values()
@@ -394,7 +397,7 @@ class Engine:
 
     def _run(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
         """One model call for the whole step: the logits row of each scheduled sequence
-        that samples (None for the others)."""
+        that samples (None for the others; ``[1 + num_spec, V]`` for a verify step)."""
         items = [
             (s.seq.token_ids + s.seq.spec_tokens if s.num_spec else s.seq.token_ids,
              s.seq.num_computed, s.num_new, s.seq.blocks)
@@ -418,16 +421,25 @@ class Engine:
         out.scheduled[:] = [s for s, _ in done]
         return [r for _, r in done]
 
-    def _sample(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> None:
+    def _fork(
+        self, sampled: list[tuple[Sequence, torch.Tensor]]
+    ) -> list[tuple[Sequence, torch.Tensor]]:
+        """``n > 1``: a request's first sample reached its first token; the scheduler starts
+        the other samples from its prompt blocks (as many as fit now), and they draw their
+        first tokens from the same logits row."""
         for seq, row in list(sampled):
             req = seq.request
             if seq.index == 0 and len(req.seqs) > 1 and not req.forked:
                 req.forked = True
-                children = req.seqs[1:]
-                copies = self.scheduler.fork(seq, children)
-                if copies is not None:  # the children's first tokens come from this row
+                started, copies = self.scheduler.fork(seq, req.seqs[1:])
+                if copies:
                     self.runner.copy_blocks(copies)
-                    sampled.extend((c, row) for c in children)
+                sampled.extend((c, row) for c in started)
+        return sampled
+
+    def _sample(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> None:
+        """Draw the tokens of every sampled row; the scheduler appends them and ends the
+        sequences they stop; the requests' handles get the deltas."""
         # One row per position: a verify step's rows draw each position with its own key,
         # as if the proposals before it were committed (speculative/rejection.py).
         props = [s.spec_tokens if r.dim() == 2 else [] for s, r in sampled]
@@ -452,16 +464,14 @@ class Engine:
         now = time.perf_counter()
         i = 0
         for (seq, _), prop in zip(sampled, props, strict=True):
-            drawn = tokens[i : i + len(prop) + 1]
-            n = len(drawn)
-            if prop:
-                n = accepted(drawn, prop) + 1
-                self.spec.rollback(self.scheduler, seq, n - 1)  # before any append
-            for j, tok in enumerate(drawn[:n]):
-                if seq.finished:  # a stop inside an accepted run
-                    break
-                self._append(seq, tok, self._logprob(res, i + j, tok, seq), now)
-            i += len(drawn)
+            first, i = i, i + len(prop) + 1
+            drawn = tokens[first:i]
+            if seq.finished:  # its request ended while the step ran (a sibling failed)
+                continue
+            keep = self.proposer.verify(self.scheduler, seq, drawn) if prop else 1
+            lps = [self._logprob(res, first + j, tok, seq) for j, tok in enumerate(drawn[:keep])]
+            n, reason = self.scheduler.update_from_output(seq, drawn[:keep], lps, now)
+            self._emit(seq, drawn[:n], lps[:n], reason)
 
     @staticmethod
     def _logprob(res: Any, i: int, tok: int, seq: Sequence) -> TokenLogprob | None:
@@ -474,23 +484,17 @@ class Engine:
             top = dict(zip(ids[i, :k].tolist(), vals[i, :k].tolist(), strict=True))
         return TokenLogprob(tok, float(res.logprobs[i]), top)
 
-    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
+    def _emit(
+        self, seq: Sequence, tokens: list[int], lps: list[TokenLogprob | None], reason: str | None
+    ) -> None:
+        """The step's delta of ``seq`` to its request's handle (and the request's output
+        when this ended its last sequence)."""
         req = seq.request
-        seq.append(tok, lp, now)
-        self._stats.tokens["generated"] += 1
-        p = req.params
-        reason = None
-        if tok in req.eos_ids or tok in p.stop_token_ids or seq.detok.stopped:
-            reason = "stop"
-        elif (
-            len(seq.out.token_ids) >= req.max_tokens or seq.num_tokens >= self.config.max_model_len
-        ):
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
+        self._stats.tokens["generated"] += len(tokens)
         seq.out.text = seq.detok.text
         text = seq.detok.pending(final=reason is not None)
-        d = Delta(req.request_id, seq.index, text, [tok], [lp] if lp else None, reason)
+        kept = [lp for lp in lps if lp is not None]
+        d = Delta(req.request_id, seq.index, text, tokens, kept or None, reason)
         if not req.finished:
             req.handle._push(d)
             return
@@ -552,7 +556,7 @@ class Engine:
                 **self.kv.stats(),
             },
             "time": dict(st.time),
-            **({"speculative": self.spec.summary()} if self.spec is not None else {}),
+            **({"speculative": spec} if (spec := self.proposer.summary()) is not None else {}),
             "decode_plan": {
                 "active": self.runner.plan is not None,
                 "kind": "cuda_graphs" if self.runner.device.type == "cuda" else "plan",
@@ -576,16 +580,23 @@ class _Stats:
         self.batch_sizes: Counter[int] = Counter()
         self.time: Counter[str] = Counter(schedule_s=0.0, model_s=0.0, sample_s=0.0)
 
+    def count_step(self, out: SchedulerOutput) -> None:
+        self.steps += 1
+        self.batch_sizes[len(out.scheduled)] += 1
+        self.tokens_per_step += out.num_tokens
+        self.tokens["computed"] += out.num_tokens
+
 
 def _decode_plan_wanted(config: EngineConfig) -> bool | str:
     """True, or why decode batches stay on the compiled graph (docs/decode-step.md)."""
-    if not config.decode_plan:
+    args = config.args
+    if not args.decode_plan:
         return "decode_plan=False"
-    if config.prefetch_depth > 0:
+    if args.prefetch_depth > 0:
         return "prefetch_depth > 0: offloaded layers stream their weights on the compiled graph"
-    if config.tp_size > 1:
+    if args.tp_size > 1:
         return "tp_size > 1: each rank runs its shard on the compiled graph"
-    if config.deterministic:
+    if args.deterministic:
         return "deterministic=True: batch-invariant kernels run on the compiled graph"
     if config.device.type not in ("cpu", "cuda"):
         return f"device {config.device.type}: no decode plan (CPU) or CUDA graphs for it"
@@ -610,7 +621,9 @@ def _split_inputs(inputs: Any) -> list[Any]:
         if isinstance(first, int) and not isinstance(first, bool):  # one token id list
             return [inputs]
         return list(inputs)
-    raise ValueError(f"inputs: expected a prompt or a non-empty list of prompts, got {inputs!r}")
+    raise ParameterError(
+        "inputs", f"expected a prompt or a non-empty list of prompts, got {inputs!r}"
+    )
 
 
 def batch_invariant_mode() -> Any:

@@ -495,3 +495,40 @@ def _token_keys(
     owner = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
     keys = owner * V + ids
     return keys[(ids >= 0) & (ids < V)].to(device)
+
+
+def rows_of(logits: torch.Tensor, samples: Sequence[int]) -> list[torch.Tensor | None]:
+    """The runner's logits split per sequence: None, one row ``[V]``, or ``[m, V]``."""
+    rows: list[torch.Tensor | None] = []
+    r = 0
+    for m in samples:
+        rows.append(None if m == 0 else logits[r] if m == 1 else logits[r : r + m])
+        r += m
+    return rows
+
+
+def joined_rows(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[m_i, V]`` row blocks as one ``[sum m_i, V]`` tensor: a view when they are
+    consecutive rows of one contiguous tensor (the runner's logits split by
+    :func:`rows_of`, the usual case), else ``torch.cat``. The copy cost the engine's
+    batch-8 step 0.5 ms of ~14 (bf16, SmolLM2, 2026-12-05: sampling 1.03 -> 0.52 ms)."""
+    v0 = views[0]
+    if len(views) == 1:
+        return v0
+    width, base = v0.shape[-1], v0.untyped_storage().data_ptr()
+    offset, ok = v0.storage_offset(), True
+    for v in views:
+        if (
+            not v.is_contiguous()
+            or v.shape[-1] != width
+            or v.dtype != v0.dtype
+            or v.untyped_storage().data_ptr() != base
+            or v.storage_offset() != offset
+        ):
+            ok = False
+            break
+        offset += v.shape[0] * width
+    if not ok:
+        return torch.cat(list(views))
+    rows = (offset - v0.storage_offset()) // width
+    return v0.as_strided((rows, width), (width, 1), v0.storage_offset())

@@ -10,6 +10,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_topg.engine.errors import ParameterError
+
 __all__ = ["GREEDY_EPS", "MAX_LOGPROBS", "SamplingParams"]
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
@@ -60,8 +62,9 @@ class SamplingParams:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
-            raise ValueError(
-                f"unknown sampling parameter(s): {', '.join(unknown)}; accepted: {', '.join(names)}"
+            raise ParameterError(
+                unknown[0],
+                f"unknown sampling parameter(s): {', '.join(unknown)}; accepted: {', '.join(names)}",
             )
         params = cls(**kwargs)
         params.validate()
@@ -82,10 +85,10 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad parameter and its value."""
+        """Raise a ``ParameterError`` naming the first bad parameter and its value."""
 
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        def bad(name: str, rule: str) -> ParameterError:
+            return ParameterError(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
 
         for name in ("n", "top_k"):
             if not _is_int(getattr(self, name)):

@@ -14,6 +14,10 @@ a token budget (``max_num_batched_tokens``) and a sequence limit (``max_batch_si
    blocks first takes the longest cached prefix of its tokens from the KV cache
    hierarchy (:mod:`torch_topg.engine.kv_cache`) and computes only the rest.
 
+3. After the step, :meth:`Scheduler.update_from_output` appends each sequence's sampled
+   tokens and ends it at a stop or a limit; ``n > 1`` samples start by :meth:`Scheduler.fork`
+   from the first sample's prompt, within ``max_batch_size``.
+
 Requests join and leave at every step; memory never grows past the pool.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.kv_cache import KVCacheManager
@@ -56,8 +61,10 @@ class Scheduler:
         max_batch_size: int,
         max_num_batched_tokens: int,
         cache: KVCacheManager | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.pool = pool
+        self.max_model_len = max_model_len
         self.cache = cache or KVCacheManager(pool, enabled=False)
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,24 +135,29 @@ class Scheduler:
         seq.blocks.extend(self.pool.allocate(need))
         return True
 
-    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]] | None:
-        """Start ``children`` from ``parent``'s computed prompt, sharing its full blocks.
+    def fork(
+        self, parent: Sequence, children: list[Sequence]
+    ) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """``n > 1``: start ``children`` from ``parent``'s computed prompt, sharing its full
+        blocks, as far as ``max_batch_size`` and the pool allow.
 
-        Each child gets the parent's full blocks (reference counted, no copy) and, if
-        the prompt ends inside a block, a fresh block to receive a copy of that partial
-        block (its next token is written there). Returns the ``(src, dst)`` block copies
-        the runner must make, or None when the pool has no room for them (the children
-        are then queued to prefill on their own).
+        A started child gets the parent's full blocks (reference counted, no copy) and,
+        if the prompt ends inside a block, a fresh block for a copy of that partial block
+        (its next token is written there); its first token is drawn from the parent's
+        logits row. The children that do not fit now wait at the front of the queue and
+        prefill on their own (the prompt's full blocks come from the prefix cache).
+        Returns the children started and the ``(src, dst)`` block copies the runner
+        must make for them.
         """
         bs = self.pool.block_size
         n = parent.num_computed
         full, partial = n // bs, n % bs != 0
-        if partial and self.pool.num_free < len(children):
-            for c in children:
-                self.add(c)
-            return None
+        room = max(0, self.max_batch_size - len(self.running))
+        if partial:
+            room = min(room, self.pool.num_free)
+        started, queued = children[:room], children[room:]
         copies = []
-        for c in children:
+        for c in started:
             shared = parent.blocks[:full]
             self.pool.share(shared)
             c.blocks = list(shared)
@@ -156,7 +168,32 @@ class Scheduler:
             c.num_computed = n
             c.status = Status.RUNNING
             self.running.append(c)
-        return copies
+        self.waiting.extendleft(reversed(queued))
+        return started, copies
+
+    # --- the step's output ---------------------------------------------------------------
+    def update_from_output(
+        self, seq: Sequence, tokens: list[int], logprobs: list[Any], now: float
+    ) -> tuple[int, str | None]:
+        """Append the tokens a step sampled for ``seq``, stopping at the first that ends
+        it: an EOS or stop token id, a stop string (the detokenizer's), ``max_tokens`` or
+        the context limit. A finished sequence's blocks are freed. Returns how many tokens
+        were appended and the finish reason (None: it goes on)."""
+        req = seq.request
+        p = req.params
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            seq.append(tok, lp, now)
+            reason = None
+            if tok in req.eos_ids or tok in p.stop_token_ids or seq.detok.stopped:
+                reason = "stop"
+            elif len(seq.out.token_ids) >= req.max_tokens or (
+                self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+            ):
+                reason = "length"
+            if reason is not None:
+                self.finish(seq, reason)
+                return i + 1, reason
+        return len(tokens), None
 
     # --- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

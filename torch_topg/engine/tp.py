@@ -470,25 +470,15 @@ def _spawn(group: TPGroup, tp_size: int, device: torch.device, threads: int | No
     group.store = store  # keep the store's server alive with the group
 
 
-def start_tp_engine(
-    cls: type,
-    model: Any,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    tp_size: int,
-    prefetch_depth: int = 0,
-    quantization: Any = None,
-    **options: Any,
-) -> Any:
-    """Rank 0 of a tensor-parallel engine (see the module docstring)."""
-    from torch_topg.engine.builder import make_config
+def start_tp_engine(cls: type, model: Any, args: Any) -> Any:
+    """Rank 0 of a tensor-parallel engine over the checkpoint ``model`` with the options
+    ``args`` (an ``EngineArgs``; see the module docstring)."""
+    from torch_topg.engine.config import device_of, dtype_of, resolve
     from torch_topg.engine.loading import has_tokenizer
 
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size: expected an int >= 1, got {tp_size!r}")
-    if prefetch_depth:
-        raise ValueError("prefetch_depth: not supported with tp_size > 1 (use one or the other)")
+    tp_size, quantization = args.tp_size, args.quantization
+    device = device_of(args)
+    dtype = dtype_of(args, device)
     folder, config = _check_model(model, tp_size)
     kv = _kv_split(config, tp_size)  # raises when tp_size > KV heads
     if _active:
@@ -520,9 +510,9 @@ def start_tp_engine(
     # ranks share the host's memory (the budget covers all of them); GPUs have their own
     # (the budget is per device, sized for the rank with the most KV heads).
     budget_heads = sum(kv) if device.type == "cpu" else max(kv)
-    cfg = make_config(config, device=device, dtype=dtype, tp_size=tp_size,
-                      kv_heads=budget_heads, **options)  # fmt: skip
-    max_blocks = -(-cfg.max_model_len // cfg.block_size)
+    cfg = resolve(args, config, device=device, dtype=dtype, kv_heads=budget_heads)
+    block_size = args.block_size
+    max_blocks = -(-cfg.max_model_len // block_size)
 
     threads = None
     group = TPGroup(tp_size, [], owns_world=not torchrun)
@@ -536,8 +526,8 @@ def start_tp_engine(
                 group._restore.append(lambda: torch.set_num_threads(prev))
             _spawn(group, tp_size, device, threads)
         group.cmd = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        spec = Spec(str(folder), device.type, str(dtype), cfg.num_blocks, cfg.block_size,
-                    max_blocks, cfg.compile, cfg.deterministic, quantization)  # fmt: skip
+        spec = Spec(str(folder), device.type, str(dtype), cfg.num_blocks, block_size,
+                    max_blocks, args.compile, args.deterministic, quantization)  # fmt: skip
         dist.broadcast_object_list([asdict(spec)], src=0, group=group.cmd)
         m = _build_model(folder, dtype, device, quantization)
         _load_generation_config(m, folder)
@@ -547,8 +537,8 @@ def start_tp_engine(
 
             tok = AutoTokenizer.from_pretrained(folder)
         runner = TPModelRunner(
-            m, group=group, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-            max_blocks_per_seq=max_blocks, kv_heads=local_kv_heads(m), compile=cfg.compile,
+            m, group=group, num_blocks=cfg.num_blocks, block_size=block_size,
+            max_blocks_per_seq=max_blocks, kv_heads=local_kv_heads(m), compile=args.compile,
         )  # fmt: skip
         what = "loading the model on the workers"
         group.wait(_ready(group.cmd), what, max(600.0, collective_timeout_s()))

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch_topg.engine.options import add_cli_args, from_cli_args
+
 log = logging.getLogger("torch_topg.serve")
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -41,35 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
-    e = p.add_argument_group("engine options (docs/engine.md)")
-    e.add_argument("--device", default=None)
-    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    e.add_argument("--tp-size", type=int, default=None)
-    e.add_argument("--prefetch-depth", type=int, default=None)
-    e.add_argument("--max-batch-size", type=int, default=None)
-    e.add_argument("--batch-timeout", type=float, default=None, help="ms")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--max-queue", type=int, default=None,
-                   help="requests allowed to wait; beyond it a request gets 429")  # fmt: skip
-    e.add_argument("--kv-cache-memory", default=None, help="bytes, or a percentage like 40%%")
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--seed", type=int, default=None)
-    e.add_argument("--deterministic", action="store_true", default=None)
-    e.add_argument("--no-compile", dest="compile", action="store_false", default=None)
+    add_cli_args(p)  # one flag per engine option (torch_topg/engine/options.py)
     return p
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine keywords given on the command line (the others keep their defaults)."""
-    names = ("device", "dtype", "tp_size", "prefetch_depth", "max_batch_size", "batch_timeout",
-             "max_num_batched_tokens", "max_queue", "kv_cache_memory", "block_size",
-             "max_model_len", "seed", "deterministic", "compile")  # fmt: skip
-    opts = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    kv = opts.get("kv_cache_memory")
-    if isinstance(kv, str) and kv.strip().isdigit():
-        opts["kv_cache_memory"] = int(kv)
-    return opts
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -117,7 +92,7 @@ def serve_main(argv: list[str]) -> int:
             return 1
         try:
             log.info("loading %s ...", args.model or DEFAULT_NAME)
-            state.set_engine(Engine.from_pretrained(args.model, **engine_options(args)))
+            state.set_engine(Engine.from_pretrained(args.model, **from_cli_args(args)))
             log.info("ready: serving %s on http://%s:%d", state.model_name, args.host, args.port)
         except Exception as e:
             log.error("loading the model failed: %s", e)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
+
+from torch_topg.engine.errors import ParameterError
 
 
 class APIError(Exception):
@@ -36,23 +37,19 @@ class APIError(Exception):
         }
 
 
-# The engine's ValueErrors start with the parameter they name ("temperature must be ...",
-# "prompt: 40 tokens, ..."); these are the names it uses and what the API calls them.
-_ENGINE_NAME = re.compile(r"^([a-z_]+)(?::| must )")
-
-
 def from_engine_error(err: ValueError, renames: dict[str, str]) -> APIError:
     """A 400 carrying the engine's message, ``param`` set to the API field it names.
 
-    ``renames``: engine parameter -> the request's field (``max_new_tokens`` ->
-    ``max_tokens``, ``prompt`` -> ``messages``); the message gets the API name too.
+    A :class:`~torch_topg.engine.errors.ParameterError` names its parameter; ``renames``
+    maps engine names to the request's fields (``max_new_tokens`` -> ``max_tokens``,
+    ``prompt`` -> ``messages``), and the message's leading name becomes the API's too.
+    Another ``ValueError`` is a 400 without ``param``.
     """
     msg = str(err)
-    m = _ENGINE_NAME.match(msg)
-    param = None
-    if m:
-        name = m.group(1)
-        param = renames.get(name, name)
-        if param != name:
-            msg = param + msg[len(name) :]
+    if not isinstance(err, ParameterError):
+        return APIError(msg, param=None)
+    name = err.param
+    param = renames.get(name, name)
+    if param != name and msg.startswith(name):
+        msg = param + msg[len(name) :]
     return APIError(msg, param=param)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -28,17 +26,10 @@ from torch_topg.serve.responses import (
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks for its client
 
 
-@functools.cache
-def _takes_session_id(submit: Callable[..., Any]) -> bool:
-    return "session_id" in inspect.signature(submit).parameters
-
-
 def submit(engine: Engine, req: GenerationRequest) -> list[RequestHandle]:
     """One engine request per prompt; all or none (a refused one aborts the others)."""
     options = dict(req.sampling)
     if req.session_id is not None:
-        if not _takes_session_id(type(engine).submit):
-            raise APIError("session_id is not supported by this engine", param="session_id")
         options["session_id"] = req.session_id
     handles: list[RequestHandle] = []
     try:

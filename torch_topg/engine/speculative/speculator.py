@@ -1,4 +1,5 @@
-"""The engine's side of speculation: plan, propose, roll back, count.
+"""The engine's side of speculation: plan, propose, roll back, count. ``Speculator`` is
+the engine's :class:`~torch_topg.engine.proposer.Proposer` when ``speculative=`` is set.
 
 Per step (``Engine._step``):
 
@@ -12,8 +13,9 @@ Per step (``Engine._step``):
    exist): ``seq.spec_tokens`` (prompt lookup: already known; a draft: its steps run).
 3. The runner computes ``[last token, proposals]`` and returns the logits of all
    ``1 + num_spec`` rows; the engine's sampler draws every row with the key of its
-   position (``rejection.py``), and :func:`accepted` counts the leading matches.
-4. :meth:`Speculator.rollback` before the tokens are appended: ``num_computed`` back to
+   position (``rejection.py``), and :meth:`Speculator.verify` keeps the leading matches
+   (:func:`accepted`) and one more.
+4. :meth:`Speculator.rollback` (from ``verify``, before the tokens are appended): ``num_computed`` back to
    the committed positions, blocks that hold only rejected positions returned to the
    pool, statistics; the KV of rejected positions in the kept blocks is overwritten by
    later steps (attention never reads past ``num_computed``). The prefix cache hashes
@@ -27,9 +29,8 @@ import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from torch_topg.engine.model_runner import PLAN_MAX_TOKENS
+from torch_topg.engine.proposer import Proposer
 from torch_topg.engine.speculative.adaptive import AdaptiveController, CostModel
 from torch_topg.engine.speculative.config import SpeculativeConfig
 from torch_topg.engine.speculative.draft import DraftProposer
@@ -50,7 +51,7 @@ def accepted(tokens: Seq[int], proposals: Seq[int]) -> int:
     return a
 
 
-class Speculator:
+class Speculator(Proposer):
     """Speculation state of one engine (see the module docstring)."""
 
     def __init__(self, cfg: SpeculativeConfig, runner: ModelRunner, *, max_model_len: int,
@@ -194,7 +195,14 @@ class Speculator:
         for seq, _ in work:
             seq.spec_tokens = props[seq]
 
-    # --- 4. roll back --------------------------------------------------------------
+    # --- 4. verify and roll back -------------------------------------------------
+    def verify(self, scheduler: Scheduler, seq: Sequence, drawn: Seq[int]) -> int:
+        """The drawn tokens of ``seq``'s verify rows: the leading matches and one more
+        are kept; the rest rolled back."""
+        n = accepted(drawn, seq.spec_tokens) + 1
+        self.rollback(scheduler, seq, n - 1)
+        return n
+
     def rollback(self, scheduler: Scheduler, seq: Sequence, num_accepted: int) -> None:
         """After a verify step of ``seq`` (before its tokens are appended)."""
         k = len(seq.spec_tokens)
@@ -279,40 +287,3 @@ def profile_steps(runner: ModelRunner, sizes: Seq[int], repeats: int = 3) -> dic
     """Seconds of a one-sequence step of ``T`` tokens for each of ``sizes`` (best of
     ``repeats``): the verify step's cost against a one-token step (benchmarks)."""
     return dict(profile_shapes(runner, [(T,) for T in sizes], repeats))
-
-
-def rows_of(logits: torch.Tensor, samples: Seq[int]) -> list[torch.Tensor | None]:
-    """The runner's logits split per sequence: None, one row ``[V]``, or ``[m, V]``."""
-    rows: list[torch.Tensor | None] = []
-    r = 0
-    for m in samples:
-        rows.append(None if m == 0 else logits[r] if m == 1 else logits[r : r + m])
-        r += m
-    return rows
-
-
-def joined_rows(views: Seq[torch.Tensor]) -> torch.Tensor:
-    """``[m_i, V]`` row blocks as one ``[sum m_i, V]`` tensor: a view when they are
-    consecutive rows of one contiguous tensor (the runner's logits split by
-    :func:`rows_of`, the usual case), else ``torch.cat``. The copy cost the engine's
-    batch-8 step 0.5 ms of ~14 (bf16, SmolLM2, 2026-12-05: sampling 1.03 -> 0.52 ms)."""
-    v0 = views[0]
-    if len(views) == 1:
-        return v0
-    width, base = v0.shape[-1], v0.untyped_storage().data_ptr()
-    offset, ok = v0.storage_offset(), True
-    for v in views:
-        if (
-            not v.is_contiguous()
-            or v.shape[-1] != width
-            or v.dtype != v0.dtype
-            or v.untyped_storage().data_ptr() != base
-            or v.storage_offset() != offset
-        ):
-            ok = False
-            break
-        offset += v.shape[0] * width
-    if not ok:
-        return torch.cat(list(views))
-    rows = (offset - v0.storage_offset()) // width
-    return v0.as_strided((rows, width), (width, 1), v0.storage_offset())

@@ -451,3 +451,96 @@ def test_busy_is_measured_not_trailing():
     assert "BUSY" not in quiet and "2% busy" in quiet
     assert "BUSY" in describe({**base, "load_avg_1min": 0.1, "cpu_busy_1s": 0.6})
     assert "BUSY" in describe({**base, "load_avg_1min": 1.9})  # older records: load average
+
+
+# --- clocks: the host's and the GPU's (CUDA events, driven here by fakes) -------------
+class FakeEvent:
+    """A CUDA event's interface on a synthetic clock: ``record`` notes the time;
+    ``elapsed_time`` (ms) is only valid once the round has synchronised."""
+
+    def __init__(self, clock: Clock, synced: list[int]) -> None:
+        self.clock, self.synced, self.t = clock, synced, None
+
+    def record(self) -> None:
+        self.clock.log.append("record")
+        self.t = self.clock.now
+        self.round = len(self.synced)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert len(self.synced) > self.round, "elapsed_time before the round synchronised"
+        return (end.t - self.t) * 1e3
+
+
+def fake_cuda_clock(clock: Clock) -> bench.CudaClock:
+    synced: list[int] = []
+
+    def synchronize() -> None:
+        clock.log.append("sync")
+        synced.append(1)
+
+    return bench.CudaClock(event=lambda: FakeEvent(clock, synced), synchronize=synchronize)
+
+
+def test_cuda_clock_synchronises_once_per_round():
+    clock = Clock()
+    variants = {n: clock.variant(n, [d] * 10) for n, d in (("a", 1.0), ("b", 3.0))}
+    cmp = compare(variants, NO_CALIBRATION, rounds=3, clock=fake_cuda_clock(clock))
+    assert cmp.samples == {"a": [1.0] * 3, "b": [3.0] * 3}  # event ms back to seconds
+    rounds = clock.log[clock.log.index("b") + 3 :]  # after calibrating a, then b
+    assert rounds == ["record", "a", "record", "record", "b", "record", "sync"] * 3
+
+
+def test_bench_and_stopwatch_on_the_cuda_clock():
+    clock = Clock()
+    t = bench.bench(clock.variant("a", [2.0] * 10), warmup=1, min_runs=3, max_runs=3,
+                    min_time_s=0.0, clock=fake_cuda_clock(clock))  # fmt: skip
+    assert t.median_s == pytest.approx(2.0) and t.runs == 3
+    sw = bench.Stopwatch(clock=fake_cuda_clock(clock))
+    for d in (1.0, 2.0, 4.0):
+        with sw.lap():
+            clock.now += d
+    assert sw.samples == [1.0, 2.0, 4.0] and sw.last == 4.0
+    assert sw.ms().median == pytest.approx(2000.0) and sw.stats().spread == "min-max"
+
+
+def test_stopwatch_and_timed_on_the_host_clock():
+    clock = Clock()
+    sw = bench.Stopwatch(timer=clock)
+    with sw.lap():
+        clock.now += 0.5
+    assert sw.samples == [0.5]
+    out, s = bench.timed(lambda x, y=0: x + y, 2, y=3)
+    assert out == 5 and s >= 0.0
+
+
+def test_timing_device_follows_the_callables_tensors(monkeypatch):
+    import functools
+
+    import torch
+
+    from torch_topg.bench.timing import make_clock, tensors_of
+
+    x = torch.ones(2)
+    m = torch.ones(2, device="meta")
+    assert [t.device.type for t in tensors_of(lambda: x + 1)] == ["cpu"]
+    assert tensors_of(x.sum)[0] is x  # a bound method's tensor
+    assert tensors_of(functools.partial(torch.add, m, other=x)) == [m, x]
+    assert tensors_of(lambda: torch.ones(1)) == []  # made by the call, not held
+    pair = (x, m)
+    assert tensors_of(lambda: pair) == [x, m]  # tensors in a held tuple
+    assert bench.timing_device(None, [lambda: x + 1]) == "cpu"
+    assert bench.timing_device("cuda:1") == "cuda" and bench.timing_device("cpu") == "cpu"
+    assert bench.timing_device(torch.device("cpu"), [lambda: x]) == "cpu"  # explicit wins
+
+    class OnCuda:  # what timing_device sees of a CUDA tensor: its device's type
+        device = torch.device("cuda", 0)
+
+    from torch_topg.bench import timing
+
+    monkeypatch.setattr(timing, "tensors_of", lambda fn: [OnCuda()])
+    assert bench.timing_device(None, [lambda: None]) == "cuda"
+    with pytest.raises(ValueError, match="no usable CUDA device"):
+        make_clock(None, [lambda: None], cuda_available=lambda: False)
+    assert isinstance(make_clock(None, [lambda: None], cuda_available=lambda: True),
+                      bench.CudaClock)  # fmt: skip
+    assert isinstance(make_clock("cpu", cuda_available=lambda: True), bench.HostClock)

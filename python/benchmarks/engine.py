@@ -53,13 +53,12 @@ from engine_common import (
     chats,
     med,
     model_shape,
-    peak_rss_mb,
     prompt_ids,
-    resident_mb,
-    rss_mb,
 )
 from engine_llama import gguf_for, run_llama_bench, run_llama_server
 from engine_report import render, to_record
+
+from torch_topg.bench.memory import peak_rss_mb, resident_mb, rss_mb
 
 
 # --- workers (each in its own process) ------------------------------------------------

@@ -21,9 +21,9 @@ from engine_common import (
     THREADS,
     TTFT_PROMPT,
     med,
-    peak_rss_mb,
-    rss_mb,
 )
+
+from torch_topg.bench.memory import peak_rss_mb, rss_mb
 
 #: gguf_for's targets: llama-quantize's type names.
 GGUF_KINDS = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}

@@ -580,3 +580,14 @@ def test_decode_read_bytes_and_flops_from_a_config():
     assert shape["head_dim"] == 2 and shape["params_embedding"] == 80
     n, attn = shape["params_non_embedding"], 4 * 2 * 4 * 2
     assert round_flops(shape, [3], 2) == 2 * n * 4 + attn * 4 * 5 / 2
+
+
+def test_wall_clock_waits_for_the_device_at_each_mark():
+    clock = Clock()
+    host = bench.HostClock(clock, synchronize=lambda: clock.log.append("sync"))
+    sw = bench.Stopwatch(clock=host)
+    with sw.lap():
+        clock.log.append("work")
+        clock.now += 2.0
+    assert clock.log == ["sync", "work", "sync"] and sw.samples == [2.0]
+    assert bench.wall_clock("cpu")._synchronize is None

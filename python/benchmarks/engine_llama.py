@@ -23,6 +23,7 @@ from engine_common import (
     med,
 )
 
+from torch_topg.bench import Stopwatch
 from torch_topg.bench.memory import peak_rss_mb, rss_mb
 
 #: gguf_for's targets: llama-quantize's type names.
@@ -123,12 +124,13 @@ def run_llama_server(
                     res[j] = e
 
             threads = [threading.Thread(target=go, args=(j,)) for j in range(len(ids))]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
+            sw = Stopwatch()
+            with sw.lap():
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            wall = sw.last
             errs = [r for r in res if isinstance(r, BaseException)]
             if errs:
                 raise RuntimeError(f"request failed: {errs[0]!r}")

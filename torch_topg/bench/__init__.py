@@ -51,6 +51,7 @@ from torch_topg.bench.timing import (
     timed,
     timing_device,
     verdict,
+    wall_clock,
 )
 
 __all__ = [
@@ -87,5 +88,6 @@ __all__ = [
     "timed",
     "timing_device",
     "verdict",
+    "wall_clock",
     "write_record",
 ]

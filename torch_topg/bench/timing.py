@@ -122,12 +122,19 @@ class Comparison:
 
 
 class HostClock:
-    """The host's clock: a mark is ``timer()``; nothing to wait for."""
+    """The host's clock: a mark is ``timer()``. With ``synchronize`` (``wall_clock``),
+    each mark first waits for the device, so a sample is the wall time of everything the
+    calls started, on any stream or thread."""
 
-    def __init__(self, timer: Timer = time.perf_counter) -> None:
+    def __init__(
+        self, timer: Timer = time.perf_counter, synchronize: Callable[[], None] | None = None
+    ) -> None:
         self.timer = timer
+        self._synchronize = synchronize
 
     def mark(self) -> float:
+        if self._synchronize is not None:
+            self._synchronize()
         return self.timer()
 
     def sync(self) -> None:
@@ -135,6 +142,16 @@ class HostClock:
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
+
+
+def wall_clock(
+    device: str | torch.device | None = None, timer: Timer = time.perf_counter
+) -> HostClock:
+    """The host's clock, synchronising a CUDA ``device`` at each mark: for work that CUDA
+    events on the current stream would miss (copies on their own stream from a host
+    thread) or for the wall time of a whole generation."""
+    sync = torch.cuda.synchronize if timing_device(device) == "cuda" else None
+    return HostClock(timer, sync)
 
 
 class CudaClock:

@@ -22,7 +22,7 @@ from torch_topg.bench.machine import (
 )
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "python" / "benchmarks"
-sys.path.insert(0, str(BENCH_DIR))  # common, bench_ops, render_readme
+sys.path.insert(0, str(BENCH_DIR))  # bench_ops, render_readme, offload, tp
 MiB = 1 << 20
 
 
@@ -167,18 +167,18 @@ def test_in_cache_classification(tmp_path):
 
 
 def test_rows_classify_and_rotate(monkeypatch):
-    import common
+    from torch_topg.bench import rows as bench_rows
 
-    monkeypatch.setattr(common, "llc_bytes", lambda: (32 * MiB, "test"))
-    monkeypatch.setattr(common, "cold_copies", lambda ws: cold_copies(ws, 32 * MiB))
-    assert common.regime_of(10 * MiB) == "in cache (10 MiB)"
-    assert common.regime_of(200 * MiB) == "DRAM"
-    assert common.regime_of(4 * MiB, sets=32) == "cold: 32 sets of 4 MiB rotated"
+    monkeypatch.setattr(bench_rows, "llc_bytes", lambda: (32 * MiB, "test"))
+    monkeypatch.setattr(bench_rows, "cold_copies", lambda ws: cold_copies(ws, 32 * MiB))
+    assert bench_rows.regime_of(10 * MiB) == "in cache (10 MiB)"
+    assert bench_rows.regime_of(200 * MiB) == "DRAM"
+    assert bench_rows.regime_of(4 * MiB, sets=32) == "cold: 32 sets of 4 MiB rotated"
     made = []
-    rot = common.Rotation(lambda i: made.append(i) or (i,), 16 * MiB, cold=True)
+    rot = bench_rows.Rotation(lambda i: made.append(i) or (i,), 16 * MiB, cold=True)
     assert rot.n == 8 and made == list(range(8))
     assert [rot.next()[0] for _ in range(10)] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
-    assert common.Rotation(lambda i: (i,), 16 * MiB, cold=False).n == 1
+    assert bench_rows.Rotation(lambda i: (i,), 16 * MiB, cold=False).n == 1
 
 
 def test_theoretical_peak_assumptions():
@@ -217,7 +217,7 @@ MACHINE = {
 
 
 def _row(op: str, topg: Stats, base: Stats, target=None, limit: Stats | None = None):
-    from common import Row
+    from torch_topg.bench.rows import Row
 
     ratios = {"hf": Stats(base.median / topg.median, 1.0, 2.0, 10, "p10-p90")}
     if limit:
@@ -233,7 +233,7 @@ def _record(rows, date="2026-12-01T00:00:00Z"):
 
 
 def test_record_round_trip(tmp_path):
-    from common import Row
+    from torch_topg.bench.rows import Row
 
     rows = [
         _row("a", Stats(1.0, 0.9, 1.1, 10, "p10-p90"), Stats(2.0, 1.9, 2.1, 10, "p10-p90"),
@@ -364,9 +364,8 @@ def test_compare_records_rates_are_higher_is_better():
 def test_dram_rows_use_the_bandwidth_of_their_own_rounds(monkeypatch):
     """The probe runs in every round of a DRAM row; a round at half the bandwidth has
     half the limit time... and the fraction follows it, round by round."""
-    import common
-
     from torch_topg.bench import Comparison
+    from torch_topg.bench import rows as bench_rows
 
     seen = {}
 
@@ -376,27 +375,27 @@ def test_dram_rows_use_the_bandwidth_of_their_own_rounds(monkeypatch):
             {
                 "topg": [1.0, 2.0, 1.0],  # the load doubles topg's time in round 2 ...
                 "stock": [2.0, 4.0, 2.0],
-                common.PROBE: [0.5, 1.0, 0.5],  # ... and the probe's
+                bench_rows.PROBE: [0.5, 1.0, 0.5],  # ... and the probe's
             }
         )
 
-    monkeypatch.setattr(common, "compare", fake_compare)
-    monkeypatch.setattr(common, "read_probe", lambda: (lambda: None, 100))
-    monkeypatch.setattr(common, "llc_bytes", lambda: (32 * MiB, "test"))
+    monkeypatch.setattr(bench_rows, "compare", fake_compare)
+    monkeypatch.setattr(bench_rows, "read_probe", lambda: (lambda: None, 100))
+    monkeypatch.setattr(bench_rows, "llc_bytes", lambda: (32 * MiB, "test"))
     noop = lambda: None  # noqa: E731
-    row = common.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
+    row = bench_rows.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
                          dram_bytes=160.0, working_set=200 * MiB, target=("limit", 0.8))  # fmt: skip
-    assert seen["names"] == ["topg", "stock", common.PROBE]
+    assert seen["names"] == ["topg", "stock", bench_rows.PROBE]
     assert list(row.figures) == ["topg", "stock"] and row.regime == "DRAM"
     lim = row.ratios["limit"]  # 160 bytes at 100 / 0.5 s = 0.8 s, over topg's 1 s
     assert (lim.median, lim.lo, lim.hi) == pytest.approx((0.8, 0.8, 0.8))
     assert row.read_bw.median == pytest.approx(200.0) and row.verdict == "met"
-    cached = common.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
+    cached = bench_rows.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
                             dram_bytes=160.0, working_set=1 * MiB, target=("limit", 0.8))  # fmt: skip
     assert seen["names"] == ["topg", "stock"] and "limit" not in cached.ratios
     assert cached.regime == "in cache (1 MiB)" and cached.verdict == "not measured"
     # another variant's share of the limit, round by round against the same probe
-    both = common.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
+    both = bench_rows.measure("f", "op", "c", "fp32", {"topg": noop, "stock": noop}, quick=True,
                           dram_bytes=160.0, working_set=200 * MiB, limit_for=("stock",),
                           target=("limit stock", 0.8))  # fmt: skip
     lim = both.ratios["limit stock"]  # 0.8 s over stock's 2 s
@@ -451,3 +450,144 @@ def test_busy_is_measured_not_trailing():
     assert "BUSY" not in quiet and "2% busy" in quiet
     assert "BUSY" in describe({**base, "load_avg_1min": 0.1, "cpu_busy_1s": 0.6})
     assert "BUSY" in describe({**base, "load_avg_1min": 1.9})  # older records: load average
+
+
+# --- clocks: the host's and the GPU's (CUDA events, driven here by fakes) -------------
+class FakeEvent:
+    """A CUDA event's interface on a synthetic clock: ``record`` notes the time;
+    ``elapsed_time`` (ms) is only valid once the round has synchronised."""
+
+    def __init__(self, clock: Clock, synced: list[int]) -> None:
+        self.clock, self.synced, self.t = clock, synced, None
+
+    def record(self) -> None:
+        self.clock.log.append("record")
+        self.t = self.clock.now
+        self.round = len(self.synced)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert len(self.synced) > self.round, "elapsed_time before the round synchronised"
+        return (end.t - self.t) * 1e3
+
+
+def fake_cuda_clock(clock: Clock) -> bench.CudaClock:
+    synced: list[int] = []
+
+    def synchronize() -> None:
+        clock.log.append("sync")
+        synced.append(1)
+
+    return bench.CudaClock(event=lambda: FakeEvent(clock, synced), synchronize=synchronize)
+
+
+def test_cuda_clock_synchronises_once_per_round():
+    clock = Clock()
+    variants = {n: clock.variant(n, [d] * 10) for n, d in (("a", 1.0), ("b", 3.0))}
+    cmp = compare(variants, NO_CALIBRATION, rounds=3, clock=fake_cuda_clock(clock))
+    assert cmp.samples == {"a": [1.0] * 3, "b": [3.0] * 3}  # event ms back to seconds
+    rounds = clock.log[clock.log.index("b") + 3 :]  # after calibrating a, then b
+    assert rounds == ["record", "a", "record", "record", "b", "record", "sync"] * 3
+
+
+def test_bench_and_stopwatch_on_the_cuda_clock():
+    clock = Clock()
+    t = bench.bench(clock.variant("a", [2.0] * 10), warmup=1, min_runs=3, max_runs=3,
+                    min_time_s=0.0, clock=fake_cuda_clock(clock))  # fmt: skip
+    assert t.median_s == pytest.approx(2.0) and t.runs == 3
+    sw = bench.Stopwatch(clock=fake_cuda_clock(clock))
+    for d in (1.0, 2.0, 4.0):
+        with sw.lap():
+            clock.now += d
+    assert sw.samples == [1.0, 2.0, 4.0] and sw.last == 4.0
+    assert sw.ms().median == pytest.approx(2000.0) and sw.stats().spread == "min-max"
+
+
+def test_stopwatch_and_timed_on_the_host_clock():
+    clock = Clock()
+    sw = bench.Stopwatch(timer=clock)
+    with sw.lap():
+        clock.now += 0.5
+    assert sw.samples == [0.5]
+    out, s = bench.timed(lambda x, y=0: x + y, 2, y=3)
+    assert out == 5 and s >= 0.0
+
+
+def test_timing_device_follows_the_callables_tensors(monkeypatch):
+    import functools
+
+    import torch
+
+    from torch_topg.bench.timing import make_clock, tensors_of
+
+    x = torch.ones(2)
+    m = torch.ones(2, device="meta")
+    assert [t.device.type for t in tensors_of(lambda: x + 1)] == ["cpu"]
+    assert tensors_of(x.sum)[0] is x  # a bound method's tensor
+    assert tensors_of(functools.partial(torch.add, m, other=x)) == [m, x]
+    assert tensors_of(lambda: torch.ones(1)) == []  # made by the call, not held
+    pair = (x, m)
+    assert tensors_of(lambda: pair) == [x, m]  # tensors in a held tuple
+    assert bench.timing_device(None, [lambda: x + 1]) == "cpu"
+    assert bench.timing_device("cuda:1") == "cuda" and bench.timing_device("cpu") == "cpu"
+    assert bench.timing_device(torch.device("cpu"), [lambda: x]) == "cpu"  # explicit wins
+
+    class OnCuda:  # what timing_device sees of a CUDA tensor: its device's type
+        device = torch.device("cuda", 0)
+
+    from torch_topg.bench import timing
+
+    monkeypatch.setattr(timing, "tensors_of", lambda fn: [OnCuda()])
+    assert bench.timing_device(None, [lambda: None]) == "cuda"
+    with pytest.raises(ValueError, match="no usable CUDA device"):
+        make_clock(None, [lambda: None], cuda_available=lambda: False)
+    assert isinstance(make_clock(None, [lambda: None], cuda_available=lambda: True),
+                      bench.CudaClock)  # fmt: skip
+    assert isinstance(make_clock("cpu", cuda_available=lambda: True), bench.HostClock)
+
+
+def test_memory_figures_of_this_process():
+    import torch
+
+    from torch_topg.bench import memory
+
+    rss, peak = memory.rss_mb(), memory.peak_rss_mb()
+    assert rss is None or 0 < rss <= peak
+    memory.reset_peak_rss()  # never raises, /proc or not
+    x = torch.ones(1 << 20)  # 4 MiB, written: resident
+    res = memory.resident_mb([x])
+    assert res is None or 3.9 <= res <= 4.1
+    assert memory.rss_mb(pid=2**22 + 7) is None  # no such process
+
+
+def test_decode_read_bytes_and_flops_from_a_config():
+    import types
+
+    import torch
+
+    from torch_topg.bench.models import decode_read_bytes, decoder_shape, round_flops
+
+    cfg = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                hidden_size=8, intermediate_size=16, vocab_size=10)  # fmt: skip
+    m = torch.nn.Linear(8, 8, bias=False)
+    m.config = cfg
+    m.register_buffer("shared", m.weight)  # the same storage: counted once
+    # weights 8*8*4 bytes; KV: 2 (K, V) x 2 layers x 2 heads x head_dim 2 x 10 tokens x 4 bytes
+    assert decode_read_bytes(m, 10) == 256 + 2 * 2 * 2 * 2 * 10 * 4
+    moe = types.SimpleNamespace(**vars(cfg), num_local_experts=4, num_experts_per_tok=1)
+    m.config = moe  # 3 unread experts x 3 x 8 x 16 x 4 bytes per layer
+    assert decode_read_bytes(m, 0) == 256 - 2 * 3 * 3 * 8 * 16 * 4
+    shape = decoder_shape(cfg)
+    assert shape["head_dim"] == 2 and shape["params_embedding"] == 80
+    n, attn = shape["params_non_embedding"], 4 * 2 * 4 * 2
+    assert round_flops(shape, [3], 2) == 2 * n * 4 + attn * 4 * 5 / 2
+
+
+def test_wall_clock_waits_for_the_device_at_each_mark():
+    clock = Clock()
+    host = bench.HostClock(clock, synchronize=lambda: clock.log.append("sync"))
+    sw = bench.Stopwatch(clock=host)
+    with sw.lap():
+        clock.log.append("work")
+        clock.now += 2.0
+    assert clock.log == ["sync", "work", "sync"] and sw.samples == [2.0]
+    assert bench.wall_clock("cpu")._synchronize is None

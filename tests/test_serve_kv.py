@@ -20,7 +20,8 @@ except (ImportError, RuntimeError) as e:  # starlette's TestClient needs httpx2 
 from engine_utils import wait_idle
 from test_serve import chat_engine, events
 
-from torch_topg.serve import create_app, monitor
+from torch_topg.client import monitor
+from torch_topg.serve import create_app
 from torch_topg.serve.metrics import ServerMetrics
 
 MODEL = "tiny-llama"

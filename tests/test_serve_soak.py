@@ -26,8 +26,8 @@ from engine_utils import wait_idle
 from test_serve import chat_engine
 from test_serve_tools import serving
 
+from torch_topg.client.monitor import parse_metrics, value
 from torch_topg.serve import create_app
-from torch_topg.serve.monitor import parse_metrics, value
 
 MODEL = "tiny-llama"
 REQUESTS, WARMUP, CONCURRENCY = 200, 32, 16

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,10 +25,23 @@ from engine_utils import wait_idle
 from test_serve import chat_engine
 
 from torch_topg.__main__ import main
-from torch_topg.serve import create_app, datasets, loadgen, monitor
+from torch_topg.client import datasets, loadgen, monitor
+from torch_topg.serve import create_app
 
 MODEL = "tiny-llama"
 needs_httpx = pytest.mark.skipif(loadgen.httpx is None, reason="neither httpx nor httpx2 installed")
+
+
+def test_client_tools_do_not_import_the_server() -> None:
+    """The client tools talk HTTP only: importing them loads neither torch_topg.serve nor
+    fastapi (they run against any OpenAI-compatible server)."""
+    code = (
+        "import sys, torch_topg.client.loadgen, torch_topg.client.monitor, "
+        "torch_topg.client.datasets; "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch_topg.serve', 'fastapi'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 # --- math on synthetic timings --------------------------------------------------------

@@ -62,7 +62,7 @@ def explain_main(argv: list[str]) -> int:
 
 def bench_main(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:  # its own parser (serve --help)
-        from torch_topg.serve.loadgen import serve_bench_main
+        from torch_topg.client.loadgen import serve_bench_main
 
         return serve_bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m torch_topg bench")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "bench":
         return bench_main(argv[1:])
     if argv[0] == "monitor":
-        from torch_topg.serve.monitor import monitor_main
+        from torch_topg.client.monitor import monitor_main
 
         return monitor_main(argv[1:])
     if argv[0] == "serve":

@@ -24,45 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from torch_topg.bench import Stopwatch, timed
+from torch_topg.bench.memory import peak_rss_mb, reset_peak_rss
+from torch_topg.bench.models import decode_read_bytes, weights_bytes
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONTEXT = 256
-
-
-def _weights_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
-
-
-def _read_bytes_per_step(model, context: int) -> int:
-    """Bytes a decode step must read: every weight once (the tied embedding counts once:
-    as the LM head; the embedding lookup reads one row) plus the KV cache."""
-    cfg = model.config
-    w = _weights_bytes(model)
-    elt = next(model.parameters()).element_size()
-    kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * elt
-    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
-    if experts:  # a decode token reads only its top-k experts' weights
-        k = cfg.num_experts_per_tok
-        per_expert = 3 * cfg.hidden_size * cfg.intermediate_size * elt
-        if hasattr(cfg, "moe_intermediate_size"):
-            per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
-        w -= cfg.num_hidden_layers * (experts - k) * per_expert
-    return w + kv
 
 
 def _load(model_name: str, dtype: torch.dtype):
@@ -73,39 +46,18 @@ def _load(model_name: str, dtype: torch.dtype):
     return build_model(model_name, dtype)
 
 
-def _reset_peak_rss() -> None:
-    """Linux: reset the process's peak RSS (VmHWM), so the peak measured afterwards is
-    that of the run, not of loading (which converts fp32 weights)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak_rss_mb() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _decode_ms(fn, ids, steps: int) -> tuple[list[float], float]:
-    """ms of each of ``steps`` decode steps after a prefill of ``ids``, and the prefill's."""
+def _decode_ms(fn, ids, steps: int) -> tuple[Stopwatch, Stopwatch]:
+    """The decode steps (``steps`` of them) after a prefill of ``ids``, and the prefill."""
+    prefill, decode = Stopwatch(), Stopwatch()
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = fn(input_ids=ids, use_cache=True)
-        prefill = (time.perf_counter() - t0) * 1e3
+        with prefill.lap():
+            out = fn(input_ids=ids, use_cache=True)
         cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        times = []
         for _ in range(steps):
-            t0 = time.perf_counter()
-            out = fn(input_ids=nxt, past_key_values=cache, use_cache=True)
-            times.append((time.perf_counter() - t0) * 1e3)
+            with decode.lap():
+                out = fn(input_ids=nxt, past_key_values=cache, use_cache=True)
             cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return times, prefill
+    return decode, prefill
 
 
 def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
@@ -116,27 +68,24 @@ def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
     import gc
 
     gc.collect()
-    _reset_peak_rss()
-    rss0 = _peak_rss_mb()
+    reset_peak_rss()
+    rss0 = peak_rss_mb()
     fn = model
     compile_s = 0.0
     if mode in ("topg", "inductor"):
         import torch_topg  # noqa: F401
 
         fn = torch.compile(model, backend=mode)
-        t0 = time.perf_counter()
-        _decode_ms(fn, ids, steps=3)
-        compile_s = time.perf_counter() - t0
+        compile_s = timed(_decode_ms, fn, ids, steps=3)[1]
     else:
         _decode_ms(fn, ids, steps=2)  # warm-up
     steps = 8 if quick else 24
-    decodes = _decode_ms(fn, ids, steps)[0]
-    prefills = [_decode_ms(fn, ids, 0)[1] for _ in range(2 if quick else 4)]
-    rss = _peak_rss_mb()
-    # imported after the peak is read: eager mode does not otherwise load torch_topg
-    from torch_topg.bench import summarize
-
-    decode, prefill = summarize(decodes), summarize(prefills)
+    decode = _decode_ms(fn, ids, steps)[0].ms()
+    prefills = Stopwatch()
+    for _ in range(2 if quick else 4):
+        prefills.samples += _decode_ms(fn, ids, 0)[1].samples
+    prefill = prefills.ms()
+    rss = peak_rss_mb()
     return {
         "model": model_name,
         "dtype": dtype_name,
@@ -147,8 +96,8 @@ def worker(model_name: str, dtype_name: str, mode: str, quick: bool) -> dict:
         "compile_s": compile_s,
         "peak_rss_mb": rss,
         "load_rss_mb": rss0,
-        "weights_mb": _weights_bytes(model) / 2**20,
-        "read_bytes": _read_bytes_per_step(model, CONTEXT),
+        "weights_mb": weights_bytes(model) / 2**20,
+        "read_bytes": decode_read_bytes(model, CONTEXT),
     }
 
 
@@ -180,21 +129,17 @@ def llamacpp_worker(dtype_name: str, quick: bool) -> dict:
     )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(10, 40000, (CONTEXT,), generator=g).tolist()
-    prefills, decodes = [], []
+    prefill, decode = Stopwatch(), Stopwatch()
     for _ in range(2 if quick else 3):
         llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(tokens)
-        prefills.append((time.perf_counter() - t0) * 1e3)
+        with prefill.lap():
+            llm.eval(tokens)
         nxt = 42
         for _ in range(8 if quick else 24):
-            t0 = time.perf_counter()
-            llm.eval([nxt])
-            decodes.append((time.perf_counter() - t0) * 1e3)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    from torch_topg.bench import summarize
-
-    decode, prefill = summarize(decodes), summarize(prefills)
+            with decode.lap():
+                llm.eval([nxt])
+    rss = peak_rss_mb()
+    decode, prefill = decode.ms(), prefill.ms()
     return {
         "model": "smollm2",
         "dtype": dtype_name,
@@ -203,7 +148,7 @@ def llamacpp_worker(dtype_name: str, quick: bool) -> dict:
         "prefill_ms": prefill.median,
         "figures": {"decode": decode.to_dict(), "prefill": prefill.to_dict()},
         "compile_s": 0.0,
-        "peak_rss_mb": rss / 1024,
+        "peak_rss_mb": rss,
         "load_rss_mb": 0.0,
         "weights_mb": dst.stat().st_size / 2**20,
         "read_bytes": 0,

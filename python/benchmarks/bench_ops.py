@@ -30,7 +30,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from common import Row  # noqa: E402
 
 import torch_topg  # noqa: E402
 from torch_topg.bench import (  # noqa: E402
@@ -43,6 +42,7 @@ from torch_topg.bench import (  # noqa: E402
     theoretical_peak,
     write_record,
 )
+from torch_topg.bench.rows import Row  # noqa: E402
 
 FAMILIES = ["norm", "rotary", "activation", "routing", "attention", "linear", "moe"]
 

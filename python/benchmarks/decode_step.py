@@ -47,10 +47,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from bench_models import _read_bytes_per_step as read_bytes_per_step  # noqa: E402
 from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS  # noqa: E402
 
 from torch_topg.bench.machine import machine_info, read_bandwidth_stats, remeasure  # noqa: E402
+from torch_topg.bench.models import decode_read_bytes as read_bytes_per_step  # noqa: E402
 from torch_topg.bench.record import new_record, validate, write_record  # noqa: E402
 from torch_topg.bench.timing import Budget, Stats, compare, summarize  # noqa: E402
 

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Row, measure
-
 import torch_topg
 from torch_topg.bench import Budget, describe, machine_info, new_record, write_record
+from torch_topg.bench.rows import Row, measure
 
 CONTEXT = 256
 

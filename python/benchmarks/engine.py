@@ -53,13 +53,13 @@ from engine_common import (
     chats,
     med,
     model_shape,
-    peak_rss_mb,
     prompt_ids,
-    resident_mb,
-    rss_mb,
 )
 from engine_llama import gguf_for, run_llama_bench, run_llama_server
 from engine_report import render, to_record
+
+from torch_topg.bench import Stopwatch, timed
+from torch_topg.bench.memory import peak_rss_mb, resident_mb, rss_mb
 
 
 # --- workers (each in its own process) ------------------------------------------------
@@ -82,11 +82,13 @@ def w_engine(dtype: str, rounds: int, new_tokens: int) -> dict:
     _setup_torch()
     from torch_topg.engine import Engine
 
-    t0 = time.perf_counter()
-    eng = Engine.from_pretrained(
-        None, dtype=dtype, max_batch_size=CONCURRENCY, max_model_len=MAX_MODEL_LEN
+    eng, load_s = timed(
+        Engine.from_pretrained,
+        None,
+        dtype=dtype,
+        max_batch_size=CONCURRENCY,
+        max_model_len=MAX_MODEL_LEN,
     )
-    load_s = time.perf_counter() - t0
     rss_load = rss_mb()
     ids = prompt_ids(eng.tokenizer)
     kw = dict(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -96,10 +98,11 @@ def w_engine(dtype: str, rounds: int, new_tokens: int) -> dict:
     for r in range(rounds + 1):
         st0 = _settled_stats(eng)
         inputs = chats() if r == 0 else ids
-        t0 = time.perf_counter()
-        handles = [eng.submit(x, **kw) for x in inputs]
-        outs = [h.result(timeout=1800) for h in handles]
-        wall = time.perf_counter() - t0
+        sw = Stopwatch()
+        with sw.lap():
+            handles = [eng.submit(x, **kw) for x in inputs]
+            outs = [h.result(timeout=1800) for h in handles]
+        wall = sw.last
         st1 = _settled_stats(eng)
         rss_after.append(rss_mb())
         kv_resident.append(resident_mb(kv_tensors))
@@ -199,12 +202,10 @@ def _hf_model(dtype: str):
 def w_hf_cb(dtype: str, repeats: int, new_tokens: int) -> dict:
     """transformers 5 continuous batching: ``generate_batch`` on the same ids (greedy,
     EOS disabled with eos_token_id=-1), a KV cache of the engine's token capacity."""
-    t0 = time.perf_counter()
-    torch, model, tok = _hf_model(dtype)
+    (torch, model, tok), load_s = timed(_hf_model, dtype)
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    load_s = time.perf_counter() - t0
     rss_load = rss_mb()
     ids = prompt_ids(tok)
 
@@ -216,11 +217,14 @@ def w_hf_cb(dtype: str, repeats: int, new_tokens: int) -> dict:
             page_size=HF_PAGE_SIZE, num_blocks=HF_NUM_BLOCKS, max_batch_tokens=512
         )
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = model.generate_batch(
-                ids, generation_config=gc, continuous_batching_config=cb, max_new_tokens=n
+            out, s = timed(
+                model.generate_batch,
+                ids,
+                generation_config=gc,
+                continuous_batching_config=cb,
+                max_new_tokens=n,
             )
-            return time.perf_counter() - t0, list(out.values())
+            return s, list(out.values())
 
     run(8)  # warm-up
     walls, tokens, problems = [], None, []
@@ -252,9 +256,7 @@ def w_hf_generate(dtype: str, repeats: int, new_tokens: int) -> dict:
     """transformers ``generate`` (eager: not compiled, its default SDPA attention) on the
     16 prompts left-padded into one batch, greedy, exactly ``new_tokens`` each
     (min_new_tokens). Also the memory baseline of plain transformers."""
-    t0 = time.perf_counter()
-    torch, model, tok = _hf_model(dtype)
-    load_s = time.perf_counter() - t0
+    (torch, model, tok), load_s = timed(_hf_model, dtype)
     rss_load = rss_mb()
     ids = prompt_ids(tok)
     width = max(len(x) for x in ids)
@@ -264,8 +266,8 @@ def w_hf_generate(dtype: str, repeats: int, new_tokens: int) -> dict:
 
     def run(n: int):
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = model.generate(
+            out, s = timed(
+                model.generate,
                 input_ids=input_ids,
                 attention_mask=mask,
                 max_new_tokens=n,
@@ -273,7 +275,7 @@ def w_hf_generate(dtype: str, repeats: int, new_tokens: int) -> dict:
                 do_sample=False,
                 pad_token_id=pad,
             )
-            return time.perf_counter() - t0, out[:, width:].tolist()
+            return s, out[:, width:].tolist()
 
     run(4)  # warm-up
     walls, tokens = [], None

@@ -1,9 +1,9 @@
 """The engine benchmark's settings, prompts and small helpers (engine.py and its
-report and llama.cpp modules share them)."""
+report and llama.cpp modules share them); the generic ones (memory, FLOPs) are in
+torch_topg.bench."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -62,46 +62,6 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return out
 
 
-def _status_mb(field: str, pid: int | str = "self") -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def rss_mb(pid: int | str = "self") -> float | None:
-    return _status_mb("VmRSS", pid)
-
-
-def peak_rss_mb(pid: int | str = "self") -> float | None:
-    return _status_mb("VmHWM", pid)
-
-
-def resident_mb(tensors) -> float | None:
-    """Bytes of ``tensors``' memory that is resident (mincore), in MB: how much of the
-    engine's KV pool (torch.empty, committed as blocks are first written) is in RSS."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = 0
-        for t in tensors:
-            start = t.data_ptr() // page * page
-            end = t.data_ptr() + t.numel() * t.element_size()
-            n = -(-(end - start) // page)
-            vec = (ctypes.c_ubyte * n)()
-            if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
-                return None
-            total += sum(v & 1 for v in vec) * page
-        return total / 2**20
-    except (OSError, AttributeError):
-        return None
-
-
 def _torch_dtype(name: str):
     import torch
 
@@ -134,36 +94,7 @@ def model_shape() -> dict:
     """Sizes from SmolLM2's config (for the FLOP count)."""
     from transformers import AutoConfig
 
+    from torch_topg.bench.models import decoder_shape
     from torch_topg.models.hf import smollm2_folder
 
-    c = AutoConfig.from_pretrained(smollm2_folder())
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    h, i, kv, q = c.hidden_size, c.intermediate_size, c.num_key_value_heads, c.num_attention_heads
-    per_layer = h * q * hd + 2 * h * kv * hd + q * hd * h + 3 * h * i + 2 * h  # attn, mlp, norms
-    non_emb = c.num_hidden_layers * per_layer + h  # + final norm; tied LM head not counted
-    return {
-        "layers": c.num_hidden_layers,
-        "hidden": h,
-        "heads": q,
-        "kv_heads": kv,
-        "head_dim": hd,
-        "vocab": c.vocab_size,
-        "params_non_embedding": non_emb,
-        "params_embedding": c.vocab_size * h,
-        "tied": bool(getattr(c, "tie_word_embeddings", False)),
-    }
-
-
-def round_flops(shape: dict, prompt_lens: list[int], new_tokens: int) -> float:
-    """FLOPs of one round: per request, every prompt token and every generated token but
-    the last passes the model once (T = P + G - 1 positions):
-    2 * N_non_emb * T + 4 * L * H_q * d_head * sum_{t=1..T} t (QK^T and PV, causal)."""
-    n, attn = (
-        shape["params_non_embedding"],
-        4 * shape["layers"] * shape["heads"] * shape["head_dim"],
-    )
-    total = 0.0
-    for p in prompt_lens:
-        t = p + new_tokens - 1
-        total += 2 * n * t + attn * t * (t + 1) / 2
-    return total
+    return decoder_shape(AutoConfig.from_pretrained(smollm2_folder()))

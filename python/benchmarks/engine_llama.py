@@ -21,9 +21,10 @@ from engine_common import (
     THREADS,
     TTFT_PROMPT,
     med,
-    peak_rss_mb,
-    rss_mb,
 )
+
+from torch_topg.bench import Stopwatch
+from torch_topg.bench.memory import peak_rss_mb, rss_mb
 
 #: gguf_for's targets: llama-quantize's type names.
 GGUF_KINDS = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
@@ -123,12 +124,13 @@ def run_llama_server(
                     res[j] = e
 
             threads = [threading.Thread(target=go, args=(j,)) for j in range(len(ids))]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
+            sw = Stopwatch()
+            with sw.lap():
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            wall = sw.last
             errs = [r for r in res if isinstance(r, BaseException)]
             if errs:
                 raise RuntimeError(f"request failed: {errs[0]!r}")

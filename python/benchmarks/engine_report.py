@@ -14,8 +14,9 @@ from engine_common import (
     TTFT_PROMPT,
     med,
     pct,
-    round_flops,
 )
+
+from torch_topg.bench.models import round_flops
 
 
 def agreement(

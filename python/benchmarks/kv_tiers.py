@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_topg.bench import Stats, new_record, write_record
+from torch_topg.bench import Stats, Stopwatch, new_record, write_record
 from torch_topg.bench.machine import machine_info
 from torch_topg.bench.timing import summarize
 from torch_topg.engine import Engine
@@ -74,11 +74,11 @@ def encode(tok, messages: list[dict]) -> list[int]:
 
 def ttft(eng: Engine, ids: list[int], **kw) -> tuple[float, int]:
     """Seconds to the first token of one request, and its cached prompt tokens."""
-    t0 = time.perf_counter()
-    h = eng.submit(ids, max_new_tokens=1, temperature=0.0, **kw)
-    next(iter(h))
-    dt = time.perf_counter() - t0
-    return dt, h.result().cached_prompt_tokens
+    sw = Stopwatch()
+    with sw.lap():
+        h = eng.submit(ids, max_new_tokens=1, temperature=0.0, **kw)
+        next(iter(h))
+    return sw.last, h.result().cached_prompt_tokens
 
 
 # --- 1. the shared system prompt ----------------------------------------------------------
@@ -189,12 +189,13 @@ def run_conversations(eng: Engine, convs: int, turns: int, new_tokens: int, sess
                         return
                     c = order.pop()
                 ids = encode(tok, hist[c])
-                t0 = time.perf_counter()
-                h = eng.submit(ids, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                               session_id=f"conv-{c}" if sessions else None)  # fmt: skip
-                it = iter(h)
-                next(it)
-                first = time.perf_counter() - t0
+                sw = Stopwatch()
+                with sw.lap():
+                    h = eng.submit(ids, max_new_tokens=new_tokens, temperature=0.0,
+                                   ignore_eos=True,
+                                   session_id=f"conv-{c}" if sessions else None)  # fmt: skip
+                    next(iter(h))
+                first = sw.last
                 res = h.result()
                 with lock:
                     if t > 0:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import torch_topg
+from torch_topg.bench import timed
 from torch_topg.models import load_smollm2
 
 FORMATS = [None, "q8_0", "int8", "int4_g32", "int4_g64", "int4_g128"]
@@ -73,10 +74,9 @@ def decode_ms(quantization: str | None, tokens: int = 64) -> float:
     with Engine.from_pretrained(quantization=quantization, seed=0) as eng:
         prompt = [{"role": "user", "content": "Tell me about the history of Paris."}]
         eng.generate(prompt, max_new_tokens=4, temperature=0)  # warm-up
-        t0 = time.perf_counter()
-        out = eng.generate(prompt, max_new_tokens=tokens, temperature=0, ignore_eos=True)[0]
-        first = time.perf_counter() - t0
-        return first * 1e3 / len(out.token_ids)
+        out, s = timed(eng.generate, prompt, max_new_tokens=tokens, temperature=0,
+                       ignore_eos=True)  # fmt: skip
+        return s * 1e3 / len(out[0].token_ids)
 
 
 def vs_llama(args) -> None:
@@ -144,12 +144,11 @@ def main() -> None:
     ref = None
     for fmt in FORMATS if args.chunks else []:
         model = base if fmt is None else torch_topg.quantize(copy.deepcopy(base), fmt)
-        t0 = time.perf_counter()
-        ppl = perplexity(model, ids)
+        ppl, s = timed(perplexity, model, ids)
         ref = ppl if ref is None else ref
         name = fmt or "fp32 (= q4_1 file)"
         print(f"{name:20s} ppl {ppl:8.4f}  {100 * (ppl / ref - 1):+6.2f}%  "
-              f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+              f"({s:.1f} s)")  # fmt: skip
     if args.decode:
         for q in (None, "gguf", "int8", "int4"):
             print(f"decode {q or 'fp32'}: {decode_ms(q):.1f} ms/token")

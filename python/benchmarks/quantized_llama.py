@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine_common import DECODE_CONTEXT, DECODE_TOKENS, MAX_MODEL_LEN, TTFT_PROMPT
 
-from torch_topg.bench.timing import summarize
+from torch_topg.bench.timing import summarize, timed
 
 #: Formats compared, in order: the shipped file first.
 LLAMA_FORMATS = ("q4_1", "q8_0", "q4_0")
@@ -55,15 +55,13 @@ class EngineSide:
     one TTFT (a random 512-token prompt). Both sides of a file draw the same prompts."""
 
     def __init__(self, path: Path, int8_activations: bool) -> None:
-        import time
 
         from torch_topg.engine import Engine
 
-        t0 = time.perf_counter()
         q = {"method": "gguf", "int8_activations": int8_activations}
-        self.eng = Engine.from_pretrained(str(path), quantization=q, max_batch_size=1,
-                                          max_model_len=MAX_MODEL_LEN, prefix_caching=False)  # fmt: skip
-        self.load_s = time.perf_counter() - t0
+        self.eng, self.load_s = timed(Engine.from_pretrained, str(path), quantization=q,
+                                      max_batch_size=1, max_model_len=MAX_MODEL_LEN,
+                                      prefix_caching=False)  # fmt: skip
         self.rng = random.Random(0)
         self.kw = dict(temperature=0, ignore_eos=True)
         self.decode: list[float] = []

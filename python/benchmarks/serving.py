@@ -7,7 +7,7 @@ once from the sources vendored in llama-cpp-python (``llama_cpp_build.py``; if t
 the run says why and measures topg alone), runs with ``--jinja`` (the GGUF's own chat
 template) and ``--parallel`` equal to the concurrency, otherwise its defaults (its
 prompt cache on: it reuses a slot's prefix, which ``shared-prefix`` rewards). Requests
-are streamed chat completions sent by ``torch_topg.serve.loadgen`` (the ``bench serve``
+are streamed chat completions sent by ``torch_topg.client.loadgen`` (the ``bench serve``
 load generator): greedy, ``ignore_eos``, ``--max-tokens`` each, at each concurrency level
 on the ``chat`` and ``shared-prefix`` datasets; per level output tokens/s and TTFT / TPOT
 / ITL / e2e percentiles on the client's clock. Both servers are up side by side and each
@@ -46,8 +46,8 @@ from llama_cpp_build import LlamaCppUnavailable, ensure_llama_cpp  # noqa: E402
 
 from torch_topg.bench.machine import machine_info  # noqa: E402
 from torch_topg.bench.record import new_record, validate, write_record  # noqa: E402
-from torch_topg.serve.datasets import make_requests  # noqa: E402
-from torch_topg.serve.loadgen import level_row, run_level, served_model  # noqa: E402
+from torch_topg.client.datasets import make_requests  # noqa: E402
+from torch_topg.client.loadgen import level_row, run_level, served_model  # noqa: E402
 
 THREADS = 2
 CTX_PER_SLOT = 1024  # llama-server's -c is split between its slots

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_topg.bench import machine_info, new_record
+from torch_topg.bench import Stopwatch, machine_info, new_record
 from torch_topg.bench.record import write_record
 from torch_topg.bench.timing import summarize
 from torch_topg.engine import Engine
@@ -124,10 +124,13 @@ SERIAL = 4
 def run(engine: Engine, prompts: list, spec: bool, new: int) -> tuple[int, float, list, float]:
     """Tokens, wall time until the last request ends, speculation statistics per
     request, and the mean time from submission to each request's last token."""
-    t0 = time.perf_counter()
-    hs = [engine.submit(p, max_new_tokens=new, temperature=0, speculative=spec) for p in prompts]
-    outs = [h.result() for h in hs]
-    dt = time.perf_counter() - t0
+    sw = Stopwatch()
+    with sw.lap():
+        hs = [
+            engine.submit(p, max_new_tokens=new, temperature=0, speculative=spec) for p in prompts
+        ]
+        outs = [h.result() for h in hs]
+    dt = sw.last
     done = statistics.mean(o.outputs[0].token_times[-1] for o in outs)  # from arrival
     return (sum(len(o.token_ids) for o in outs), dt, [o.outputs[0].speculative for o in outs],
             done)  # fmt: skip

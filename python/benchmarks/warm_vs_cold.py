@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Rotation, regime_of, size
-
 import torch_topg
 from torch_topg.bench import Budget, compare, describe, machine_info, read_probe, summarize
+from torch_topg.bench.rows import Rotation, regime_of, size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

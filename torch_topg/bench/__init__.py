@@ -3,7 +3,8 @@
 * ``compare(variants)`` times variants in interleaved rounds after a warm-up and returns
   per-round samples; ``Comparison.ms(name)`` and ``Comparison.ratio(a, b)`` summarise a
   figure or a per-round ratio as ``Stats`` (median and spread). ``bench(fn)`` times one
-  callable. ``verdict(ratio, target)`` says "met", "missed", or either "within noise".
+  callable; ``Stopwatch`` one-off events (``with sw.lap(): ...``). On a GPU the samples
+  are CUDA events (``timing_device``). ``verdict(ratio, target)`` says "met", "missed", or either "within noise".
 * ``read_probe()``, ``read_bandwidth_stats()``, ``llc_bytes()``, ``classify()``, ``cold_copies()``,
   ``theoretical_peak()``, ``gemm_stats()``, ``machine_info()``: the limits (machine.py).
 * ``new_record()``, ``write_record()``, ``load_record()``, ``compare_records()``: the JSON
@@ -38,13 +39,19 @@ from torch_topg.bench.record import (
 from torch_topg.bench.timing import (
     Budget,
     Comparison,
+    CudaClock,
+    HostClock,
     Stats,
+    Stopwatch,
     Timing,
     bench,
     compare,
     quantile,
     summarize,
+    timed,
+    timing_device,
     verdict,
+    wall_clock,
 )
 
 __all__ = [
@@ -52,7 +59,10 @@ __all__ = [
     "SCHEMA",
     "Budget",
     "Comparison",
+    "CudaClock",
+    "HostClock",
     "Stats",
+    "Stopwatch",
     "Timing",
     "bench",
     "classify",
@@ -75,6 +85,9 @@ __all__ = [
     "remeasure",
     "summarize",
     "theoretical_peak",
+    "timed",
+    "timing_device",
     "verdict",
+    "wall_clock",
     "write_record",
 ]

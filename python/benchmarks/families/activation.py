@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import Row, measure
 from transformers.activations import ACT2FN
 
 import torch_topg
 from torch_topg import reference
+from torch_topg.bench.rows import Row, measure
 
 
 def run(quick: bool) -> list[Row]:

@@ -20,11 +20,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import Rotation, Row, measure, single
 
 import torch_topg
 from torch_topg import reference
 from torch_topg.bench import cold_copies
+from torch_topg.bench.rows import Rotation, Row, measure, single
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

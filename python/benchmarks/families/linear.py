@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import Rotation, Row, measure
 
 import torch_topg
 from torch_topg import reference
+from torch_topg.bench.rows import Rotation, Row, measure
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -20,9 +20,9 @@ CPU has AVX-512 VNNI (gemm_q8_vnni.h).
 from __future__ import annotations
 
 import torch
-from common import Rotation, Row, measure
 
 import torch_topg
+from torch_topg.bench.rows import Rotation, Row, measure
 from torch_topg.quant import quantize_weight
 
 FORMATS = ("q8_0", "int8", "q4_0", "q4_1", "int4_g64", "int4_g128")

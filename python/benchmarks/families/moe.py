@@ -11,10 +11,10 @@ compute-bound: "of best" (the best rate any variant reached) and "of peak".
 from __future__ import annotations
 
 import torch
-from common import Rotation, Row, measure
 
 import torch_topg
 from torch_topg import reference
+from torch_topg.bench.rows import Rotation, Row, measure
 
 E, K, H, INTER = 8, 2, 1024, 1408
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

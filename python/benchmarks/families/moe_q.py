@@ -13,10 +13,10 @@ fraction of the read bandwidth over the bytes each variant must read (its own fo
 from __future__ import annotations
 
 import torch
-from common import Rotation, Row, measure
 
 import torch_topg
 from families.moe import INTER, E, H, K, routing
+from torch_topg.bench.rows import Rotation, Row, measure
 from torch_topg.quant import quantize_weight
 
 FORMATS = ("q8_0", "q4_0", "q4_1", "int4_g64")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import Row, measure
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import torch_topg
 from torch_topg import reference
+from torch_topg.bench.rows import Row, measure
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

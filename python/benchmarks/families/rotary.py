@@ -7,11 +7,11 @@ largest, T=512 llama8b fp32, is 10 MiB) and not compared with the DRAM limit.
 from __future__ import annotations
 
 import torch
-from common import Row, measure
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import torch_topg
+from torch_topg.bench.rows import Row, measure
 
 # (name, heads, kv heads, head_dim): SmolLM2-135M and a Llama-3-8B-like shape.
 SHAPES = [("smollm2", 9, 3, 64), ("llama8b", 32, 8, 128)]
@@ -42,7 +42,7 @@ def run(quick: bool) -> list[Row]:
 
                 cos, sin = rope(q, pos)
                 # In place: q, k and T rows of the cos/sin cache come from DRAM; q and k
-                # are written back (not counted: see common.py).
+                # are written back (not counted: see torch_topg/bench/rows.py).
                 nbytes = (qt.numel() + kt.numel()) * qt.element_size()
                 nbytes += tokens * d * cache.element_size()
                 with torch.inference_mode():

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from common import Row, measure
 
 import torch_topg
+from torch_topg.bench.rows import Row, measure
 
 
 def hf_router(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,10 @@ import argparse
 import copy
 import random
 import statistics
-import time
 
 import torch
 
+from torch_topg.bench import Stopwatch, wall_clock
 from torch_topg.engine import Engine
 from torch_topg.models import build_model
 
@@ -45,15 +45,12 @@ def hf_ms(model, prompt: list[int], tokens: int, device: str) -> float:  # type:
     ids = torch.tensor([prompt], device=device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
 
+    sw = Stopwatch(clock=wall_clock(device))
+
     def run(n: int) -> float:
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
+        with sw.lap(), torch.inference_mode():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return sw.last
 
     run(2)
     return (run(tokens + 1) - run(1)) / tokens * 1e3

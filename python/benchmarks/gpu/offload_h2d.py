@@ -8,35 +8,29 @@ Rows (with the targets set when offload was built):
       offload reader bytes/s over pinned memcpy bytes/s            >= 0.80
   mixtral-360m bf16 prefill (128 tokens), weights offloaded to host, depth 0..3:
       forward / max(compute-only, transfer-only)                    <= 1.10
-Timing: wall clock around torch.cuda.synchronize(), best of a few runs (the copies run on
+Timing: ``torch_topg.bench.wall_clock`` (the host's clock after torch.cuda.synchronize()),
+best of a few runs (the copies run on
 their own stream from a host thread, so CUDA events on one stream would miss them).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 from collections.abc import Callable
 
 import torch
 
 import torch_topg
+from torch_topg.bench import bench, wall_clock
 from torch_topg.models import build_model
 
 DEV = "cuda"
 
 
 def best_s(fn: Callable[[], object], reps: int = 3) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return min(out)
+    clock = wall_clock(DEV)
+    return bench(fn, warmup=1, min_runs=reps, max_runs=reps, min_time_s=0.0, clock=clock).min_s
 
 
 def quiet(model, **kw):  # type: ignore[no-untyped-def]

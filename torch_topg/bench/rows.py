@@ -1,6 +1,6 @@
-"""What every op benchmark family shares: the row, how it is measured, and its limit.
+"""An op benchmark's row: its variants timed side by side, and their physical limit.
 
-A family module (``families/<family>.py``) exposes ``run(quick: bool) -> list[Row]`` and
+A family module of the op benchmark (``python/benchmarks/families/<family>.py``) exposes ``run(quick: bool) -> list[Row]`` and
 builds each row with ``measure(...)``: the variants (``"topg"`` first, then the
 baselines) are timed by ``torch_topg.bench.compare`` in interleaved rounds, and every
 figure and ratio is a ``Stats`` (median and spread).

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_topg.bench.timing import Stats, quantile
-from torch_topg.serve.datasets import DATASETS, Messages, make_requests
+from torch_topg.client.datasets import DATASETS, Messages, make_requests
 
 try:  # the same API under either name; starlette's TestClient accepts both too
     import httpx

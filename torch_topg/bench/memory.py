@@ -1,0 +1,71 @@
+"""A process's memory, as the benchmarks report it (Linux ``/proc``; ``None`` elsewhere).
+
+* ``rss_mb(pid)`` / ``peak_rss_mb(pid)``: the resident set now (VmRSS) and its peak
+  (VmHWM), in MB (2^20 bytes), of this process or another (a server under test).
+* ``reset_peak_rss()``: the peak restarts from the current resident set, so the peak
+  read afterwards is that of the run, not of loading (which converts weights).
+* ``resident_mb(tensors)``: how much of some tensors' memory is resident (``mincore``):
+  a KV pool made with ``torch.empty`` is committed only as its blocks are written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+
+def _status_mb(field: str, pid: int | str = "self") -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_mb(pid: int | str = "self") -> float | None:
+    """The resident set (VmRSS) of ``pid``, MB."""
+    return _status_mb("VmRSS", pid)
+
+
+def peak_rss_mb(pid: int | str = "self") -> float | None:
+    """The peak resident set (VmHWM) of ``pid``, MB; for this process without
+    ``/proc``, ``getrusage``'s maximum."""
+    peak = _status_mb("VmHWM", pid)
+    if peak is None and pid == "self":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak
+
+
+def reset_peak_rss() -> None:
+    """Linux: restart this process's peak (VmHWM) from its current resident set."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def resident_mb(tensors: Iterable[torch.Tensor]) -> float | None:
+    """MB of ``tensors``' memory that is resident (``mincore``), pages counted once per
+    tensor; ``None`` where ``mincore`` is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = 0
+        for t in tensors:
+            start = t.data_ptr() // page * page
+            end = t.data_ptr() + t.numel() * t.element_size()
+            n = -(-(end - start) // page)
+            vec = (ctypes.c_ubyte * n)()
+            if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+                return None
+            total += sum(v & 1 for v in vec) * page
+        return total / 2**20
+    except (OSError, AttributeError):
+        return None

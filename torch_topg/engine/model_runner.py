@@ -121,7 +121,7 @@ class ModelRunner:
     def relower(self) -> None:
         """(Re)build the decode plan from the model's current tensors, or keep the reason
         it does not lower in :attr:`plan_reason`."""
-        from torch_topg.engine.decode_plan import Unsupported, lower
+        from torch_topg.compile.decode_plan import Unsupported, lower
 
         self.plan, self._plan_tried = None, True
         if self._plan_wanted is not True:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_topg.quant.formats import dequantize, get_format
+from torch_topg.formats import dequantize, get_format
 from torch_topg.quant.packing import quantize_weight
 
 

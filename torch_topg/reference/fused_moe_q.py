@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_topg.quant.formats import dequantize, quantize_activations
+from torch_topg.formats import dequantize, quantize_activations
 from torch_topg.reference.fused_moe import _ACTIVATIONS
 
 

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_topg.engine.model_runner import ModelRunner, PackedBatch
+from torch_topg.engine.batch import PackedBatch
+from torch_topg.engine.model_runner import ModelRunner
 
 CMD_STEP, CMD_STOP, CMD_COPY = 1, 2, 3
 HEADER = 5  # [command, T, S, max_blocks, R]; CMD_COPY: [command, pairs, 0, 0, 0]
@@ -345,7 +346,7 @@ def _follow(spec: Spec, cmd: Any, device: torch.device) -> None:
     )  # fmt: skip
     restore = None
     if spec.deterministic:
-        from torch_topg.engine.engine import batch_invariant_mode
+        from torch_topg.modes import batch_invariant_mode
 
         restore = batch_invariant_mode()
     _ready(cmd).wait()

@@ -123,6 +123,11 @@ class TPGroup:
         self._restore: list[Any] = []
         self.store: Any = None  # spawned workers: rank 0's TCPStore (its server)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the workers are stopped)."""
+        return self._closed
+
     def dead(self) -> str | None:
         """Which workers have exited, or None."""
         gone = [
@@ -242,7 +247,7 @@ class TPModelRunner(ModelRunner):
         with g.lock:
             if g.broken is not None:
                 raise RuntimeError(g.broken)
-            if g._closed:
+            if g.closed:
                 raise RuntimeError(f"Engine(tp_size={g.tp_size}): the workers are stopped")
             gone = g.dead()
             if gone:

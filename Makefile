@@ -79,10 +79,12 @@ bench: build
 	$(PY) python/benchmarks/engine.py --dtype fp32,bf16 --md bench_results/engine.md
 
 # --no-cache: a warm .ruff_cache once hid unformatted Markdown code blocks that a clean
-# checkout (CI) reports.
+# checkout (CI) reports. lint-imports: the package's layers (pyproject.toml
+# [tool.importlinter]; it reads this checkout's sources, no build needed).
 lint: venv
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --no-cache --check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 
 format: venv

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torch_topg import _native
+from torch_topg.compile.decode_plan import MODEL_TYPES, Unsupported, lower, profile
 from torch_topg.engine import Engine
-from torch_topg.engine.decode_plan import MODEL_TYPES, Unsupported, lower, profile
 from torch_topg.engine.model_runner import ModelRunner
 
 pytest.importorskip("transformers")

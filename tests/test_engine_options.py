@@ -32,7 +32,7 @@ def test_docs_table_is_the_options_list():
     text = (ROOT / "docs" / "engine.md").read_text()
     block = text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN) : text.index(TABLE_END)].strip()
     assert block == markdown_table(), (
-        "docs/engine.md's options table is stale: python -m torch_topg.engine.options "
+        "docs/engine.md's options table is stale: python -m torch_topg options "
         "--write docs/engine.md"
     )
     for n in names():

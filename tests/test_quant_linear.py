@@ -16,8 +16,8 @@ from op_samples import Gen, packed_weight
 
 import torch_topg
 from torch_topg import reference
+from torch_topg.formats import quantize_activations
 from torch_topg.quant import FORMATS, GGUF_FORMATS
-from torch_topg.quant.formats import quantize_activations
 
 gguf = pytest.importorskip("gguf")
 

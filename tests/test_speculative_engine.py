@@ -64,7 +64,7 @@ def test_adaptive_prompt_lookup_forgets_finished_sequences():
     spec = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     with _engine(spec) as eng:
         eng.generate(_looping_prompts(), max_new_tokens=24, **GREEDY)
-        sp = eng.spec
+        sp = eng.proposer
         keys = list(sp.ctl._seqs)
         assert keys and all(isinstance(k, tuple) and 0 <= k[1] <= 3 for k in keys)
         assert sp.stats.proposals > 0

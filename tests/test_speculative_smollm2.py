@@ -71,9 +71,9 @@ def test_greedy_text_identical_in_a_mixed_batch(engine, want):
     assert got[2].outputs[0].speculative is None
     sp = engine.stats()["speculative"]
     assert sp["proposals"] > 0, sp
-    if engine.spec.cfg.method == "ngram":  # the repeated sentence is found in the prompt
+    if engine.proposer.cfg.method == "ngram":  # the repeated sentence is found in the prompt
         assert got[1].outputs[0].speculative["mean_accepted_length"] > 1.5
-    if engine.spec.cfg.method == "draft":
+    if engine.proposer.cfg.method == "draft":
         assert sp["acceptance_rate"] == 1.0
 
 
@@ -89,5 +89,5 @@ def test_stop_strings_inside_accepted_runs(engine, want):
             out = engine.generate(PROMPTS[1], max_new_tokens=48, temperature=0, stop=[stop])[0]
             assert out.finish_reason == "stop"
             assert out.text == text[: text.index(stop)]
-    if engine.spec.cfg.method == "ngram":
+    if engine.proposer.cfg.method == "ngram":
         assert engine.stats()["speculative"]["mean_accepted_length"] > 1.5

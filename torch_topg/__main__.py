@@ -15,6 +15,9 @@ percentiles, as a table and a record (``--json``).
 ``python -m torch_topg monitor URL [--interval S] [--once]`` is a live terminal view of a
 running server, from its ``/metrics``.
 
+``python -m torch_topg options [--write docs/engine.md]`` prints the engine's options as
+the markdown table of docs/engine.md (``--write``: replaces that table in the file).
+
 ``python -m torch_topg serve [--model M] [--host H] [--port P] [engine options]`` serves
 the model over an OpenAI-compatible HTTP API (the ``serve`` extra; ``serve --help``,
 docs/serve.md).
@@ -83,6 +86,22 @@ def bench_main(argv: list[str]) -> int:
     return 0
 
 
+def options_main(argv: list[str]) -> int:
+    from torch_topg.engine.options import markdown_table, rewrite_table
+
+    p = argparse.ArgumentParser(prog="python -m torch_topg options")
+    p.add_argument("--write", metavar="FILE", help="replace the options table in FILE")
+    args = p.parse_args(argv)
+    if args.write is None:
+        print(markdown_table())
+        return 0
+    with open(args.write) as f:
+        text = rewrite_table(f.read())
+    with open(args.write, "w") as f:
+        f.write(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -96,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         from torch_topg.client.monitor import monitor_main
 
         return monitor_main(argv[1:])
+    if argv[0] == "options":
+        return options_main(argv[1:])
     if argv[0] == "serve":
         from torch_topg.serve.cli import serve_main
 

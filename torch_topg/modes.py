@@ -1,9 +1,11 @@
-"""Process-wide kernel modes: ``torch_topg.index_checks``; the CPU kernels' forms."""
+"""Process-wide kernel modes: ``torch_topg.index_checks``, batch invariance, the CPU kernels'
+forms."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,6 +39,24 @@ def index_checks(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         set_index_checks(prev)
+
+
+def batch_invariant_mode() -> Callable[[], None]:
+    """Turn on the kernels' batch-invariant mode (``topg::_set_batch_invariant``: a row's
+    result does not depend on the other rows of the batch) for the whole process; returns
+    the function that restores the previous setting. ``Engine(deterministic=True)`` uses
+    it. Without the native kernels the reference runs, whose invariance is not guaranteed:
+    a ``RuntimeWarning`` says so and nothing changes."""
+    if not _native.is_loaded():
+        warnings.warn(
+            "Engine(deterministic=True): the native kernels are not loaded, so the reference "
+            "fallback runs and batch invariance is not guaranteed",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return lambda: None
+    prev = torch.ops.topg._set_batch_invariant.default(True)
+    return lambda: torch.ops.topg._set_batch_invariant.default(prev)
 
 
 def cpu_kernels() -> list[str]:

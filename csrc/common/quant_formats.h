@@ -1,4 +1,4 @@
-// The packed weight formats of torch_topg/quant/formats.py: names, block sizes and row
+// The packed weight formats of torch_topg/formats.py: names, block sizes and row
 // bytes, shared by the CPU kernels (cpu/quant_kernels.h) and the CUDA ones
 // (cuda/quant.cuh). Torch-free and intrinsics-free; usable in device code.
 #pragma once
@@ -31,7 +31,7 @@ struct Format {
   }
 };
 
-// The format names of torch_topg/quant/formats.py.
+// The format names of torch_topg/formats.py.
 struct NamedFormat {
   const char* name;
   Format f;

@@ -2,7 +2,7 @@
 // call, for the engine's steps of at most 16 tokens: decode batches (one new token a
 // sequence) and speculative verify steps (k + 1 a sequence).
 //
-// Built once from the model's tensors (torch_topg/engine/decode_plan.py lowers the model
+// Built once from the model's tensors (torch_topg/compile/decode_plan.py lowers the model
 // and checks that it is the family this plan computes); run() then does the step without
 // Python or the dispatcher: the weights, KV caches and the rotary table are bound at
 // construction (read in place: in-place weight updates are seen; a replaced or converted

@@ -1,5 +1,5 @@
 // CPU kernel: topg::fused_moe_q, fused_moe over packed weight-only quantised experts
-// (formats: torch_topg/quant/formats.py; block math: quant_kernels.h).
+// (formats: torch_topg/formats.py; block math: quant_kernels.h).
 //
 //   1. counting sort of the T * k (token, slot) assignments by expert (moe_kernels.h);
 //   2. gate/up per hit expert: h[r] = act(x Wg^T) * (x Wu^T) over its gathered rows, in

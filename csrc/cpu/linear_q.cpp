@@ -1,5 +1,5 @@
 // CPU kernels: topg::linear_q and topg::embedding_q over packed weight-only quantised
-// weights (formats: torch_topg/quant/formats.py; block math: quant_kernels.h).
+// weights (formats: torch_topg/formats.py; block math: quant_kernels.h).
 //
 // linear_q, by the number of input rows M:
 //   M <= kQuantDotRows  GEMV: each packed weight row is read once (memory-bound) and

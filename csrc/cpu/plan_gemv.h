@@ -21,7 +21,7 @@
 namespace topg::plan {
 
 // A weight matrix [N, K]: in the model dtype, or packed in a quantised format
-// (torch_topg/quant/formats.py; one uint8 row of f->row_bytes(K) per output).
+// (torch_topg/formats.py; one uint8 row of f->row_bytes(K) per output).
 struct Lin {
   at::Tensor t;
   const quant::Format* f = nullptr;  // nullptr: the model dtype

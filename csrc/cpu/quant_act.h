@@ -39,7 +39,7 @@ inline bool use_vnni() {
 // The activations of a row, padded with zeros to a multiple of 32, are quantised per block
 // of 32: d = amax / 127, q = round-to-nearest-even(x * (1 / d)) (0 when d = 0), and the
 // block's code sum. A block holding NaN or inf gets d = NaN, so its row's results are
-// NaN. Model in Python: torch_topg.quant.formats.quantize_activations.
+// NaN. Model in Python: torch_topg.formats.quantize_activations.
 inline bool int8_dot(Fmt f) { return f != Fmt::q4_k && f != Fmt::q6_k; }
 
 // One block of 32, scalar: the definition (and the path of a block holding NaN or inf).

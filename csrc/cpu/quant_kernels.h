@@ -1,4 +1,4 @@
-// Weight-only quantised formats (torch_topg/quant/formats.py): block dequantisation and
+// Weight-only quantised formats (torch_topg/formats.py): block dequantisation and
 // the dot product of a float activation row with one packed weight row.
 //
 // Torch-free: raw pointers and the types of vec.h. Two dot products of a packed row:

@@ -177,7 +177,7 @@ def graph_ops(runner, b, steps: int = 10) -> list[dict]:
 
 
 def run_dtype(dtype: str, a, llama: dict | str) -> dict:
-    from torch_topg.engine.decode_plan import profile
+    from torch_topg.compile.decode_plan import profile
 
     res: dict = {"dtype": dtype}
     llama_run = None  # one llama-bench round, or None (the reason is in res["llama_error"])

@@ -104,7 +104,7 @@ def render(results: list[dict], meta: dict, shape: dict) -> tuple[str, str]:
         f"- torch_topg at {meta.get('commit', '?')}\n"
         f"- model: SmolLM2-135M-Instruct (same weights in every system); llama.cpp: "
         f"{meta['llama']}",
-        f"- fp32 GEMM rate of torch (1024^3, `torch_topg.utils.benchmark.gemm_rate`), measured "
+        f"- fp32 GEMM rate of torch (1024^3, `torch_topg.bench.gemm_rate`), measured "
         f"before every system in this run: best {gemm / 1e9:.1f} GFLOP/s (the reference for the "
         f"FLOP rates), worst {meta.get('gemm_min', gemm) / 1e9:.1f}; a low one means another "
         "process had the cores (the machine is shared).",

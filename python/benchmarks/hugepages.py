@@ -28,7 +28,7 @@ from decode_step import DTYPES, _engine, step_batch
 
 from torch_topg.bench import Budget, compare, new_record, write_record
 from torch_topg.bench.machine import machine_info
-from torch_topg.engine.decode_plan import lower
+from torch_topg.compile.decode_plan import lower
 from torch_topg.utils import hugepages
 
 BATCHES = (1, 8)

@@ -33,8 +33,8 @@ from quantized import eval_text
 from quantized_llama import gguf_file, llama_ids, topg_ppl
 
 from torch_topg.engine.loading import load_config
+from torch_topg.formats import dequantize
 from torch_topg.quant import modules
-from torch_topg.quant.formats import dequantize
 from torch_topg.quant.gguf_direct import load_packed
 
 

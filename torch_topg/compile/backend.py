@@ -11,7 +11,6 @@ generated Python calling native ops (or, with ``inductor=True``, goes to Inducto
 
 from __future__ import annotations
 
-import operator
 import time
 import warnings
 from collections.abc import Callable
@@ -22,17 +21,10 @@ import torch
 from torch import fx
 
 from torch_topg.compile import experts
+from torch_topg.compile.fx import INPLACE_FUNCTIONS, hint
 from torch_topg.compile.options import Options
 from torch_topg.compile.passes import PASSES, Context, Site
 
-_INPLACE_FUNCTIONS = {
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.setitem,
-}
 _warned: set[tuple[str, str]] = set()
 
 
@@ -77,7 +69,7 @@ def dce(graph: fx.Graph) -> None:
             continue
         if n.op == "call_method" and n.target.endswith("_"):
             continue
-        if n.op == "call_function" and (n.target in _INPLACE_FUNCTIONS or n.is_impure()):
+        if n.op == "call_function" and (n.target in INPLACE_FUNCTIONS or n.is_impure()):
             continue
         graph.erase_node(n)
 
@@ -106,18 +98,6 @@ def simplify(graph: fx.Graph) -> None:
 _CHAIN = ("transpose", "reshape", "view", "contiguous")
 
 
-def _hint(x: Any) -> Any:
-    """A node's example int/SymInt as a plain int (its hint), or a constant as is."""
-    if isinstance(x, fx.Node):
-        x = x.meta.get("example_value")
-    if isinstance(x, torch.SymInt):  # its hint, without guarding on it (no int(x))
-        hint = x.node.hint
-        if hint is None:
-            raise ValueError("no hint")
-        return hint
-    return x
-
-
 def _collapse_view_chains(graph: fx.Graph) -> None:
     """``a.transpose(1, 2).reshape(...).transpose(1, 2).contiguous().reshape(s)`` ->
     ``a.reshape(s)`` when ``a`` is a topg op's (contiguous) output and the chain keeps
@@ -143,12 +123,12 @@ def _collapse_view_chains(graph: fx.Graph) -> None:
             continue
         last = chain[shaped[-1]]
         try:
-            shape = [_hint(s) for s in v.shape]
+            shape = [hint(s) for s in v.shape]
             x = torch.arange(int(torch.tensor(shape).prod()) if shape else 1).view(shape)
             for c in chain[: shaped[-1] + 1]:
-                args = [_hint(a) for a in c.args[1:]]
+                args = [hint(a) for a in c.args[1:]]
                 if len(args) == 1 and isinstance(args[0], (tuple, list)):
-                    args = [_hint(a) for a in args[0]]
+                    args = [hint(a) for a in args[0]]
                 x = getattr(x, c.target)(*args)
             if not torch.equal(x.flatten(), torch.arange(x.numel())):
                 continue

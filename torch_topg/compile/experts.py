@@ -11,8 +11,9 @@ same semantics. The compiled decoder has no graph break whichever implementation
 model was loaded with.
 
 Variants ``fused_moe`` does not cover (a bias, no gate, transposed or interleaved
-weights, a custom gate, an unknown activation, expert parallelism) trace a copy of the
-original function instead, so their behaviour is unchanged.
+weights, a custom gate, an unknown activation, expert parallelism: the one check,
+:func:`torch_topg.ops.fused_moe.experts_supported`) trace a copy of the original
+function instead, so their behaviour is unchanged.
 
 The substitution is process-wide and applies to any backend (same semantics): it is
 installed when ``torch_topg.compile`` is imported, which ``backend="topg"`` does.
@@ -28,59 +29,12 @@ from typing import Any
 
 import torch
 
+from torch_topg.ops.fused_moe import experts_activation, experts_supported
+
 _lock = threading.Lock()
 _registered: set[int] = set()
 #: Names of the functions substituted so far (for explain and the tests).
 SUBSTITUTED: list[str] = []
-
-_ACTIVATIONS = {
-    "SiLUActivation": "silu",
-    "SiLU": "silu",
-    "GELUActivation": "gelu",
-    "GELUTanh": "gelu_tanh",
-    "PytorchGELUTanh": "gelu_tanh",
-    "NewGELUActivation": "gelu_tanh",
-    "FastGELUActivation": "gelu_tanh",
-}
-
-
-def _activation(module: Any) -> str | None:
-    act = getattr(module, "act_fn", None)
-    name = _ACTIVATIONS.get(type(act).__name__)
-    if name == "gelu" and getattr(act, "act", None) is not torch.nn.functional.gelu:
-        return None  # the erf-in-Python variant: same math, but do not assume
-    if name == "gelu_tanh" and type(act).__name__ in ("GELUTanh", "PytorchGELUTanh"):
-        inner = getattr(act, "act", None)
-        if inner is not None and getattr(inner, "func", None) is not torch.nn.functional.gelu:
-            return None
-    return name
-
-
-def unsupported(module: Any) -> str | None:
-    """Why ``fused_moe`` cannot run this experts module, or None when it can."""
-    if getattr(module, "has_bias", False):
-        return "experts with bias"
-    if not getattr(module, "has_gate", True):
-        return "experts without a gate projection"
-    if getattr(module, "is_transposed", False):
-        return "transposed expert weights"
-    if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up weights"
-    if getattr(module, "has_post_expert_norm", False):
-        return "post-expert norm"
-    if getattr(module, "_is_expert_parallel", False):
-        return "expert parallel"
-    apply_gate = getattr(type(module), "_apply_gate", None)
-    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
-        return "custom gate function"
-    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor):
-        return "no gate_up_proj / down_proj tensors"
-    if gu.dim() != 3 or down.dim() != 3 or gu.shape[1] != 2 * down.shape[2]:
-        return "expert weights are not [E, 2I, H] / [E, H, I]"
-    if _activation(module) is None:
-        return f"activation {type(getattr(module, 'act_fn', None)).__name__}"
-    return None
 
 
 def _copy(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -98,7 +52,7 @@ def _make_substitute(original: Callable[..., Any]) -> Callable[..., Any]:
     fallback = _copy(original)
 
     def _topg_experts(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        if args or kwargs or unsupported(self) is not None or hidden_states.dim() != 2:
+        if args or kwargs or experts_supported(self) is not None or hidden_states.dim() != 2:
             return fallback(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         weights = top_k_weights
         if weights.dtype not in (torch.float32, hidden_states.dtype):
@@ -109,7 +63,7 @@ def _make_substitute(original: Callable[..., Any]) -> Callable[..., Any]:
             self.down_proj,
             weights,
             top_k_index,
-            activation=_activation(self),
+            activation=experts_activation(self),
         )
 
     return _topg_experts

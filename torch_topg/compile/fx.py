@@ -18,6 +18,17 @@ from torch import fx
 
 Node = fx.Node
 
+#: Functions that write their first argument (augmented assignment, ``x[i] = v``): a
+#: graph keeps them whether or not their result is used.
+INPLACE_FUNCTIONS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.setitem,
+}
+
 _FUNCTIONS: dict[Any, str] = {
     torch._C._nn.linear: "linear",
     F.linear: "linear",
@@ -148,3 +159,15 @@ def copy_meta(dst: Node, src: Node) -> Node:
     if "example_value" in src.meta:
         dst.meta["example_value"] = src.meta["example_value"]
     return dst
+
+
+def hint(x: Any) -> Any:
+    """A node's example int/SymInt as a plain int (its hint), or a constant as is."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("example_value")
+    if isinstance(x, torch.SymInt):  # its hint, without guarding on it (no int(x))
+        h = x.node.hint
+        if h is None:
+            raise ValueError("no hint")
+        return h
+    return x

@@ -4,7 +4,7 @@
 ``backend="topg"`` gives dynamo one graph for the prefill and one for the decode steps.
 The decode graph (every sequence one new token, writing its K / V into the
 ``StaticCache`` tensors with ``index_copy_``) is the step the engine runs on its
-:mod:`~torch_topg.engine.decode_plan`. :func:`build` recognises it and returns a
+:mod:`~torch_topg.compile.decode_plan`. :func:`build` recognises it and returns a
 callable that runs the step as one ``topg.DecodePlan`` call over the static cache itself
 (``cache_layout="bhsd"``: each batch row is one block of ``max_cache_len`` tokens), with
 the compiled graph kept for the steps the plan does not compute (a padded batch).
@@ -15,7 +15,7 @@ reason is kept otherwise and the compiled graph runs, ``report.decode_plan``):
 - inputs ``input_ids`` ``[B, 1]`` (B <= 16) and ``position_ids`` ``[B, 1]`` (or none:
   then every row's position is the write position p); the model
   itself reachable from the parameters' sources (``L['self']._modules[...]``) and
-  lowerable (:func:`~torch_topg.engine.decode_plan.lower`);
+  lowerable (:func:`~torch_topg.compile.decode_plan.lower`);
 - the only writes to graph inputs: ``keys.index_copy_(2, idx, k)`` and
   ``values.index_copy_(2, idx, v)`` per layer (``[B, kv_heads, max_len, head_dim]``),
   and optionally ``counter.add_(c)`` on small integer tensors (transformers 5's
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from torch_topg.compile.backend import _INPLACE_FUNCTIONS, _hint
+from torch_topg.compile.fx import INPLACE_FUNCTIONS, hint
 
 _MODULES = "._modules['"
 #: the plan's largest step (``kMaxTokens`` in ``csrc/cpu/decode_plan.cpp``).
@@ -76,7 +76,7 @@ def _writes(n: fx.Node, ph: set[fx.Node]) -> fx.Node | None:
     if n.op == "call_method" and n.target.endswith("_") and n.args and n.args[0] in ph:
         return n.args[0]
     if n.op == "call_function":
-        if n.target in _INPLACE_FUNCTIONS and n.args and n.args[0] in ph:
+        if n.target in INPLACE_FUNCTIONS and n.args and n.args[0] in ph:
             return n.args[0]
         schema = getattr(n.target, "_schema", None)
         if schema is not None:
@@ -152,7 +152,7 @@ class StaticDecode:
         self.shape = (0, 0)  # (batch, max_len) the step tensors below are for
 
     def _lower(self, args: tuple[Any, ...]) -> None:
-        from torch_topg.engine.decode_plan import Unsupported, lower
+        from torch_topg.compile.decode_plan import Unsupported, lower
 
         model = self.model()
         if model is None:
@@ -326,7 +326,7 @@ def _match(gm: fx.GraphModule, example_inputs: list[Any], ph: list[fx.Node],
         raise NotPlanned("the graph returns more than the logits")
     ev = out[0].meta.get("example_value")
     try:
-        one_token = isinstance(ev, torch.Tensor) and ev.dim() == 3 and _hint(ev.shape[1]) == 1
+        one_token = isinstance(ev, torch.Tensor) and ev.dim() == 3 and hint(ev.shape[1]) == 1
     except ValueError:  # a symbolic size without a hint
         one_token = False
     if not one_token:

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 from torch_topg.ops.attention import attention
-from torch_topg.ops.fused_moe import fused_moe
+from torch_topg.ops.fused_moe import experts_activation, experts_supported, fused_moe
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _needs_grad(*ts: torch.Tensor | None) -> bool:
+def needs_grad(*ts: torch.Tensor | None) -> bool:
+    """Whether autograd would record a call on these tensors (topg's kernels have no
+    backward: the callers then run the original code)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
@@ -40,7 +42,7 @@ def _needs_grad(*ts: torch.Tensor | None) -> bool:
 
 
 def _attention_supported(query, key, value, mask, dropout, kwargs) -> bool:
-    if dropout > 0 or kwargs.get("output_attentions") or _needs_grad(query, key, value):
+    if dropout > 0 or kwargs.get("output_attentions") or needs_grad(query, key, value):
         return False
     if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
         return False
@@ -152,41 +154,19 @@ topg_eager_attention_forward = _make_attention_fn(_eager_fn, mask_is_causal=Fals
 # --- experts -----------------------------------------------------------------------------
 
 
-def moe_activation(act_fn: torch.nn.Module) -> str | None:
-    """topg's name for a transformers activation module, or None if topg has no match."""
-    name = type(act_fn).__name__
-    if name in ("SiLUActivation", "SiLU"):
-        return "silu"
-    if name == "GELUActivation" and getattr(act_fn, "act", None) is torch.nn.functional.gelu:
-        return "gelu"
-    if name in ("GELUTanh", "PytorchGELUTanh"):
-        return "gelu_tanh"
-    return None
-
-
-def _experts_supported(
-    self: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor
-) -> str | None:
-    if not getattr(self, "has_gate", False) or getattr(self, "has_bias", True):
+def _call_activation(self: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor) -> str | None:
+    """fused_moe's activation for this call, or None: the module is one fused_moe runs
+    (:func:`experts_supported`) and the call is one it computes the same."""
+    if experts_supported(self) is not None:
         return None
-    if getattr(self, "is_transposed", True) or not getattr(self, "is_concatenated", False):
-        return None
-    if getattr(self, "has_post_expert_norm", False) or getattr(self, "_is_expert_parallel", False):
-        return None
-    from transformers.integrations.moe import _default_apply_gate
-
-    if getattr(type(self), "_apply_gate", None) is not _default_apply_gate:
-        return None
-    w13, w2 = getattr(self, "gate_up_proj", None), getattr(self, "down_proj", None)
-    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
-        return None
+    w13, w2 = self.gate_up_proj, self.down_proj
     if hidden.dim() != 2 or hidden.dtype not in _FLOAT or w13.dtype != hidden.dtype:
         return None
     if w2.dtype != hidden.dtype or not (w13.is_contiguous() and w2.is_contiguous()):
         return None
-    if _needs_grad(hidden, w13, w2):
+    if needs_grad(hidden, w13, w2):
         return None
-    return moe_activation(self.act_fn)
+    return experts_activation(self)
 
 
 def _make_experts_fn(fallback: Callable[[torch.nn.Module], Callable]):
@@ -196,7 +176,7 @@ def _make_experts_fn(fallback: Callable[[torch.nn.Module], Callable]):
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        act = _experts_supported(self, hidden_states, top_k_index)
+        act = _call_activation(self, hidden_states, top_k_index)
         if act is None:
             return fallback(self)(self, hidden_states, top_k_index, top_k_weights)
         return fused_moe(

@@ -50,7 +50,7 @@ def rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torc
         hidden_states.dtype != w.dtype
         or hidden_states.dtype not in _FLOAT
         or hidden_states.device != w.device
-        or hf._needs_grad(hidden_states, w)
+        or hf.needs_grad(hidden_states, w)
     ):
         return _originals[(type(self), "forward")](self, hidden_states)
     return rms_norm(hidden_states, w, float(self.variance_epsilon))
@@ -101,7 +101,7 @@ def attention_forward(
         or position_embeddings is None
         or kwargs.get("output_attentions")
         or hidden_states.dtype not in _FLOAT
-        or hf._needs_grad(hidden_states, self.q_proj.weight)
+        or hf.needs_grad(hidden_states, self.q_proj.weight)
         or position_embeddings[0].dtype != hidden_states.dtype
         or position_embeddings[0].dim() != 3
         or position_embeddings[0].shape[0] not in (1, hidden_states.shape[0])

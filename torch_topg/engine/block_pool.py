@@ -165,6 +165,13 @@ class BlockPool:
         """Cached blocks in release order (oldest first)."""
         return list(self._cached)
 
+    def evict_first(self, blocks: list[int]) -> None:
+        """Move each of ``blocks`` that is cached to the front of the eviction order, in
+        turn (so the last one listed goes first); held or free blocks are ignored."""
+        for b in blocks:
+            if b in self._cached:
+                self._cached.move_to_end(b, last=False)
+
     def _forget(self, b: int) -> None:
         h = self._hash[b]
         if h is not None:

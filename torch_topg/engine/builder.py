@@ -79,12 +79,12 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     if device.type == "cpu" and not depth:  # the decode step streams them: huge pages
         hugepages.rehome_(m)
     if depth:
-        import torch_topg
+        from torch_topg.offload import offload
 
         # a quantised model's packed buffers are not the checkpoint's tensors: the
         # layers stream from the offloader's own disk copy of the model as it is now
         source = str(folder) if folder and not method else "disk"
-        handle = torch_topg.offload(m, device=device, source=source, prefetch_depth=depth)
+        handle = offload(m, device=device, source=source, prefetch_depth=depth)
         cleanup.append(handle.close)
     spec = _resolve_speculative(args, m, tok, device, dtype)
     cfg = resolve(args, m.config, device=device, dtype=dtype, speculative=spec)

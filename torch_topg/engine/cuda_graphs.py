@@ -32,12 +32,11 @@ the real capture runs on a GPU (the GPU suite's ``capture`` stage).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from torch_topg.engine.model_runner import ModelRunner, PackedBatch
+from torch_topg.engine.batch import PackedBatch
 
 #: Batch-size buckets, one graph each (the largest is the decode plan's row limit).
 BUCKETS = (1, 2, 4, 8, 16)
@@ -71,6 +70,16 @@ def eager_capture(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[
     return replay, out
 
 
+class Runner(Protocol):
+    """What the graphs need of the model runner (``ModelRunner``, which owns them)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    max_blocks_per_seq: int
+
+    def execute_graph(self, b: PackedBatch) -> torch.Tensor: ...
+
+
 class CaptureFailed(RuntimeError):
     """A capture raised; the runner drops the graphs and keeps the reason."""
 
@@ -78,7 +87,7 @@ class CaptureFailed(RuntimeError):
 class DecodeGraphs:
     """Decode steps of ``runner`` as replays of one captured step per bucket."""
 
-    def __init__(self, runner: ModelRunner, capture: Capture | None = None) -> None:
+    def __init__(self, runner: Runner, capture: Capture | None = None) -> None:
         self.runner = runner
         self.capture = capture or cuda_capture
         self.pool: Any = None
@@ -95,8 +104,6 @@ class DecodeGraphs:
         return next((b for b in BUCKETS if b >= n), None)
 
     def _buffers(self, n: int) -> PackedBatch:
-        from torch_topg.engine.model_runner import PackedBatch
-
         r, dev = self.runner, self.runner.device
         return PackedBatch(
             input_ids=torch.zeros(1, n, dtype=torch.long, device=dev),

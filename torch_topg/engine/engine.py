@@ -13,7 +13,6 @@ import itertools
 import random
 import threading
 import time
-import warnings
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator
 from collections.abc import Sequence as Seq
@@ -41,6 +40,7 @@ from torch_topg.engine.sampling import (
 )
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
+from torch_topg.modes import batch_invariant_mode
 
 __all__ = ["Engine", "QueueFull"]
 
@@ -624,22 +624,6 @@ def _split_inputs(inputs: Any) -> list[Any]:
     raise ParameterError(
         "inputs", f"expected a prompt or a non-empty list of prompts, got {inputs!r}"
     )
-
-
-def batch_invariant_mode() -> Any:
-    """Turn on the kernels' batch-invariant mode; returns the function that restores it."""
-    import torch_topg
-
-    if not torch_topg.native_available():
-        warnings.warn(
-            "Engine(deterministic=True): the native kernels are not loaded, so the reference "
-            "fallback runs and batch invariance is not guaranteed",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return lambda: None
-    prev = torch.ops.topg._set_batch_invariant.default(True)
-    return lambda: torch.ops.topg._set_batch_invariant.default(prev)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

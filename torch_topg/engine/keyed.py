@@ -2,6 +2,10 @@
 token id), the Gumbel race that samples with them, and the draws speculative
 verification needs. Nothing here has state: a row's numbers depend only on its key.
 See ``sampling.py``'s docstring for why the race samples exactly from the distribution.
+
+Contract with ``sampling.py``: the sampler is this module's one caller and imports its
+underscored building blocks (``_key32``, ``_race_scores``, ``_ids_mix``, ``_Scratch``)
+directly; they are private to the pair, not to this file. Nothing else may use them.
 """
 
 from __future__ import annotations

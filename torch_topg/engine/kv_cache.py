@@ -292,9 +292,9 @@ class KVCacheManager:
         """No more priority for ``session``; its cached blocks go first in line."""
         self.policy.close(session)
         self.sessions.pop(session, None)
-        cached = self.pool._cached
-        for b in [b for b in cached if self.dev_session[b] == session]:
-            cached.move_to_end(b, last=False)
+        self.pool.evict_first(
+            [b for b in self.pool.cached_blocks() if self.dev_session[b] == session]
+        )
         for t in self.tiers():
             for s in [s for s in t.lru if t.session[s] == session]:
                 t.lru.move_to_end(s, last=False)

@@ -16,32 +16,17 @@ from __future__ import annotations
 
 import itertools
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torch_topg.engine.attention import ATTN_IMPLEMENTATION, register_attention
+from torch_topg.engine.batch import PackedBatch
 from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
 from torch_topg.utils import hugepages
 
 #: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.cpp kMaxTokens).
 PLAN_MAX_TOKENS = 16
-
-
-@dataclass
-class PackedBatch:
-    """One step's inputs. ``T`` tokens of ``S`` sequences; ``R`` rows sampled."""
-
-    input_ids: torch.Tensor  # int64 [1, T]
-    positions: torch.Tensor  # int64 [1, T]
-    slot_mapping: torch.Tensor  # int64 [T]
-    block_tables: torch.Tensor  # int32 [S, max_blocks]
-    seq_lens: torch.Tensor  # int32 [S]: cached tokens after the step
-    cu_seqlens_q: torch.Tensor  # int32 [S + 1]
-    logits_indices: torch.Tensor  # int64 [R]: rows of the packed batch to sample
-    fits_plan: bool = False  # at most PLAN_MAX_TOKENS tokens: the decode plan's steps
-    decode: bool = False  # every sequence one new token, sampled once (CUDA graphs' steps)
 
 
 def kv_layout(config: Any) -> tuple[int, int, int]:
@@ -121,7 +106,7 @@ class ModelRunner:
     def relower(self) -> None:
         """(Re)build the decode plan from the model's current tensors, or keep the reason
         it does not lower in :attr:`plan_reason`."""
-        from torch_topg.engine.decode_plan import Unsupported, lower
+        from torch_topg.compile.decode_plan import Unsupported, lower
 
         self.plan, self._plan_tried = None, True
         if self._plan_wanted is not True:

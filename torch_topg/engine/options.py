@@ -11,7 +11,7 @@ else is derived from it:
 * ``python -m torch_topg serve`` has one flag per option (:func:`add_cli_args`,
   :func:`from_cli_args`);
 * the options table of docs/engine.md is :func:`markdown_table` (a test holds the two
-  equal; ``python -m torch_topg.engine.options --write docs/engine.md`` rewrites it), and
+  equal; ``python -m torch_topg options --write docs/engine.md`` rewrites it), and
   the docstring of ``from_pretrained`` ends with :func:`docstring`.
 
 What the options imply (the KV pool's blocks, the tiers' sizes, the resolved device,
@@ -25,7 +25,6 @@ import dataclasses
 import json
 import numbers
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -448,13 +447,3 @@ def rewrite_table(text: str) -> str:
     """``text`` with the block between the markers replaced by :func:`markdown_table`."""
     start, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
     return text[:start] + "\n" + markdown_table() + "\n" + text[end:]
-
-
-if __name__ == "__main__":  # python -m torch_topg.engine.options [--write docs/engine.md]
-    if len(sys.argv) == 3 and sys.argv[1] == "--write":
-        with open(sys.argv[2]) as fh:
-            new = rewrite_table(fh.read())
-        with open(sys.argv[2], "w") as fh:
-            fh.write(new)
-    else:
-        print(markdown_table())

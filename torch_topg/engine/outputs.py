@@ -103,6 +103,9 @@ class RequestHandle:
 
     Leaving an iteration early (``break``, an exception, a cancelled task) aborts the
     request and frees its KV blocks. :meth:`result` waits for the whole output.
+
+    Contract: ``_push`` and ``_finish`` are the engine's side of the handle, called by the
+    engine loop (``engine.py``) only, the one producer of a handle's deltas.
     """
 
     def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:

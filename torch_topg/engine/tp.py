@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_topg.engine.model_runner import ModelRunner, PackedBatch
+from torch_topg.engine.batch import PackedBatch
+from torch_topg.engine.model_runner import ModelRunner
 
 CMD_STEP, CMD_STOP, CMD_COPY = 1, 2, 3
 HEADER = 5  # [command, T, S, max_blocks, R]; CMD_COPY: [command, pairs, 0, 0, 0]
@@ -121,6 +122,11 @@ class TPGroup:
         self._closed = False
         self._restore: list[Any] = []
         self.store: Any = None  # spawned workers: rank 0's TCPStore (its server)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the workers are stopped)."""
+        return self._closed
 
     def dead(self) -> str | None:
         """Which workers have exited, or None."""
@@ -241,7 +247,7 @@ class TPModelRunner(ModelRunner):
         with g.lock:
             if g.broken is not None:
                 raise RuntimeError(g.broken)
-            if g._closed:
+            if g.closed:
                 raise RuntimeError(f"Engine(tp_size={g.tp_size}): the workers are stopped")
             gone = g.dead()
             if gone:
@@ -345,7 +351,7 @@ def _follow(spec: Spec, cmd: Any, device: torch.device) -> None:
     )  # fmt: skip
     restore = None
     if spec.deterministic:
-        from torch_topg.engine.engine import batch_invariant_mode
+        from torch_topg.modes import batch_invariant_mode
 
         restore = batch_invariant_mode()
     _ready(cmd).wait()

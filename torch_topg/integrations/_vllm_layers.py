@@ -5,7 +5,7 @@ Each topg layer is a subclass of the vLLM class it replaces, built as
 and every ``forward_<platform>`` stay vLLM's. The mixin changes which forward runs:
 :meth:`_TopgOp.dispatch_forward` picks ``_topg_forward``, which calls topg when
 ``_topg_check`` finds nothing it does not cover, else the ``forward_<platform>`` vLLM
-would have picked (the reason is logged once, see ``vllm_plugin.log_fallback``).
+would have picked (the reason is logged once, see ``vllm_mode.log_fallback``).
 vLLM modules are imported per family; one that fails to import is recorded in
 ``skipped`` with the module and the error, and the other families still register.
 """
@@ -20,7 +20,7 @@ import torch
 
 from torch_topg import _native
 from torch_topg import ops as topg
-from torch_topg.integrations import vllm_plugin
+from torch_topg.integrations import vllm_mode
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -98,7 +98,7 @@ class _TopgOp:
             return self._topg_forward
         # Disabled: vLLM would run forward_native (compiled inside opaque custom ops).
         native = self.maybe_compile(self.forward_native, enable=compile_native)
-        if vllm_plugin.mode() != "all":
+        if vllm_mode.mode() != "all":
             return native
         self._topg_vllm_forward = native
         return self._topg_forward
@@ -108,7 +108,7 @@ class _TopgOp:
         if reason is None:
             return self._topg_run(*args, **kwargs)
         if not torch.compiler.is_compiling():
-            vllm_plugin.log_fallback(self._topg_base.__name__, reason)
+            vllm_mode.log_fallback(self._topg_base.__name__, reason)
         return self._topg_vllm_forward(*args, **kwargs)
 
     def _topg_check(self, *args: Any, **kwargs: Any) -> str | None:

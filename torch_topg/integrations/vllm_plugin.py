@@ -26,32 +26,22 @@ nothing), ``all`` (topg also where ``custom_ops`` leaves an op to Inductor).
 
 Importing this module imports neither vLLM nor anything vLLM-specific: the layer
 classes live in :mod:`torch_topg.integrations._vllm_layers`, imported by
-:func:`register`. Log lines go to the ``vllm.torch_topg`` logger (vLLM's handler).
+:func:`register`; the switch and the fallback log they share with this module are in
+:mod:`torch_topg.integrations.vllm_mode`. Log lines go to the ``vllm.torch_topg`` logger
+(vLLM's handler).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 
-ENV_VAR = "TOPG_VLLM_PLUGIN"
-_MODES = {"1": "on", "": "on", "on": "on", "0": "off", "off": "off", "all": "all"}
+from torch_topg.integrations.vllm_mode import ENV_VAR, LOGGER, log_fallback, mode
 
-LOGGER = logging.getLogger("vllm.torch_topg")
+__all__ = ["ENV_VAR", "LOGGER", "log_fallback", "mode", "register", "registered", "skipped"]
 
 _lock = threading.Lock()
 _registered: dict[str, str] = {}  # vLLM class name -> topg class
 _skipped: dict[str, str] = {}  # vLLM class or module -> why it is not replaced
-_logged: set[tuple[str, str]] = set()
-
-
-def mode() -> str:
-    """``"on"``, ``"off"`` or ``"all"`` from ``TOPG_VLLM_PLUGIN`` (read on every call)."""
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw not in _MODES:
-        raise ValueError(f"{ENV_VAR}={raw!r}: expected 1 (default), 0 or all")
-    return _MODES[raw]
 
 
 def register() -> None:
@@ -82,12 +72,3 @@ def registered() -> dict[str, str]:
 def skipped() -> dict[str, str]:
     """vLLM class (or module) -> why the plugin does not replace it."""
     return dict(_skipped)
-
-
-def log_fallback(layer: str, reason: str) -> None:
-    """One log line per (layer class, reason): this call runs vLLM's implementation."""
-    key = (layer, reason)
-    if key in _logged:
-        return
-    _logged.add(key)
-    LOGGER.info("torch_topg: %s runs vLLM's implementation: %s", layer, reason)

@@ -393,8 +393,7 @@ def offload(
     _install(model, blocks, engine, handle)
     _warn_if_fits(dev, source, total)
     model.__dict__["_topg_offload"] = handle
-    with engine.lock:
-        engine._schedule()  # the first layers start reading now
+    engine.start()  # the first layers start reading now
     return handle
 
 

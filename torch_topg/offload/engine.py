@@ -152,6 +152,12 @@ class Engine:
         job = Job(slot, gen, layer, info.name, info.layout, info.sources, slot.done)
         self.reader.submit(job, urgent=urgent)
 
+    def start(self) -> None:
+        """Start reading the first ``depth`` layers (``offload()`` calls it once the
+        model's hooks are installed)."""
+        with self.lock:
+            self._schedule()
+
     def _schedule(self) -> None:
         """Fill the pool with the next ``depth`` layers of the predicted order."""
         if self.closed or self.depth == 0:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from torch_topg import reference
+from torch_topg.formats import FORMATS
 from torch_topg.ops._checks import FLOAT_DTYPES, Arg, check_op
 from torch_topg.ops._library import eager_entry, register
-from torch_topg.quant.formats import FORMATS
 
 _embedding_q = eager_entry("embedding_q")
 

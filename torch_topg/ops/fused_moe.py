@@ -118,3 +118,75 @@ register(
     reference=reference.fused_moe,
     wrapper=fused_moe,
 )
+
+
+# --- which transformers experts modules fused_moe runs ------------------------------------
+
+#: transformers (and torch) activation classes whose forward is one of fused_moe's
+#: activations. The Python spellings (``GELUActivation(use_gelu_python=True)``,
+#: ``NewGELUActivation``, ``FastGELUActivation``, ``GELUTanh(use_gelu_tanh_python=True)``)
+#: compute the same function in the model dtype; fused_moe computes it in fp32 and rounds
+#: once, so it differs from them by rounding only, as it does from the C spellings.
+_EXPERT_ACTIVATIONS = {
+    ("transformers.activations", "SiLUActivation"): "silu",
+    ("torch.nn.modules.activation", "SiLU"): "silu",
+    ("transformers.activations", "GELUActivation"): "gelu",
+    ("transformers.activations", "GELUTanh"): "gelu_tanh",
+    ("transformers.activations", "PytorchGELUTanh"): "gelu_tanh",
+    ("transformers.activations", "NewGELUActivation"): "gelu_tanh",
+    ("transformers.activations", "FastGELUActivation"): "gelu_tanh",
+}
+
+
+def experts_activation(module: torch.nn.Module) -> str | None:
+    """``fused_moe``'s ``activation`` for an experts module's ``act_fn`` (``"silu"``,
+    ``"gelu"``, ``"gelu_tanh"``), or None when it has none of them."""
+    act = getattr(module, "act_fn", None)
+    cls = type(act)
+    return _EXPERT_ACTIVATIONS.get((cls.__module__, cls.__name__))
+
+
+def experts_supported(module: torch.nn.Module) -> str | None:
+    """Why ``fused_moe`` cannot run this transformers 5 experts module; None when it can.
+
+    The one answer used by eager interception (``experts_implementation="topg"``), the
+    compile backend's experts substitution and ``torch_topg.quantize``. It looks at the
+    module only; each caller still checks its own call (dtypes, gradients, shapes of the
+    hidden states). A module runs when it has ``fused_moe``'s layout and semantics:
+    ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and ``down_proj``
+    ``[E, H, I]``, no biases, no post-expert norm, not expert parallel, transformers'
+    default gate (``act(gate) * up``) and an activation of :func:`experts_activation`.
+    Flags the module does not set take the defaults of transformers'
+    ``use_experts_implementation`` (concatenated, not transposed, no bias, a gate).
+    """
+    if getattr(module, "has_bias", False) or any(
+        getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")
+    ):
+        return "experts with bias"
+    if not getattr(module, "has_gate", True):
+        return "experts without a gate projection"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights"
+    if not getattr(module, "is_concatenated", True):
+        return "interleaved gate/up weights"
+    if getattr(module, "has_post_expert_norm", False):
+        return "post-expert norm"
+    if getattr(module, "_is_expert_parallel", False):  # transformers' own flag
+        return "expert parallel"
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        return "custom gate function"
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return "no gate_up_proj / down_proj tensors"
+    if (
+        gu.dim() != 3
+        or down.dim() != 3
+        or gu.shape[0] != down.shape[0]
+        or gu.shape[1] != 2 * down.shape[2]
+        or gu.shape[2] != down.shape[1]
+    ):
+        return "expert weights are not [E, 2I, H] / [E, H, I]"
+    if experts_activation(module) is None:
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__}"
+    return None

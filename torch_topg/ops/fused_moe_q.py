@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from torch_topg import reference
+from torch_topg.formats import FORMATS
 from torch_topg.ops._checks import Arg, check_op
 from torch_topg.ops._library import eager_entry, register
 from torch_topg.ops.fused_moe import check_routing
-from torch_topg.quant.formats import FORMATS
 
 _fused_moe_q = eager_entry("fused_moe_q")
 

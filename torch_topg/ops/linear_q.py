@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from torch_topg import reference
+from torch_topg.formats import FORMATS
 from torch_topg.ops._checks import Arg, check_op
 from torch_topg.ops._library import eager_entry, register
-from torch_topg.quant.formats import FORMATS
 
 _linear_q = eager_entry("linear_q")
 

@@ -1,6 +1,6 @@
 """Weight-only quantisation: packed formats, their de-quantisers and quantisers.
 
-* :mod:`~torch_topg.quant.formats`: the formats of ``topg::linear_q`` (GGUF q8_0, q4_0,
+* :mod:`~torch_topg.formats`: the formats of ``topg::linear_q`` (GGUF q8_0, q4_0,
   q4_1, q4_k, q6_k as stored in the file; groupwise ``int4_g{32,64,128}``; per-channel
   ``int8``) and :func:`dequantize`, bit-exact against gguf-py's de-quantiser;
 * :mod:`~torch_topg.quant.packing`: :func:`quantize_weight`, float -> packed;
@@ -12,8 +12,7 @@
 docs/quantization.md describes the layouts.
 """
 
-from torch_topg.quant.experts import QuantizedExperts
-from torch_topg.quant.formats import (
+from torch_topg.formats import (
     FORMATS,
     GGUF_FORMATS,
     OWN_FORMATS,
@@ -21,6 +20,7 @@ from torch_topg.quant.formats import (
     dequantize,
     get_format,
 )
+from torch_topg.quant.experts import QuantizedExperts
 from torch_topg.quant.modules import (
     QuantizedLinear,
     load_quantized,

@@ -3,7 +3,7 @@
 with ``forward(hidden_states, top_k_index, top_k_weights) = topg::fused_moe_q``.
 
 ``torch_topg.quantize`` puts one in place of every experts module ``fused_moe`` can run
-(``torch_topg.compile.experts.unsupported``: no bias, a gate, ``[gate; up]`` rows, a
+(``torch_topg.ops.fused_moe.experts_supported``: no bias, a gate, ``[gate; up]`` rows, a
 known activation); the others stay as they are. Being a plain module calling the op's
 wrapper, it runs the same under eager, ``enable()``, ``backend="topg"`` and the engine.
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from torch_topg.quant.formats import dequantize, get_format
+from torch_topg.formats import dequantize, get_format
+from torch_topg.ops.fused_moe import experts_activation as activation_of
+from torch_topg.ops.fused_moe import experts_supported
 from torch_topg.quant.packing import quantize_weight
 
 
@@ -21,9 +23,7 @@ def experts_problem(
 ) -> str | None:
     """Why ``module`` cannot become a :class:`QuantizedExperts` with gate / up rows in
     ``format`` and down rows in ``down_format`` (default ``format``); None: it can."""
-    from torch_topg.compile.experts import unsupported
-
-    why = unsupported(module)
+    why = experts_supported(module)
     if why is not None:
         return why
     _, two_i, h = module.gate_up_proj.shape
@@ -38,8 +38,6 @@ def experts_problem(
 def experts_activation(module: torch.nn.Module) -> str:
     """``fused_moe``'s name of ``module``'s activation (``"silu"`` when not recognised:
     :func:`experts_problem` refuses those modules first)."""
-    from torch_topg.compile.experts import _activation as activation_of
-
     return activation_of(module) or "silu"
 
 

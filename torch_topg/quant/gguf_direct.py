@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_topg.formats import BY_GGUF_TYPE, dequantize
 from torch_topg.quant.experts import QuantizedExperts, experts_activation, experts_problem
-from torch_topg.quant.formats import BY_GGUF_TYPE, dequantize
 from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear, embedding_scale
 
 #: GGUF ``general.architecture`` values built here, and whether q / k rows are permuted.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from torch_topg.quant.formats import BY_GGUF_TYPE, dequantize
+from torch_topg.formats import BY_GGUF_TYPE, dequantize
 from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear, embedding_scale
 
 

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 
 import torch
 
+from torch_topg.formats import FORMATS, INT4_GROUPS, dequantize, get_format
 from torch_topg.quant.experts import QuantizedExperts, experts_problem, is_experts
-from torch_topg.quant.formats import FORMATS, INT4_GROUPS, dequantize, get_format
 from torch_topg.quant.packing import quantize_weight
 from torch_topg.utils.safetensors_file import read_safetensors, write_safetensors
 

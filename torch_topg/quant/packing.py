@@ -1,4 +1,4 @@
-"""Quantising float weights into the packed formats of :mod:`torch_topg.quant.formats`.
+"""Quantising float weights into the packed formats of :mod:`torch_topg.formats`.
 
 * ``int8`` and ``int4_g{32,64,128}``: this package's own formats (round to nearest);
 * ``q8_0``, ``q4_0``, ``q4_1``: the same bytes as ggml's reference quantisers (and
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_topg.quant.formats import get_format
+from torch_topg.formats import get_format
 
 _HALF_MAX = 65504.0
 

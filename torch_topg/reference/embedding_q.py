@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_topg.quant.formats import dequantize
+from torch_topg.formats import dequantize
 
 
 def embedding_q(

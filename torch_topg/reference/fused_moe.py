@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {
+#: ``activation`` name -> the function (``fused_moe_q``'s reference uses the same table).
+ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -28,7 +29,7 @@ def fused_moe(
             f"topg::fused_moe: argument 'topk_ids' holds an expert id outside [0, {num_experts}) "
             "(the experts of 'w_gate_up')"
         )
-    act = _ACTIVATIONS[activation]
+    act = ACTIVATIONS[activation]
     x, weights = hidden_states.float(), topk_weights.float()
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():  # experts that were hit, each once

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_topg.quant.formats import dequantize, quantize_activations
-from torch_topg.reference.fused_moe import _ACTIVATIONS
+from torch_topg.formats import dequantize, quantize_activations
+from torch_topg.reference.fused_moe import ACTIVATIONS
 
 
 def fused_moe_q(
@@ -30,7 +30,7 @@ def fused_moe_q(
             f"topg::fused_moe_q: argument 'topk_ids' holds an expert id outside "
             f"[0, {num_experts}) (the experts of 'w_gate_up')"
         )
-    act = _ACTIVATIONS[activation]
+    act = ACTIVATIONS[activation]
     rnd = quantize_activations if int8_activations else (lambda t: t)
     x, weights = rnd(hidden_states.float()), topk_weights.float()
     out = torch.zeros_like(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_topg.quant.formats import dequantize, quantize_activations
+from torch_topg.formats import dequantize, quantize_activations
 
 
 def linear_q(

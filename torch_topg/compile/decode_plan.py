@@ -13,6 +13,9 @@ MLP, residual; final RMSNorm and the LM head. :func:`lower` checks a model is ex
 that, module by module, and otherwise says what differs. Projections, the LM head and
 the embedding may be quantised (``torch_topg.quantize``, ``quantization="gguf"``): the
 plan multiplies packed rows with ``linear_q``'s kernel (fp32 activations).
+
+It lives below the engine because two callers lower models: the engine's model runner
+and the compile backend's static-cache decode (:mod:`torch_topg.compile.static_plan`).
 """
 
 from __future__ import annotations

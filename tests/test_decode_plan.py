@@ -17,7 +17,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torch_topg import _native
-from torch_topg.compile.decode_plan import MODEL_TYPES, Unsupported, lower, profile
+from torch_topg.compile.decode_plan import (
+    MODEL_TYPES,
+    StalePlan,
+    Unsupported,
+    lower,
+    profile,
+)
+from torch_topg.compile.decode_plan import run as run_plan
 from torch_topg.engine import Engine
 from torch_topg.engine.model_runner import ModelRunner
 
@@ -214,7 +221,7 @@ def test_engine_options_that_keep_the_graph(options, reason):
 
 
 def test_decode_plan_option_is_checked():
-    with pytest.raises(ValueError, match="decode_plan: expected a bool"):
+    with pytest.raises(ValueError, match="decode_plan: expected True or False"):
         Engine.from_model(tiny("llama-tiny"), decode_plan="yes")
 
 
@@ -238,7 +245,16 @@ def test_moved_weights_make_the_plan_stale_and_it_lowers_again():
     b = seqs.decode_batch([1, 2])
     with pytest.raises(RuntimeError, match="DecodePlan is stale: layers.0.wq changed"):
         _plan_step(r, b)
+    assert "layers.0.wq changed" in old.stale()
+    args = (b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
+            b.cu_seqlens_q, b.logits_indices)  # fmt: skip
+    with pytest.raises(StalePlan, match="layers.0.wq changed"):  # typed: no text to match
+        run_plan(old, *args)
+    with pytest.raises(RuntimeError) as e:  # another refusal is not a StalePlan
+        run_plan(lower(r.model, r.kv_caches, block_size=4, max_positions=16), *args[:-1], args[0])
+    assert not isinstance(e.value, StalePlan)
     got = r.execute(b)  # refuses, lowers again, runs
+    assert r.plan.stale() == ""
     assert r.plan is not None and r.plan is not old
     assert r.plan_steps == 1
     # a converted weight: lowering refuses it and the step returns to the graph's hands

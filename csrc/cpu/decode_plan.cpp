@@ -335,13 +335,22 @@ class DecodePlan : public torch::CustomClassHolder {
                 " elements on cpu, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
   }
 
-  // A bound tensor converted (.to(dtype) through .data), resized or replaced in storage.
-  void check_weights() const {
+ public:
+  // A bound tensor converted (.to(dtype) through .data), resized or replaced in storage:
+  // why, or "" while every bound tensor is as it was. run() refuses a stale plan; callers
+  // ask stale() to tell that refusal from other errors (torch_topg.compile.decode_plan).
+  std::string stale() const {
     for (const auto& b : bound_)
-      TORCH_CHECK(
-          b.t.scalar_type() == b.dtype && b.t.is_contiguous() && b.t.const_data_ptr() == b.data,
-          "topg::DecodePlan is stale: ", b.name, " changed (dtype ", b.t.scalar_type(),
-          ", storage moved) since the plan was built; lower the model again");
+      if (b.t.scalar_type() != b.dtype || !b.t.is_contiguous() || b.t.const_data_ptr() != b.data)
+        return b.name + " changed (dtype " + std::string(c10::toString(b.t.scalar_type())) +
+               ", storage moved) since the plan was built; lower the model again";
+    return "";
+  }
+
+ private:
+  void check_weights() const {
+    const std::string why = stale();
+    TORCH_CHECK(why.empty(), "topg::DecodePlan is stale: ", why);
   }
 
   template <typename T>
@@ -616,5 +625,6 @@ TORCH_LIBRARY_FRAGMENT(topg, m) {
       .def("run", &topg::DecodePlan::run)
       .def("profile", &topg::DecodePlan::profile)
       .def("reset_profile", &topg::DecodePlan::reset_profile)
+      .def("stale", &topg::DecodePlan::stale)
       .def("last_members", &topg::DecodePlan::last_members);
 }

@@ -32,6 +32,23 @@ class Unsupported(Exception):
     """Why a model (or an engine configuration) does not lower; the engine keeps the text."""
 
 
+class StalePlan(RuntimeError):
+    """A weight the plan holds was converted, resized or moved since it was lowered
+    (``model.to(dtype)``, a new storage through ``.data``): lower the model again."""
+
+
+def run(plan: Any, *args: torch.Tensor) -> torch.Tensor:
+    """``plan.run(*args)``; a refusal because a bound weight changed is a :class:`StalePlan`
+    (the plan says so through ``stale()``), any other error is raised as it is."""
+    try:
+        return plan.run(*args)
+    except RuntimeError:
+        why = plan.stale()
+        if why:
+            raise StalePlan(why) from None
+        raise
+
+
 def _linear(mod: Any, name: str, bias_ok: bool) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """(weight, bias, format): the weight in the model dtype (format ``""``), or a
     :class:`~torch_topg.quant.QuantizedLinear`'s packed rows and their format."""

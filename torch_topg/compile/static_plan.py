@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from torch_topg.compile.decode_plan import StalePlan
+from torch_topg.compile.decode_plan import run as run_plan
 from torch_topg.compile.fx import INPLACE_FUNCTIONS, hint
 
 _MODULES = "._modules['"
@@ -208,13 +210,11 @@ class StaticDecode:
         pos = args[self.pos].reshape(-1) if self.pos is not None else self.rows * 0 + p
         run = (ids, pos, slots, self.block_tables, self.seq_lens, self.cu, self.rows)
         try:
-            logits = self.plan.run(*run)
-        except RuntimeError as e:
-            if "stale" not in str(e):
-                raise
+            logits = run_plan(self.plan, *run)
+        except StalePlan:
             try:  # weights converted or re-pointed since: bind them again
                 self._lower(args)
-                logits = self.plan.run(*run)
+                logits = run_plan(self.plan, *run)
             except (NotPlanned, RuntimeError) as e2:
                 self._off(f"relowering after a stale plan failed: {e2}")
                 return self.graph_fn(*args)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from torch_topg.compile.decode_plan import StalePlan
+from torch_topg.compile.decode_plan import run as run_plan
 from torch_topg.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from torch_topg.engine.batch import PackedBatch
 from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
@@ -138,14 +140,12 @@ class ModelRunner:
         args = (b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
                 b.cu_seqlens_q, b.logits_indices)  # fmt: skip
         try:
-            logits = self.plan.run(*args)
-        except RuntimeError as e:
-            if "DecodePlan is stale" not in str(e):
-                raise
+            logits = run_plan(self.plan, *args)
+        except StalePlan:
             self.relower()  # weights converted or moved: lower again, or fall back
             if self.plan is None:
                 return None
-            logits = self.plan.run(*args)
+            logits = run_plan(self.plan, *args)
         self.plan_steps += 1
         return logits
 

@@ -20,7 +20,7 @@ from torch_topg import eager  # noqa: E402  (after load: enable() needs the nati
 from torch_topg.eager import disable, enable, enabled  # noqa: E402
 from torch_topg.modes import index_checks, set_index_checks  # noqa: E402
 from torch_topg.offload import OffloadHandle, offload  # noqa: E402
-from torch_topg.quant import quantize  # noqa: E402  (weight-only quantisation, issue 21)
+from torch_topg.quant import quantize  # noqa: E402  (weight-only quantisation)
 
 eager.install_transformers_hook()
 

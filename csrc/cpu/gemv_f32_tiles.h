@@ -39,8 +39,8 @@ struct LinePrefetch {
 // The share of `lines` lines from p0 that pass `pass` of `passes` prefetches (none if p0 is
 // null). The fp32 GEMV of more than 3 A rows spreads the next row's lines over all its
 // passes: only the first pass over a row misses in L1, and the hardware prefetcher, which
-// follows those misses, issues nothing during the later ones (docs/cpu-kernels.md, "AVX2,
-// 2026-12-04 (second session)").
+// follows those misses, issues nothing during the later ones (docs/cpu-kernels.md, "AVX2:
+// the later passes prefetch the next row").
 inline LinePrefetch pass_share(const char* p0, int64_t lines, int64_t pass, int64_t passes) {
   if (!p0) return {};
   const int64_t l0 = lines * pass / passes, l1 = lines * (pass + 1) / passes;

@@ -14,7 +14,7 @@ bandwidth (a buffer of 8x the LLC, all threads) for rows whose bytes come from D
 "in cache" for those that do not; for compute-bound rows the best rate any variant
 reached on that shape and the theoretical fp32 peak. The record goes to
 ``bench_results/ops[-quick]-<date>-<commit>.json``; ``render_readme.py`` builds the
-README's table from it, ``python -m torch_topg bench compare A.json B.json`` compares two.
+the targets table of docs/ops.md from it, ``python -m torch_topg bench compare A.json B.json`` compares two.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def table(rows: list[Row]) -> str:
 
 
 def render_record(rec: dict) -> str:
-    """The README block of an ``eager_enable`` record."""
+    """The docs block (docs/integrations.md) of an ``eager_enable`` record."""
     rows = [Row.from_dict(d) for d in rec["rows"]]
     head = f"Run {rec['date']} at commit {rec['commit']}: {describe(rec['machine'])}"
     return f"{head}\n\n{table(rows)}\n"

@@ -179,7 +179,7 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 def compact(rows: list[dict], io: str = "mmap") -> str:
-    """README table: per model and storage, forward / bound at depths 0-3 (bold: meets
+    """The docs table (docs/offload.md): per model and storage, forward / bound at depths 0-3 (bold: meets
     the target) and the peak resident offloaded bytes against the bound at depth 3."""
     out = [
         "| model | offloaded | storage | depth 0 | depth 1 | depth 2 | depth 3 "
@@ -209,7 +209,7 @@ def compact(rows: list[dict], io: str = "mmap") -> str:
 
 
 def render_record(rec: dict) -> str:
-    """The README block of an ``offload`` record."""
+    """The docs block (docs/offload.md) of an ``offload`` record."""
     from torch_topg.bench import describe
 
     head = f"Run {rec['date']} at commit {rec['commit']}: {describe(rec['machine'])}"

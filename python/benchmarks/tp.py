@@ -197,7 +197,7 @@ def table(tp1: dict, tp2: dict) -> str:
 
 
 def render_record(rec: dict) -> str:
-    """The README block of a ``tp`` record (its rows back into ``table``'s dicts)."""
+    """The docs block (docs/parallel.md) of a ``tp`` record (its rows back into ``table``'s dicts)."""
     from torch_topg.bench import describe
 
     tp1, tp2 = {}, {}

@@ -118,7 +118,7 @@ def main() -> None:
 
 
 def quantised(args: argparse.Namespace, float_rate: float) -> None:
-    """The shipped Q4_1 GGUF file run packed (issue 21; docs/quantization.md)."""
+    """The shipped Q4_1 GGUF file run packed (docs/quantization.md)."""
     t0 = time.perf_counter()
     with Engine.from_pretrained(quantization="gguf", dtype=args.dtype, max_batch_size=1,
                                 max_model_len=1024, compile=not args.no_compile) as q:  # fmt: skip

@@ -506,6 +506,15 @@ def test_cli_has_a_flag_for_every_engine_option() -> None:
     checked = EngineArgs.from_options(opts)
     assert checked.speculative.num_speculative_tokens == 3 and not checked.prefix_caching
     assert from_cli_args(p.parse_args(["--quantization", "gguf"])) == {"quantization": "gguf"}
+    # every flag parses a value of its option's kind (None defaults included)
+    args = p.parse_args(["--max-model-len", "100", "--max-queue", "3", "--seed", "7",
+                         "--max-num-batched-tokens", "64", "--host-kv-memory", "10%",
+                         "--disk-kv-path", "/tmp", "--device", "cpu"])  # fmt: skip
+    assert from_cli_args(args) == {
+        "max_model_len": 100, "max_queue": 3, "seed": 7, "max_num_batched_tokens": 64,
+        "host_kv_memory": "10%", "disk_kv_path": "/tmp", "device": "cpu",
+    }  # fmt: skip
+    EngineArgs.from_options(from_cli_args(args))
     with pytest.raises(SystemExit):
         p.parse_args(["--speculative", "{not json"])
 

@@ -237,13 +237,13 @@ class EngineArgs:
         "token budget of one step (chunked prefill). On the CPU a 512-token chunk of a 135M "
         "model is about 2 s on 2 cores: the longest pause a prefill puts between two decode "
         "steps of the other requests.",
-        _int(1, allow_none=True), shown="512 (CPU), 2048 (CUDA)",
+        _int(1, allow_none=True), shown="512 (CPU), 2048 (CUDA)", parse=int,
     )  # fmt: skip
     max_queue: int | None = option(
         None,
         "requests allowed to wait for admission; beyond it `submit` raises `QueueFull` "
         "(the server answers 429).",
-        _int(1, allow_none=True),
+        _int(1, allow_none=True), parse=int,
     )  # fmt: skip
     kv_cache_memory: int | str | None = option(
         None,
@@ -255,7 +255,7 @@ class EngineArgs:
     block_size: int = option(16, "tokens per KV block.", _int(1))
     max_model_len: int | None = option(
         None, "context limit (prompt + output).", _int(1, allow_none=True),
-        shown="the model's `max_position_embeddings`",
+        shown="the model's `max_position_embeddings`", parse=int,
     )  # fmt: skip
     seed: int | None = option(
         None, "the engine's random stream: requests without a seed draw theirs from it.", _seed,
@@ -400,6 +400,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                                default=None, help=help)  # fmt: skip
             continue
         parse = f.metadata["parse"] or type(f.default)
+        if parse is type(None):  # a None default says nothing of the type: declare parse=
+            raise TypeError(f"EngineArgs.{f.name}: an option defaulting to None needs parse=")
         group.add_argument(flag(f.name), type=parse, default=None, metavar=f.name.upper(),
                            help=help.replace("%", "%%"))  # fmt: skip
 

@@ -346,10 +346,13 @@ def test_stats_sections():
 
 
 def test_model_errors_name_what_works(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import T5Config, T5ForConditionalGeneration
 
-    with pytest.raises(ValueError, match="llama"):
-        Engine.from_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+    t5 = T5ForConditionalGeneration(
+        T5Config(num_layers=1, d_model=32, d_kv=8, num_heads=2, d_ff=32)
+    )
+    with pytest.raises(ValueError, match="encoder-decoder"):  # the feature, not a list
+        Engine.from_model(t5)
     with pytest.raises(ValueError, match="local Hugging Face cache"):
         Engine.from_pretrained("no-such-owner/no-such-model-xyz")
     with pytest.raises(ValueError, match="GGUF"):

@@ -54,6 +54,8 @@ def paged_attention_forward(
             "attn_implementation='topg_paged' runs only inside torch_topg.Engine (the "
             "model was called without the engine's paged-cache metadata)"
         )
+    if kwargs.get("s_aux") is not None:  # refused at load (families.py); never ignored
+        raise NotImplementedError("topg_paged attention has no attention-sink term (s_aux)")
     n = 4 if caches[0].dtype == torch.int8 else 2  # tensors per layer
     k_cache, v_cache, *scales = caches[n * module.layer_idx : n * module.layer_idx + n]
     ks, vs = scales or (None, None)

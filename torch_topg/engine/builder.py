@@ -31,7 +31,7 @@ def _resolve_speculative(
 def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **options: Any) -> Any:
     """An engine over ``model`` (a transformers causal LM, moved to ``device``/``dtype``)."""
     args = EngineArgs.from_options(options, "Engine.from_model")
-    check_supported(model.config)
+    check_supported(model.config, model)
     if args.tp_size != 1 or args.prefetch_depth != 0:
         name = "tp_size" if args.tp_size != 1 else "prefetch_depth"
         raise ParameterError(name, "needs from_pretrained (a checkpoint), not from_model")

@@ -9,27 +9,17 @@ from typing import Any
 
 import torch
 
-# config.model_type of the decoder families the engine runs (the families of
-# tests/test_compile_models.py and tests/test_engine_models.py).
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-)
+from torch_topg.engine.families import check_supported
 
-
-def check_supported(config: Any) -> None:
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"Engine: model_type {kind!r} is not supported; the engine runs "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+__all__ = [
+    "TOKENIZER_FILES",
+    "check_supported",
+    "has_tokenizer",
+    "load",
+    "load_config",
+    "load_gguf_packed",
+    "resolve",
+]
 
 
 def _hub_cache_dir() -> Path:

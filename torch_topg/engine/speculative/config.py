@@ -150,7 +150,7 @@ def resolve_speculative(
 
     if isinstance(cfg.model, torch.nn.Module):
         draft, draft_tok = cfg.model, None
-        check_supported(draft.config)
+        check_supported(draft.config, draft)
         draft = draft.to(device=device, dtype=dtype).eval()
     else:
         draft, draft_tok, _ = load(cfg.model, dtype, device)

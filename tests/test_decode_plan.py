@@ -149,6 +149,54 @@ def test_int8_activation_linears_plan_equals_compiled_graph(dtype):
     _compare_decode_and_verify(r, 15, steps=8, verify=[[5, 6, 7, 8, 9, 10, 11], [10, 11]])
 
 
+def _random_k_quant(lin: torch.nn.Linear, fmt: str, int8_activations: bool):
+    """A QuantizedLinear of ``lin``'s shape in a K-quant (read from GGUF files only, so
+    random blocks: random codes and sub-scales, half-precision scales of 2^-10)."""
+    from torch_topg.formats import FORMATS
+    from torch_topg.quant import QuantizedLinear
+
+    q = QuantizedLinear(lin.in_features, lin.out_features, fmt, bias=False,
+                        int8_activations=int8_activations)  # fmt: skip
+    f = FORMATS[fmt]
+    g = torch.Generator().manual_seed(lin.out_features * 7 + lin.in_features)
+    raw = torch.randint(0, 256, (q.qweight.numel() // f.block_bytes, f.block_bytes),
+                        dtype=torch.uint8, generator=g)  # fmt: skip
+    half = torch.tensor([2.0**-10], dtype=torch.float16).view(torch.uint8)
+    for at in {"q4_k": (0, 2), "q6_k": (208,)}[fmt]:  # d (and dmin)
+        raw[:, at : at + 2] = half
+    q.qweight.copy_(raw.view(q.qweight.shape))
+    return q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_activations_with_k_quant_formats_plan_equals_compiled_graph(dtype):
+    """A Q4_K_M-like mix with int8_activations: q4_k / q6_k have no integer dot products,
+    so their GEMVs take the rounded rows in fp32 (as linear_q does) and q8_0 the integer
+    dot; the model lowers (each tensor's format picks its path) and stays bitwise."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torch_topg.quant import QuantizedLinear
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    m = LlamaForCausalLM(cfg).eval()
+    for mod in list(m.modules()):
+        for child, lin in list(mod.named_children()):
+            if not isinstance(lin, torch.nn.Linear):
+                continue
+            if child == "v_proj":  # an integer-dot format beside the K-quants
+                q = QuantizedLinear.from_linear(lin, "q8_0", int8_activations=True)
+            else:  # Q4_K_M's mix: q6_k down projections and head, q4_k the rest
+                fmt = "q6_k" if child in ("down_proj", "lm_head") else "q4_k"
+                q = _random_k_quant(lin, fmt, int8_activations=child != "lm_head")
+            setattr(mod, child, q)
+    r = _model_runner(m.to(dtype))
+    assert r.plan is not None, r.plan_reason
+    _compare_decode_and_verify(r, 15, steps=6, verify=[[5, 6, 7, 8, 9], [10, 11]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
 def test_plan_equals_graph_on_verify_steps_and_short_chunks(preset, dtype):

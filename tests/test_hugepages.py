@@ -26,7 +26,11 @@ def test_empty_has_the_shape_and_dtype_and_is_advised_from_one_huge_page(rows, c
     assert t.shape == (rows, cols) and t.dtype == dtype and t.device.type == "cpu"
     assert t.is_contiguous()
     big = t.numel() * t.element_size() >= hugepages.HUGE_PAGE
-    assert hugepages.is_advised(t) == (big and hugepages.enabled())
+    if big and hugepages.enabled():
+        assert hugepages.is_advised(t)
+    else:  # torch's own allocation (whether malloc's arena is advised is not ours to say:
+        # after other tests it can be), not a mapping of ours (those do not resize)
+        assert t.untyped_storage().resizable()
     t.fill_(3)  # writable, every byte
     assert bool((t == 3).all())
 

@@ -38,6 +38,20 @@ def ref_penalised(
     return x
 
 
+def ref_processed(
+    logits: np.ndarray, p: SamplingParams, prompt: list[int], output: list[int], banned: list[int]
+) -> np.ndarray:
+    """The penalties, then ``logit_bias`` added, then the banned ids at -inf; one row."""
+    x = ref_penalised(logits, p, prompt, output)
+    for t, b in (p.logit_bias or {}).items():
+        if t < len(x):
+            x[t] += b
+    for t in banned:
+        if 0 <= t < len(x):
+            x[t] = -np.inf
+    return x
+
+
 def ref_probs(x: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, float]:
     """The final distribution of one (penalised) row, and the smallest relative margin of
     any keep/drop decision (to skip cases that rounding could decide either way)."""

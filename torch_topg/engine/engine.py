@@ -165,6 +165,11 @@ class Engine:
         params = SamplingParams.from_kwargs(**sampling)
         prompt, ids = self._tokenize(input)
         max_tokens = self._max_tokens(params, len(ids))
+        vocab = self.model.config.get_text_config().vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ParameterError(
+                "logit_bias", f"token id {max(params.logit_bias)} outside [0, {vocab})"
+            )
         rid = f"req-{next(self._ids)}"
         handle = RequestHandle(rid, self.abort)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -455,10 +460,12 @@ class Engine:
             seeds = seed_tensor([s.seed for s, _ in rows])
             positions = torch.tensor([s.num_tokens + len(d) for s, d in rows], dtype=torch.long)
             needs_hist = any(p.has_penalties for p in params)
+            banned = [s.banned_ids(len(d)) for s, d in rows]
             res = self.sampler(
                 logits, params, seeds, positions,
                 prompt_tokens=[s.token_ids[: s.prompt_len] for s, _ in rows] if needs_hist else None,
                 output_tokens=[s.output_ids + d for s, d in rows] if needs_hist else None,
+                banned=banned if any(banned) else None,
             )  # fmt: skip
         tokens = res.tokens.tolist()
         now = time.perf_counter()

@@ -5,7 +5,8 @@ logits ``[B, V]`` into tokens, each row with its own parameters, in vLLM's order
 
 1. penalties on the fp32 logits: repetition on prompt + output tokens (a positive logit is
    divided by the penalty, a negative one multiplied), then frequency (times the count) and
-   presence (once) subtracted for output tokens;
+   presence (once) subtracted for output tokens; then ``logit_bias`` added, and the ids of
+   ``banned`` (the engine's EOS and stop ids of a row short of ``min_tokens``) set to -inf;
 2. greedy rows (``temperature < 1e-5``) take the argmax here (ties: the lowest id);
 3. temperature (logits / T);
 4. min-p: tokens with ``prob < min_p * max_prob`` dropped;
@@ -167,8 +168,10 @@ class Sampler:
         positions: Tensor | Sequence[int],
         prompt_tokens: TokenLists | None = None,
         output_tokens: TokenLists | None = None,
+        banned: TokenLists | None = None,
     ) -> SamplerOutput:
-        """Sample one token per row: ``logits [B, V]`` -> :class:`SamplerOutput`."""
+        """Sample one token per row: ``logits [B, V]`` -> :class:`SamplerOutput`.
+        ``banned``: per row, ids that must not be drawn (None: none)."""
         B, V = _check(logits, params)
         dev = logits.device
         seeds = seed_tensor(seeds, dev)
@@ -183,7 +186,7 @@ class Sampler:
         if plain_greedy(params):
             return SamplerOutput(_argmax(logits))  # the fast path: no copy, no noise
 
-        x = self._penalised(logits, params, prompt_tokens, output_tokens)
+        x = self._penalised(logits, params, prompt_tokens, output_tokens, banned)
         rand = [i for i in range(B) if not greedy[i]]
         if not rand:
             tokens = _argmax(x)
@@ -215,6 +218,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         prompt_tokens: TokenLists | None = None,
         output_tokens: TokenLists | None = None,
+        banned: TokenLists | None = None,
     ) -> Tensor:
         """The distribution each row samples from: fp32 ``[B, V]``, rows summing to 1.
 
@@ -224,7 +228,7 @@ class Sampler:
         """
         B, V = _check(logits, params)
         dev = logits.device
-        x = self._penalised(logits, params, prompt_tokens, output_tokens)
+        x = self._penalised(logits, params, prompt_tokens, output_tokens, banned)
         out = torch.zeros(B, V, dtype=torch.float32, device=dev)
         greedy = [i for i in range(B) if params[i].greedy]
         if greedy:
@@ -265,12 +269,41 @@ class Sampler:
         params: Sequence[SamplingParams],
         prompt_tokens: TokenLists | None,
         output_tokens: TokenLists | None,
+        banned: TokenLists | None = None,
     ) -> Tensor:
-        """fp32 ``[B, V]`` logits with the penalties applied (the input is never written).
+        """fp32 ``[B, V]`` logits with the penalties, the biases and the bans applied (the
+        input is never written; a copy is made when anything changes).
 
-        Sparse: only the (row, id) pairs of the rows' prompt / output tokens are read and
-        written, so the cost follows the token counts, not the vocabulary.
+        Sparse: only the (row, id) pairs of the rows' prompt / output tokens, biases and
+        bans are read and written, so the cost follows their counts, not the vocabulary.
         """
+        x = self._penalties(logits, params, prompt_tokens, output_tokens)
+        rows, ids, vals = [], [], []
+        for i, p in enumerate(params):
+            for t, b in (p.logit_bias or {}).items():
+                rows.append(i), ids.append(t), vals.append(float(b))
+        if rows:
+            if x.data_ptr() == logits.data_ptr():
+                x = x.clone()
+            dev = x.device
+            idx = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
+            x.index_put_(idx, torch.tensor(vals, dtype=torch.float32, device=dev), accumulate=True)
+        if banned is not None and any(banned):
+            if x.data_ptr() == logits.data_ptr():
+                x = x.clone()
+            keys = _token_keys(banned, list(range(len(banned))), x.shape[1], x.device)
+            x.view(-1)[keys] = float("-inf")
+        return x
+
+    def _penalties(
+        self,
+        logits: Tensor,
+        params: Sequence[SamplingParams],
+        prompt_tokens: TokenLists | None,
+        output_tokens: TokenLists | None,
+    ) -> Tensor:
+        """fp32 logits with the repetition, frequency and presence penalties of the rows
+        (``logits`` itself when fp32 and nothing changes)."""
         x = logits.float()
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         if not pen:
@@ -446,7 +479,7 @@ def _take(t: Tensor, rows: list[int], n: int) -> Tensor:
 def plain_greedy(params: Sequence[SamplingParams]) -> bool:
     """Whether every row is greedy without logprobs or penalties: the sampler's answer is
     then the bare row-wise argmax (no seeds, positions or token history needed)."""
-    return all(p.greedy and p.logprobs is None and not p.has_penalties for p in params)
+    return all(p.greedy and p.logprobs is None and not p.has_processors for p in params)
 
 
 def argmax_rows(x: Tensor) -> Tensor:

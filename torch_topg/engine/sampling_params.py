@@ -43,6 +43,11 @@ class SamplingParams:
     seed: int | None = None  # None: the engine draws one
     logprobs: int | None = None  # None: none; k: the sampled token's and the top-k's
     speculative: bool = True  # False: no speculative proposals for this request
+    # added to the logits (after the penalties), token id -> bias in [-100, 100]: OpenAI's
+    # logit_bias; -100 all but bans a token, 100 all but forces it
+    logit_bias: dict[int, float] | None = None
+    # EOS and stop_token_ids cannot be drawn before this many new tokens (vLLM's)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -83,6 +88,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether the logits change before sampling (penalties, a bias, ``min_tokens``)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self) -> None:
         """Raise a ``ParameterError`` naming the first bad parameter and its value."""
@@ -138,6 +148,19 @@ class SamplingParams:
             raise bad("ignore_eos", "a bool")
         if not isinstance(self.speculative, bool):
             raise bad("speculative", "a bool")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an int >= 0")
+        if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise bad("min_tokens", f"<= max_new_tokens ({self.max_new_tokens})")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(k) and k >= 0 for k in self.logit_bias)
+            and all(
+                not isinstance(v, bool) and isinstance(v, numbers.Real) and -100 <= v <= 100
+                for v in self.logit_bias.values()
+            )
+        ):
+            raise bad("logit_bias", "a dict of token ids >= 0 to numbers in [-100, 100]")
 
 
 def _is_int(v: object) -> bool:

@@ -75,6 +75,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def banned_ids(self, drafted: int = 0) -> list[int]:
+        """The ids the next token may not be (``drafted`` tokens past the committed ones):
+        the request's EOS and stop token ids while it is short of ``min_tokens``."""
+        p = self.request.params
+        if self.num_tokens - self.prompt_len + drafted >= p.min_tokens:
+            return []
+        return sorted({*self.request.eos_ids, *p.stop_token_ids})
+
     def append(self, token: int, logprob: TokenLogprob | None, now: float) -> None:
         self.token_ids.append(token)
         self.out.token_ids.append(token)

@@ -17,7 +17,8 @@ from typing import Any
 from torch_topg.serve.errors import APIError
 
 # Accepted by both endpoints: OpenAI's sampling fields plus vLLM's extensions (top_k,
-# min_p, repetition_penalty, ignore_eos, stop_token_ids), with the engine's meanings.
+# min_p, repetition_penalty, ignore_eos, stop_token_ids, min_tokens), with the engine's
+# meanings.
 _SAMPLING = (
     "temperature",
     "top_p",
@@ -31,6 +32,8 @@ _SAMPLING = (
     "stop_token_ids",
     "ignore_eos",
     "n",
+    "logit_bias",
+    "min_tokens",
 )
 _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "logprobs", "user", "session_id",
@@ -53,7 +56,6 @@ UNSUPPORTED: dict[str, str] = {
     "guided_regex": _CONSTRAINED,
     "guided_choice": _CONSTRAINED,
     "guided_grammar": _CONSTRAINED,
-    "logit_bias": "the sampler has no per-token logit bias",
     "best_of": "best_of (ranking several samples) is not implemented; use n",
     "echo": "echoing the prompt is not implemented",
     "suffix": "fill-in-the-middle (suffix) is not implemented",
@@ -164,7 +166,23 @@ def _stream_options(fields: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _sampling(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: fields[k] for k in _SAMPLING if k in fields}
+    out = {k: fields[k] for k in _SAMPLING if k in fields}
+    if out.get("logit_bias") is not None:
+        out["logit_bias"] = _logit_bias(out["logit_bias"])
+    return out
+
+
+def _logit_bias(bias: Any) -> dict[int, Any]:
+    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) -> bias; the
+    values are checked by the engine (numbers in [-100, 100])."""
+    if not isinstance(bias, dict):
+        raise APIError(f"logit_bias must be an object, got {bias!r:.80}", param="logit_bias")
+    out = {}
+    for k, v in bias.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise APIError(f"logit_bias keys must be token ids, got {k!r:.40}", param="logit_bias")
+        out[int(k)] = v
+    return out
 
 
 def parse_completion(body: Any, served: str) -> GenerationRequest:

@@ -145,11 +145,13 @@ class DraftProposer:
             seqs = [s for s, _ in active]
             params = [s.request.params for s in seqs]
             hist = any(p.has_penalties for p in params)
+            banned = [s.banned_ids(len(props[s])) for s in seqs]
             drawn = self.sampler(
                 logits[: len(seqs)], params, seed_tensor([s.seed for s in seqs]),
                 torch.tensor(pos, dtype=torch.long),
                 prompt_tokens=[s.token_ids[: s.prompt_len] for s in seqs] if hist else None,
                 output_tokens=[s.output_ids + props[s] for s in seqs] if hist else None,
+                banned=banned if any(banned) else None,
             ).tokens.tolist()  # fmt: skip
             if j > 0:
                 self.cost.observe(len(seqs), time.perf_counter() - t0)

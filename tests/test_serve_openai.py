@@ -148,6 +148,7 @@ def test_full_queue_429() -> None:
             with pytest.raises(openai.RateLimitError, match="queue is full") as e:
                 client.completions.create(model=MODEL, prompt=["hi"] * 40, max_tokens=50)
             assert e.value.status_code == 429 and e.value.type == "rate_limit_error"
+            assert e.value.response.headers["retry-after"] == "1"
             wait_idle(eng)
             eng.pool.check_whole()
             assert eng.stats()["requests"]["failed"] == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,17 +29,21 @@ from torch_topg.serve.playground import PAGE
 from torch_topg.serve.protocol import GenerationRequest, parse_chat, parse_completion
 from torch_topg.serve.responses import Response as Body
 from torch_topg.serve.responses import TokenText
+from torch_topg.serve.tokenize import detokenize_body, tokenize_body
 
-_ENDPOINTS = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+              "/tokenize", "/detokenize")  # fmt: skip
 
 
 class ServerState:
     """What the routes share: the engine (None while loading), the served name, metrics."""
 
-    def __init__(self, engine: Engine | None, model_name: str, api_key: str | None) -> None:
+    def __init__(
+        self, engine: Engine | None, model_name: str, api_keys: tuple[str, ...] = ()
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.api_key = api_key
+        self.api_keys = api_keys
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: self.engine)
         self.text = TokenText(engine.tokenizer if engine is not None else None)
@@ -59,20 +64,28 @@ class ServerState:
         return self.engine
 
 
-def create_app(engine: Engine | None, model_name: str, *, api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: Engine | None,
+    model_name: str,
+    *,
+    api_key: str | Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
+) -> FastAPI:
     """The server's app over ``engine`` (None: loading, see :class:`ServerState`).
 
-    ``model_name`` is what ``/v1/models`` lists and requests may name; ``api_key``: when
-    set, every ``/v1`` request needs ``Authorization: Bearer <api_key>`` (401 otherwise).
-    The app never shuts the engine down: its owner does.
+    ``model_name`` is what ``/v1/models`` lists and requests may name; ``api_key``: one
+    key or several; when given, every ``/v1`` request needs ``Authorization: Bearer <key>``
+    with one of them (401 otherwise). ``allowed_origins``: browser origins allowed by CORS
+    (``"*"``: any). The app never shuts the engine down: its owner does.
     """
     app = FastAPI(title="torch_topg", docs_url=None, redoc_url=None, openapi_url=None)
-    state = ServerState(engine, model_name, api_key)
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    state = ServerState(engine, model_name, keys)
     app.state.topg = state
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -87,6 +100,11 @@ def create_app(engine: Engine | None, model_name: str, *, api_key: str | None = 
     # A plain ASGI middleware: FastAPI's @app.middleware("http") wraps `receive`, and
     # behind it request.is_disconnected() never sees the client go.
     app.add_middleware(_Gate, state=state)
+    if allowed_origins:  # outermost: preflight requests are answered before the key check
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])  # fmt: skip
 
     @app.get("/")
     async def playground() -> HTMLResponse:  # open like /health: the page asks for the key
@@ -130,6 +148,17 @@ def create_app(engine: Engine | None, model_name: str, *, api_key: str | None = 
         req = parse_chat(body, state.model_name, eng.config.max_model_len)
         return await _generate(state, request, eng, req, Body("chat", state.model_name), start)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: ``{"prompt": str}`` or ``{"messages": [...], "add_generation_prompt":
+        true}`` (``add_special_tokens``) -> ``{"count", "max_model_len", "tokens"}``."""
+        return tokenize_body(state.require_engine(), await _json(request), state.model_name)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        return detokenize_body(state.require_engine(), await _json(request), state.model_name)
+
     return app
 
 
@@ -153,8 +182,8 @@ class _Gate:
             await send(message)
 
         try:
-            key = self.state.api_key
-            if key is not None and path.startswith("/v1") and not _authorized(scope, key):
+            keys = self.state.api_keys
+            if keys and path.startswith("/v1") and not _authorized(scope, keys):
                 err = APIError("invalid or missing API key (Authorization: Bearer ...)",
                                status=401, code="invalid_api_key")  # fmt: skip
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send_counted)
@@ -165,10 +194,13 @@ class _Gate:
             self.state.metrics.http.labels(endpoint, str(status[0])).inc()
 
 
-def _authorized(scope: Scope, key: str) -> bool:
+def _authorized(scope: Scope, keys: tuple[str, ...]) -> bool:
     auth = Headers(scope=scope).get("authorization", "")
     scheme, _, token = auth.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
+    token = token.strip()
+    # every key compared (no early exit): the time does not tell which one came close
+    ok = [hmac.compare_digest(token, k) for k in keys]
+    return scheme.lower() == "bearer" and any(ok)
 
 
 async def _json(request: Request) -> Any:
@@ -180,6 +212,8 @@ async def _json(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # thousands of nested levels: json.loads recurses per level
+        raise APIError("the request body nests too deeply to parse") from None
 
 
 async def _generate(

@@ -40,11 +40,25 @@ def parser() -> argparse.ArgumentParser:
                    help="the name /v1/models lists and requests may give (default: from --model)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys)")  # fmt: skip
+    p.add_argument("--api-key-file", default=None,
+                   help="a file of API keys, one per line (blank lines and # comments skipped)")  # fmt: skip
+    p.add_argument("--allowed-origins", action="append", default=None,
+                   help="browser origins allowed by CORS (repeat, or '*' for any)")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     add_cli_args(p)  # one flag per engine option (torch_topg/engine/options.py)
     return p
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of ``--api-key`` (repeated) and ``--api-key-file`` (one a line)."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        text = Path(args.api_key_file).read_text()
+        keys += [k.strip() for k in text.splitlines() if k.strip() and not k.startswith("#")]
+    return keys
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -67,7 +81,13 @@ def serve_main(argv: list[str]) -> int:
     from torch_topg.serve.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    app = create_app(None, served_name(args), api_key=args.api_key)
+    try:
+        keys = api_keys(args)
+    except OSError as e:
+        print(f"--api-key-file: {e}", file=sys.stderr)
+        return 2
+    app = create_app(None, served_name(args), api_key=keys,
+                     allowed_origins=args.allowed_origins or ())  # fmt: skip
     state = app.state.topg
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -24,6 +24,7 @@ from torch_topg.serve.responses import (
 )
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks for its client
+RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves at every engine step
 
 
 def submit(engine: Engine, req: GenerationRequest) -> list[RequestHandle]:
@@ -40,7 +41,8 @@ def submit(engine: Engine, req: GenerationRequest) -> list[RequestHandle]:
         raise from_engine_error(e, req.renames) from None
     except QueueFull as e:
         _abort(handles)
-        raise APIError(str(e), status=429, type="rate_limit_error") from None
+        raise APIError(str(e), status=429, type="rate_limit_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None  # fmt: skip
     except RuntimeError as e:  # submit after shutdown
         _abort(handles)
         raise APIError(str(e), status=503, type="server_error") from None

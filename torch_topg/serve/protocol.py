@@ -237,7 +237,7 @@ def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
     check_model(fields, served)
     if "messages" not in fields:
         raise APIError("messages is required", param="messages")
-    messages = _messages(fields["messages"])
+    messages = chat_messages(fields["messages"])
     stream, usage = _stream_options(fields)
     sampling = _sampling(fields)
     max_tokens, name = _max_tokens(fields, ("max_completion_tokens", "max_tokens"))
@@ -289,7 +289,8 @@ def _n(fields: dict[str, Any]) -> int:
     return n if _is_int(n) else 1  # the engine names a bad n
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages checked (text content, the roles the chat endpoint takes)."""
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
     out = []

@@ -111,3 +111,28 @@ def test_cors_allowed_origins() -> None:
     with TestClient(create_app(None, MODEL)) as c:  # none given: no CORS headers at all
         r = c.get("/health", headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_metrics_under_vllm_names(client) -> None:
+    """The main figures also as vLLM's ``vllm:*`` families with ``model_name``, equal to
+    topg's own."""
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, **GREEDY})
+    text = client.get("/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    pairs = [
+        ("topg_generation_tokens_total", 'vllm:generation_tokens_total{model_name="tiny-llama"}'),
+        ("topg_prompt_tokens_total", 'vllm:prompt_tokens_total{model_name="tiny-llama"}'),
+        ("topg_num_requests_running", 'vllm:num_requests_running{model_name="tiny-llama"}'),
+        ("topg_kv_cache_usage_ratio", 'vllm:kv_cache_usage_perc{model_name="tiny-llama"}'),
+        ("topg_time_to_first_token_seconds_count",
+         'vllm:time_to_first_token_seconds_count{model_name="tiny-llama"}'),
+        ('topg_request_finished_total{finish_reason="length"}',
+         'vllm:request_success_total{finished_reason="length",model_name="tiny-llama"}'),
+    ]  # fmt: skip
+    for ours, theirs in pairs:
+        assert values[theirs] == values[ours], (ours, theirs)
+    assert values['vllm:generation_tokens_total{model_name="tiny-llama"}'] >= 3

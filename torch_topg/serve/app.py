@@ -45,7 +45,7 @@ class ServerState:
         self.model_name = model_name
         self.api_keys = api_keys
         self.created = int(time.time())
-        self.metrics = ServerMetrics(lambda: self.engine)
+        self.metrics = ServerMetrics(lambda: self.engine, lambda: self.model_name)
         self.text = TokenText(engine.tokenizer if engine is not None else None)
 
     def set_engine(self, engine: Engine) -> None:

@@ -4,7 +4,8 @@ Two sources: the per-request outputs (finish reasons, token counts, TTFT, inter-
 and end-to-end latency), observed by the server when a request ends; and
 ``engine.stats()`` (running / waiting requests, KV blocks, steps, batch sizes), read at
 every scrape by a collector, so those are the engine's own numbers at that moment.
-Each app has its own registry: several apps (tests) in one process do not collide.
+Each app has its own registry: several apps (tests) in one process do not collide. The
+main figures are exported under vLLM's names too (``metrics_vllm.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client.core import (
 )
 
 from torch_topg.engine import Engine, RequestOutput
+from torch_topg.serve.metrics_vllm import VllmAliases
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -36,7 +38,9 @@ class ServerMetrics:
     """The registry and the per-request instruments; ``engine`` is read at scrape time
     (None while the model loads: the engine metrics are then absent)."""
 
-    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+    def __init__(
+        self, engine: Callable[[], Engine | None], model_name: Callable[[], str] = lambda: ""
+    ) -> None:
         r = self.registry = CollectorRegistry()
         self.http = Counter(
             "topg_http_requests", "HTTP requests by endpoint and status code",
@@ -74,7 +78,11 @@ class ServerMetrics:
             "Time from the HTTP request's arrival to its last token",
             buckets=_REQUEST, registry=r,
         )  # fmt: skip
-        r.register(_EngineCollector(engine))
+        collector = _EngineCollector(engine)
+        r.register(collector)
+        sources = (self.finished, self.prompt_tokens, self.generation_tokens, self.ttft,
+                   self.itl, self.tpot, self.e2e, collector)  # fmt: skip
+        r.register(VllmAliases(sources, model_name))
 
     def observe(self, outputs: list[RequestOutput], start: float) -> None:
         """A finished request: its prompts' outputs and its arrival (``perf_counter``)."""
@@ -105,7 +113,9 @@ class ServerMetrics:
 class _EngineCollector:
     """``engine.stats()`` as metrics, read at each scrape."""
 
-    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+    def __init__(
+        self, engine: Callable[[], Engine | None], model_name: Callable[[], str] = lambda: ""
+    ) -> None:
         self._engine = engine
 
     def describe(self) -> list[Metric]:

@@ -15,7 +15,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.config import EngineConfig
 from torch_topg.engine.errors import ParameterError, QueueFull
+from torch_topg.engine.inputs import eos_ids, new_token_limit, split_inputs, tokenize
 from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.options import runtime_names
@@ -109,7 +109,7 @@ class Engine:
 
             self.proposer = Speculator(config.speculative, self.runner,
                                        max_model_len=config.max_model_len, compile=args.compile)  # fmt: skip
-        self._eos = _eos_ids(model, tokenizer)
+        self._eos = eos_ids(model, tokenizer)
         self._rng = random.Random(args.seed)
         self._ids = itertools.count()
         self._on_shutdown = [*(on_shutdown or []), self.kv.close]
@@ -163,9 +163,9 @@ class Engine:
                 "session_id", f"expected a string, got {type(session_id).__name__}"
             )
         params = SamplingParams.from_kwargs(**sampling)
-        prompt, ids = self._tokenize(input)
-        max_tokens = self._max_tokens(params, len(ids))
         vocab = self.model.config.get_text_config().vocab_size
+        prompt, ids = tokenize(input, self.tokenizer, vocab)
+        max_tokens = new_token_limit(params, len(ids), self.config.max_model_len, self.pool)
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ParameterError(
                 "logit_bias", f"token id {max(params.logit_bias)} outside [0, {vocab})"
@@ -197,7 +197,7 @@ class Engine:
     ) -> list[RequestOutput]:
         """One :class:`RequestOutput` per input (a string, token ids, or chat messages,
         or a list of them), in order; waits for all."""
-        handles = [self.submit(x, session_id=session_id, **sampling) for x in _split_inputs(inputs)]
+        handles = [self.submit(x, session_id=session_id, **sampling) for x in split_inputs(inputs)]
         return [h.result() for h in handles]
 
     def stream(
@@ -245,71 +245,6 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-    # --- input handling ----------------------------------------------------------------
-    def _tokenize(self, input: Any) -> tuple[str | None, list[int]]:
-        if isinstance(input, str):
-            if not input:
-                raise ParameterError("prompt", "empty string")
-            if self.tokenizer is None:
-                raise ParameterError("prompt", "a string needs a tokenizer; this engine has none")
-            return input, list(self.tokenizer.encode(input, add_special_tokens=True))
-        if isinstance(input, (list, tuple)) and input and all(isinstance(m, dict) for m in input):
-            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise ParameterError(
-                    "prompt", "chat messages need a tokenizer with a chat template"
-                )
-            text = self.tokenizer.apply_chat_template(
-                list(input), add_generation_prompt=True, tokenize=False
-            )
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            return text, list(ids)
-        if isinstance(input, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in input
-        ):
-            if not input:
-                raise ParameterError("prompt", "empty token id list")
-            vocab = self.model.config.get_text_config().vocab_size
-            bad = [t for t in input if not 0 <= t < vocab]
-            if bad:
-                raise ParameterError("prompt", f"token ids outside [0, {vocab}): {bad[:8]}")
-            return None, list(input)
-        if isinstance(input, torch.Tensor) and input.dim() == 1:
-            return self._tokenize(input.tolist())
-        raise ParameterError(
-            "prompt",
-            "expected a string, a list of token ids, or chat messages "
-            f"(a list of {{'role', 'content'}} dicts), got {type(input).__name__}",
-        )
-
-    def _max_tokens(self, p: SamplingParams, prompt_len: int) -> int:
-        limit = self.config.max_model_len
-        if prompt_len >= limit:
-            raise ParameterError(
-                "prompt",
-                f"{prompt_len} tokens, the context is {limit} (max_model_len); "
-                "leave room for at least one new token",
-            )
-        n = limit - prompt_len
-        if p.max_new_tokens is not None:
-            n = min(n, p.max_new_tokens)
-        if p.max_length is not None:
-            if p.max_length <= prompt_len:
-                raise ParameterError(
-                    "max_length",
-                    f"{p.max_length} leaves no room after the {prompt_len}-token prompt",
-                )
-            n = min(n, p.max_length - prompt_len)
-        if p.max_new_tokens is None and p.max_length is None:
-            n = min(n, 16)  # vLLM's default max_tokens
-        need = self.pool.blocks_for(prompt_len + n) * p.n
-        if need > self.pool.num_blocks:
-            raise ParameterError(
-                "prompt",
-                f"{p.n} x {prompt_len + n} tokens need {need} KV blocks, the pool "
-                f"has {self.pool.num_blocks} (raise kv_cache_memory or lower max_new_tokens)",
-            )
-        return n
 
     # --- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -615,30 +550,3 @@ def _cache_salt(model: torch.nn.Module, caches: list[torch.Tensor], block_size: 
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     layout = [(tuple(t.shape[1:]), str(t.dtype)) for t in caches]
     return repr((name, id(model), block_size, layout)).encode()
-
-
-def _split_inputs(inputs: Any) -> list[Any]:
-    """``generate``'s inputs as a list of single prompts."""
-    if isinstance(inputs, (str, torch.Tensor)):
-        return [inputs]
-    if isinstance(inputs, Seq) and inputs:
-        first = inputs[0]
-        if isinstance(first, dict):  # one conversation
-            return [inputs]
-        if isinstance(first, int) and not isinstance(first, bool):  # one token id list
-            return [inputs]
-        return list(inputs)
-    raise ParameterError(
-        "inputs", f"expected a prompt or a non-empty list of prompts, got {inputs!r}"
-    )
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return frozenset(ids)

@@ -78,11 +78,11 @@ class ServerMetrics:
             "Time from the HTTP request's arrival to its last token",
             buckets=_REQUEST, registry=r,
         )  # fmt: skip
-        collector = _EngineCollector(engine)
-        r.register(collector)
-        sources = (self.finished, self.prompt_tokens, self.generation_tokens, self.ttft,
-                   self.itl, self.tpot, self.e2e, collector)  # fmt: skip
-        r.register(VllmAliases(sources, model_name))
+        # engine.stats() is read once a scrape: its families and their vLLM names together
+        r.register(VllmAliases([_EngineCollector(engine)], model_name, include_sources=True))
+        instruments = (self.finished, self.prompt_tokens, self.generation_tokens, self.ttft,
+                       self.itl, self.tpot, self.e2e)  # fmt: skip
+        r.register(VllmAliases(instruments, model_name))
 
     def observe(self, outputs: list[RequestOutput], start: float) -> None:
         """A finished request: its prompts' outputs and its arrival (``perf_counter``)."""

@@ -31,12 +31,20 @@ _LABELS = {"finish_reason": "finished_reason"}
 
 
 class VllmAliases:
-    """A collector re-emitting the families of ``sources`` (collectors) that
-    :data:`VLLM_NAMES` lists, under vLLM's names."""
+    """A collector emitting, for each family of ``sources`` (collectors) that
+    :data:`VLLM_NAMES` lists, a copy under vLLM's name; with ``include_sources`` the
+    families themselves too (a source registered only through this wrapper is collected
+    once a scrape, so a family and its alias hold the same values)."""
 
-    def __init__(self, sources: Iterable[object], model_name: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        sources: Iterable[object],
+        model_name: Callable[[], str],
+        include_sources: bool = False,
+    ) -> None:
         self._sources = list(sources)
         self._model = model_name
+        self._include = include_sources
 
     def describe(self) -> list[Metric]:
         return []
@@ -45,6 +53,8 @@ class VllmAliases:
         model = self._model()
         for source in self._sources:
             for family in source.collect():
+                if self._include:
+                    yield family
                 alias = VLLM_NAMES.get(family.name)
                 if alias is None:
                     continue

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torch_topg.engine.errors import ParameterError
+from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.options import EngineArgs
 
 
@@ -63,8 +64,6 @@ def resolve(
     the ranks' sum on the CPU); ``speculative``: the resolved speculative config (a draft
     model's KV is counted in each block).
     """
-    from torch_topg.engine.model_runner import ModelRunner
-
     device = device or device_of(args)
     dtype = dtype or dtype_of(args, device)
     text = model_config.get_text_config()
@@ -100,7 +99,7 @@ def resolve(
         if spec is None:
             disk = int(0.1 * free)
         elif isinstance(spec, str):  # a percentage (checked by EngineArgs)
-            disk = int(float(spec[:-1]) / 100 * free)
+            disk = _percent_of(spec, free)
         else:
             disk = spec
             if disk > free:
@@ -141,5 +140,10 @@ def kv_budget(spec: int | str | None, device: torch.device, wanted: int) -> int:
     if spec is None:
         return min(wanted, int(0.4 * available_memory(device)))
     if isinstance(spec, str):
-        return int(float(spec.strip()[:-1]) / 100 * available_memory(device))
+        return _percent_of(spec, available_memory(device))
     return spec
+
+
+def _percent_of(spec: str, total: int) -> int:
+    """``"40%"`` (checked by ``EngineArgs``) of ``total`` bytes."""
+    return int(float(spec.strip()[:-1]) / 100 * total)

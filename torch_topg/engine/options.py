@@ -25,6 +25,7 @@ import dataclasses
 import json
 import numbers
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -413,8 +414,6 @@ def from_cli_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def _plain(text: str) -> str:
     """Help text without markdown links: ``[a.md](a.md)`` -> ``docs/a.md``."""
-    import re
-
     return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"docs/\2", text).replace("`", "")
 
 

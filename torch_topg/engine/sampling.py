@@ -282,16 +282,17 @@ class Sampler:
         for i, p in enumerate(params):
             for t, b in (p.logit_bias or {}).items():
                 rows.append(i), ids.append(t), vals.append(float(b))
+        banned = banned if banned is not None and any(banned) else None
+        if not rows and banned is None:
+            return x
+        if x is logits:  # fp32 logits without penalties: never write the caller's tensor
+            x = x.clone()
+        dev = x.device
         if rows:
-            if x.data_ptr() == logits.data_ptr():
-                x = x.clone()
-            dev = x.device
             idx = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
             x.index_put_(idx, torch.tensor(vals, dtype=torch.float32, device=dev), accumulate=True)
-        if banned is not None and any(banned):
-            if x.data_ptr() == logits.data_ptr():
-                x = x.clone()
-            keys = _token_keys(banned, list(range(len(banned))), x.shape[1], x.device)
+        if banned is not None:
+            keys = _token_keys(banned, list(range(len(banned))), x.shape[1], dev)
             x.view(-1)[keys] = float("-inf")
         return x
 

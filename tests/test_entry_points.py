@@ -46,8 +46,9 @@ def test_backend_topg_without_importing_torch_topg():
     """``torch.compile(fn, backend="topg")`` finds the backend through the installed entry
     point; torch_topg is imported by dynamo, not by the caller."""
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
-    if not any(ep.name == "topg" for ep in eps):
-        pytest.skip("torch_topg is not installed (no torch_dynamo_backends entry point)")
+    assert any(ep.name == "topg" for ep in eps), (
+        "no torch_dynamo_backends entry point 'topg': install torch_topg (make test does)"
+    )
     code = (
         "import sys, torch\n"
         "assert 'torch_topg' not in sys.modules\n"

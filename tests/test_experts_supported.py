@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
 from transformers import activations
 from transformers.integrations.moe import use_experts_implementation
 

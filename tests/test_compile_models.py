@@ -13,6 +13,7 @@ import pytest
 import torch
 from compile_utils import all_replaced
 
+from torch_topg.bench.models import weights_bytes
 from torch_topg.compile import REPORTS, clear_reports
 from torch_topg.models import build_model, load_smollm2, smollm2_available
 
@@ -117,21 +118,11 @@ def test_recompiles_bounded():
     torch._dynamo.reset()
 
 
-def _resident_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
-
-
 def test_fused_weights_resident_once():
     model = build_model("llama-tiny")
-    before = _resident_bytes(model)
+    before = weights_bytes(model)
     _prefill_decode(_compiled(model), torch.randint(0, 256, (1, 4)), steps=1)
-    assert _resident_bytes(model) == before
+    assert weights_bytes(model) == before
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == (
         attn.v_proj.weight.untyped_storage().data_ptr()

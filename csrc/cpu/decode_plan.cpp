@@ -146,9 +146,6 @@ class DecodePlan : public torch::CustomClassHolder {
       TORCH_CHECK(fmt[i], "topg::DecodePlan: weight ", i, ": unknown format '", formats[i], "'");
       packed_ = true;
       a8_ = a8_ || a8[i];
-      // int8 activations in a format without integer dot products: fp32 dots on the
-      // rounded rows, as linear_q computes them (the tensor's format picks its path)
-      a8f_ = a8f_ || (a8[i] && !quant::int8_dot(fmt[i]->fmt));
     }
     final_norm_ = weights[1];
     dtype_ = final_norm_.scalar_type();
@@ -368,7 +365,6 @@ class DecodePlan : public torch::CustomClassHolder {
   bool packed_ = false;      // some weight is packed: the A rows are also kept as padded fp32
   bool head_major_ = false;  // cache_layout "bhsd"
   bool a8_ = false;          // some weight takes int8 activations: and as int8 blocks
-  bool a8f_ = false;         // ... in a format without integer dots: and as rounded fp32
   std::vector<Layer> layers_;
   std::vector<Bound> bound_;
   at::ScalarType dtype_;
@@ -401,7 +397,7 @@ void DecodePlan::step(const Step& s) {
   for (Member& m : members_) {
     sz(m.resid, B * H), sz(m.x, B * H);
     constexpr bool is_bf16 = std::is_same_v<T, bf16>;
-    m.in.fit(std::max(B, R), kmax, packed_, a8_, a8f_, is_bf16 && gemm::use_bf16dp(),
+    m.in.fit(std::max(B, R), kmax, packed_, a8_, is_bf16 && gemm::use_bf16dp(),
              is_bf16 && gemm::amx::enabled());
     m.cos.resize(size_t(B * d)), m.sin.resize(size_t(B * d));
     if (embed_.f) m.row.resize(size_t(padded_k(H)));

@@ -98,7 +98,7 @@ inline void vnni_block(const Format& f, const uint8_t* row, int64_t k, int64_t b
       return;
     }
     default:
-      TORCH_CHECK(false, "linear_q: no int8 GEMM for this format");  // callers check int8_dot
+      TORCH_CHECK(false, "linear_q: no int8 GEMM for this format");  // callers check int8_gemm
   }
 }
 
@@ -192,7 +192,7 @@ TOPG_TARGET_VNNI void vnni_strip(const uint32_t* codes, const float* dw, const f
 }
 
 // out [M, N] (fp32, row stride N) = the activations x (M rows) times the packed weight
-// [N, row_bytes(K)], + bias (fp32 or null). Callers check use_vnni() and int8_dot(f.fmt).
+// [N, row_bytes(K)], + bias (fp32 or null). Callers check use_vnni() and int8_gemm(f.fmt).
 inline void gemm_q8_vnni(const Format& f, const VnniActs& x, int64_t M, int64_t K, const uint8_t* w,
                          int64_t N, const float* bias, float* out) {
   const int64_t kp = x.kp, nb = x.nb, groups = (N + 15) / 16;

@@ -53,7 +53,7 @@ template <typename T>
 void linear_q_dot(const Format& f, const Rows& x, int64_t K, const uint8_t* w, int64_t N,
                   const T* bias, T* out) {
   const int64_t rb = f.row_bytes(K);
-  const bool q8 = !x.xq.empty() && quant::int8_dot(f.fmt);  // integer dot products
+  const bool q8 = !x.xq.empty();  // integer dot products
   std::vector<const float*> xs(size_t(x.M));
   for (int64_t m = 0; m < x.M; ++m) xs[size_t(m)] = x.x(m);
   struct Scratch {
@@ -104,7 +104,7 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
     }
     const int64_t Kp = f.padded(K);
     const bool gemv = M <= kQuantDotRows || batch_invariant();
-    const bool vnni = !gemv && int8_activations && quant::int8_dot(f.fmt) && quant::use_vnni();
+    const bool vnni = !gemv && int8_activations && quant::int8_gemm(f.fmt) && quant::use_vnni();
     Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, !vnni);
     const uint8_t* w = cptr<uint8_t>(weight);
     if (gemv) {

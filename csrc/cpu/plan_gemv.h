@@ -43,23 +43,20 @@ inline int64_t padded_k(int64_t K) { return (K + 255) / 256 * 256; }
 // (a / ap), as stored (src: the AVX-512 BF16 dot products), in AMX's B layout (bp:
 // gemv_amx.h, where the rows and K fit its tiles), and with packed weights as
 // fp32 padded with zeros (aq / aqp: linear_q's operand) and, with int8 activations, as
-// int8 blocks of 32 (xq codes, xd scales, xs code sums: quant::quantize_act) and, for
-// formats without integer dot products (q4_k, q6_k), as those blocks' values in fp32
-// (ar / arp: q * d, the rounded rows linear_q multiplies such formats with).
+// int8 blocks of 32 (xq codes, xd scales, xs code sums: quant::quantize_act).
 struct GemvInput {
-  std::vector<float> a, aq, ar, xd, xs, qsum;
-  std::vector<const float*> ap, aqp, arp;
+  std::vector<float> a, aq, xd, xs, qsum;
+  std::vector<const float*> ap, aqp;
   std::vector<const void*> src;
   std::vector<int8_t> xq;
   std::vector<bf16> bp;
   quant::RowsScratch qs;
   gemm::AlignedFloats il_buf;  // the fp32 rows interleaved (gemm::interleave_a_rows)
   const float* il = nullptr;
-  bool packed = false, a8 = false, a8f = false, dp = false, amx = false;
+  bool packed = false, a8 = false, dp = false, amx = false;
 
-  // a8f_: some weight takes int8 activations in a format without integer dot products.
-  void fit(int64_t rows, int64_t kmax, bool packed_, bool a8_, bool a8f_, bool dp_, bool amx_) {
-    packed = packed_, a8 = a8_, a8f = a8_ && a8f_, dp = dp_, amx = amx_;
+  void fit(int64_t rows, int64_t kmax, bool packed_, bool a8_, bool dp_, bool amx_) {
+    packed = packed_, a8 = a8_, dp = dp_, amx = amx_;
     a.resize(size_t(rows * kmax)), ap.resize(size_t(rows)), src.resize(size_t(rows));
     if (amx) bp.resize(size_t(rows * kmax));
     if (packed) {
@@ -67,7 +64,6 @@ struct GemvInput {
       aqp.resize(size_t(rows)), qsum.resize(size_t(rows));
     }
     if (a8) xq.resize(aq.size()), xd.resize(aq.size() / 32), xs.resize(aq.size() / 32);
-    if (a8f) ar.resize(aq.size()), arp.resize(size_t(rows));
   }
 
   // Row r is src + (idx ? idx[r] : r) * K.
@@ -85,13 +81,6 @@ struct GemvInput {
         if (a8)
           quant::quantize_act(dst, Kp, xq.data() + r * Kp, xd.data() + r * Kp / 32,
                               xs.data() + r * Kp / 32);
-        if (a8f) {
-          float* rounded = ar.data() + r * Kp;
-          const int8_t* q = xq.data() + r * Kp;
-          const float* d = xd.data() + r * Kp / 32;
-          for (int64_t i = 0; i < Kp; ++i) rounded[i] = float(q[i]) * d[i / 32];
-          arp[r] = rounded;
-        }
       }
       if (dp) continue;
       gemm::dot_a_row<T>(row, K, a.data() + r * K);
@@ -109,15 +98,14 @@ struct GemvInput {
   // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.
   template <typename T, typename Emit>
   void dot(const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1, Emit&& emit) {
-    if (w.f && w.a8 && quant::int8_dot(w.f->fmt)) {  // linear_q's integer GEMV
+    if (w.f && w.a8) {  // linear_q's integer GEMV
       quant::gemv_q8(*w.f, w.data<uint8_t>(), w.rb, n0, n1, K, xq.data(), xd.data(), xs.data(),
                      padded_k(K), rows, emit);
       return;
     }
-    if (w.f) {  // linear_q's fp32-activation GEMV: each packed row made fp32 once; with
-      // int8 activations (a format without integer dot products) on the rounded rows
+    if (w.f) {  // linear_q's fp32-activation GEMV: each packed row made fp32 once
       const uint8_t* base = w.data<uint8_t>();
-      const float* const* x = w.a8 ? arp.data() : aqp.data();
+      const float* const* x = aqp.data();
       for (int64_t n = n0; n < n1; ++n) {
         quant::dot_rows(*w.f, base + n * w.rb, K, x, rows, qsum.data(), qs);
         for (int64_t r = 0; r < rows; ++r) emit(r, n, qsum[r]);

@@ -10,6 +10,7 @@
 //   AVX-512 VNNI   (use_vnni(): q8_0, q4_0, q4_1, int4 with groups of 32, int8) per block
 //                  one vpdpbusd, the scales and constant terms of 8 blocks at a time in
 //                  vector registers, a range of rows per call.
+// The K-quants (q4_k, q6_k) have both forms in quant_act_k.h.
 // Measured (one thread, weights in L2, [1536, K] rows, cycles a block at 2.6 GHz, AVX2 /
 // VNNI): q4_1 3.49 / 2.39 (K = 576), 3.40 / 2.16 (K = 1536); q4_0 3.09 / 2.26, 3.00 / 2.06;
 // q8_0 2.66 / 2.31, 2.54 / 2.16. SmolLM2 Q4_1 decode with int8 activations (engine, plan
@@ -22,6 +23,7 @@
 #include <cstring>
 
 #include "gemv_avx512.h"
+#include "quant_act_k.h"
 #include "quant_kernels.h"
 
 namespace topg::quant {
@@ -40,7 +42,9 @@ inline bool use_vnni() {
 // of 32: d = amax / 127, q = round-to-nearest-even(x * (1 / d)) (0 when d = 0), and the
 // block's code sum. A block holding NaN or inf gets d = NaN, so its row's results are
 // NaN. Model in Python: torch_topg.formats.quantize_activations.
-inline bool int8_dot(Fmt f) { return f != Fmt::q4_k && f != Fmt::q6_k; }
+
+// The formats of the integer GEMM for many rows (gemm_q8_vnni.h: blocks of 32).
+inline bool int8_gemm(Fmt f) { return f != Fmt::q4_k && f != Fmt::q6_k; }
 
 // One block of 32, scalar: the definition (and the path of a block holding NaN or inf).
 inline void quantize_act_block(const float* xb, int8_t* q, float* d, float* qsum) {
@@ -116,14 +120,9 @@ inline __m256 udot(__m256i uw, __m256i sx) {
 inline __m256 sdot(__m256i w, __m256i x) {
   return udot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
-inline __m256i load32(const void* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
-#define TOPG_VNNI_BUILT 1
-#define TOPG_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#if TOPG_VNNI_BUILT
 
 // The formats of dot_row_q8's VNNI form, by where a block keeps its scale and codes:
 enum class VnniRow {
@@ -261,8 +260,6 @@ TOPG_TARGET_VNNI void dot_rows_q8_vnni(const uint8_t* w, int64_t rb, int64_t n, 
     out[i] = dot_row_q8_vnni<R>(w + i * rb, k, nb, xq, xd, xsum);
   }
 }
-#else
-#define TOPG_VNNI_BUILT 0
 #endif
 
 // The AVX2 form (and the scalar one without AVX2).
@@ -336,11 +333,14 @@ inline float dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, con
       }
       return hsum(acc) * s;
     }
+    case Fmt::q4_k:
+    case Fmt::q6_k:
+      return dot_row_q8_k_avx2(f.fmt, row, nb, xq, xd, xsum);
     default:
       break;
   }
 #endif
-  // Without AVX2 (or a format without an integer path): de-quantise the activations.
+  // Without AVX2: de-quantise the activations.
   (void)nb;
   float x[256], total = 0.f;
   if (f.block == 0) {
@@ -385,6 +385,10 @@ inline void dot_rows_q8(const Format& f, const uint8_t* w, int64_t rb, int64_t n
         break;  // larger groups: the AVX2 form
       case Fmt::int8:
         return dot_rows_q8_vnni<VnniRow::int8>(w, rb, n, k, (k + 31) / 32, xq, xd, xsum, out);
+      case Fmt::q4_k:
+        return dot_rows_q8_k_vnni<Fmt::q4_k>(w, rb, n, nb, xq, xd, xsum, out);
+      case Fmt::q6_k:
+        return dot_rows_q8_k_vnni<Fmt::q6_k>(w, rb, n, nb, xq, xd, xsum, out);
       default:
         break;
     }

@@ -146,6 +146,31 @@ inline void unpack32(const uint8_t* p, __m256i& lo, __m256i& hi) {
   lo = _mm256_and_si256(b, m);
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
 }
+// q6_k's 32-runs of one half (128 weights): run r's codes from ql (64 bytes), qh (32).
+__attribute__((always_inline)) inline void q6k_runs(const uint8_t* ql, const uint8_t* qh,
+                                                    __m256i u[4]) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+  // bits 4-5 of each code: qh's bit pairs 0-1, 2-3, 4-5, 6-7 moved there (16-bit shifts
+  // carry bits across bytes only into positions the mask clears)
+  u[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m2));
+  u[1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m2));
+  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m2));
+  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
+}
+
+// q4_k's 32-runs of a super-block: runs 2c and 2c + 1 are the low and high nibbles of
+// qs[32c, 32c + 32).
+__attribute__((always_inline)) inline void q4k_runs(const uint8_t* qs, int c, __m256i& lo,
+                                                    __m256i& hi) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(b, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+}
 #endif
 
 #if TOPG_AVX2
@@ -157,6 +182,18 @@ inline void fma32(__m256i q, __m256 d, __m256 m, const float* x, __m256 acc[4]) 
   const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
   for (int j = 0; j < 4; ++j) {
     const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[j])), d, m);
+    acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * j), acc[j]);
+  }
+}
+// fma32 without a minimum, the scale d_lo for codes 0..15 and d_hi for 16..31 (q6_k: a scale per
+// 16).
+inline void fma32_16(__m256i q, __m256 d_lo, __m256 d_hi, const float* x, __m256 acc[4]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  const __m256 zero = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[j])),
+                                     j < 2 ? d_lo : d_hi, zero);
     acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * j), acc[j]);
   }
 }
@@ -269,8 +306,44 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
       for (; i < k; ++i) tail += float(int8_t(q[i])) * x[i];
       return (hsum4(acc) + tail) * s;
     }
+    case Fmt::q4_k:  // run j: u d sc_j - dmin m_j
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 144 * b;
+        stream_ahead(p, 144);
+        const float d = half_at(p), dmin = half_at(p + 2);
+        uint8_t sc[8], mn[8];
+        k_scales(p + 4, sc, mn);
+        for (int c = 0; c < 4; ++c) {
+          __m256i lo, hi;
+          q4k_runs(p + 16, c, lo, hi);
+          fma32(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
+                x + 256 * b + 64 * c, acc);
+          fma32(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
+                _mm256_set1_ps(-dmin * float(mn[2 * c + 1])), x + 256 * b + 64 * c + 32, acc);
+        }
+      }
+      return hsum4(acc);
+    case Fmt::q6_k: {  // run j: (u - 32) d sc, sc per 16
+      const __m256i k32 = _mm256_set1_epi8(32);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 210 * b;
+        stream_ahead(p, 210);
+        const float d = half_at(p + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        for (int h = 0; h < 2; ++h) {
+          __m256i u[4];
+          q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
+          for (int r = 0; r < 4; ++r) {
+            const int j = 4 * h + r;
+            fma32_16(_mm256_sub_epi8(u[r], k32), _mm256_set1_ps(d * float(sc[2 * j])),
+                     _mm256_set1_ps(d * float(sc[2 * j + 1])), x + 256 * b + 32 * j, acc);
+          }
+        }
+      }
+      return hsum4(acc);
+    }
     default:
-      break;  // the K-quants: de-quantise a block at a time below
+      break;
   }
 #endif
   float w[256];
@@ -306,6 +379,15 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
 // The weights of the AVX2 formats in the order dot_row's fma32 consumes them: 32-runs,
 // each stored at wbuf + 32 * r with its activations at x + xoff[r]. Returns the runs.
 // 32 codes made fp32 as fma32 makes them: q * d + m.
+// With a scale per 16 codes (as fma32_16 makes them).
+__attribute__((always_inline)) inline void store32_16(__m256i q, __m256 d_lo, __m256 d_hi,
+                                                      float* dst) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int j = 0; j < 4; ++j)
+    _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[j])),
+                                                  j < 2 ? d_lo : d_hi, _mm256_setzero_ps()));
+}
 __attribute__((always_inline)) inline void store32(__m256i q, __m256 d, __m256 m, float* dst) {
   const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
   const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -369,6 +451,43 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
       for (int64_t i = 0; i + 32 <= k; i += 32) {
         stream_ahead(row + 4 + i);
         put(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 4 + i)), one, zero, i);
+      }
+      return n;
+    }
+    case Fmt::q4_k:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 144 * b;
+        stream_ahead(p, 144);
+        const float d = half_at(p), dmin = half_at(p + 2);
+        uint8_t sc[8], mn[8];
+        k_scales(p + 4, sc, mn);
+        for (int c = 0; c < 4; ++c) {
+          __m256i lo, hi;
+          q4k_runs(p + 16, c, lo, hi);
+          put(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
+              256 * b + 64 * c);
+          put(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
+              _mm256_set1_ps(-dmin * float(mn[2 * c + 1])), 256 * b + 64 * c + 32);
+        }
+      }
+      return n;
+    case Fmt::q6_k: {
+      const __m256i k32 = _mm256_set1_epi8(32);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 210 * b;
+        stream_ahead(p, 210);
+        const float d = half_at(p + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        for (int h = 0; h < 2; ++h) {
+          __m256i u[4];
+          q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
+          for (int r = 0; r < 4; ++r) {
+            const int j = 4 * h + r;
+            store32_16(_mm256_sub_epi8(u[r], k32), _mm256_set1_ps(d * float(sc[2 * j])),
+                       _mm256_set1_ps(d * float(sc[2 * j + 1])), wbuf + 32 * n);
+            xoff[n++] = 256 * b + 32 * j;
+          }
+        }
       }
       return n;
     }
@@ -490,23 +609,6 @@ inline void dot_rows(const Format& f, const uint8_t* row, int64_t k, const float
         for (int64_t j = tail0; j < k; ++j) tail += float(int8_t(row[4 + j])) * x[m0 + i][j];
         out[m0 + i] = (hsum4(acc[i]) + tail) * scale;
       }
-    }
-    return;
-  }
-  if (f.block != 0) {  // the K-quants: blocks de-quantised once, summed as dot_row sums
-    const int64_t nb = f.blocks(k), bk = f.block;
-    for (int64_t b = 0; b < nb; ++b)
-      dequant_block(f, row + b * f.block_bytes, bk, s.w.data() + b * bk);
-    for (int64_t m = 0; m < M; ++m) {
-      float total = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t i = 0; i < bk; i += 8)
-          a = _mm256_fmadd_ps(_mm256_loadu_ps(s.w.data() + b * bk + i),
-                              _mm256_loadu_ps(x[m] + b * bk + i), a);
-        total += hsum(a);
-      }
-      out[m] = total;
     }
     return;
   }

@@ -1,0 +1,167 @@
+// int8 activations against the K-quants (q4_k, q6_k): integer dot products per block of
+// 32 activations, as quant_act.h computes them for the 32-blocks formats. A K-quant's
+// super-block of 256 weights splits into 32-runs that line up with the activation blocks:
+//   q4_k   run j (of 8): 32 nibbles (the low or high halves of 32 bytes), w = d sc_j u -
+//          dmin m_j, so the run's sum is xd (d sc_j sum(u q) - dmin m_j sum(q));
+//   q6_k   run j (of 8): 32 six-bit codes u (4 bits in ql, 2 in qh), w = d sc (u - 32), with
+//          one sc per 16 weights: the run's sum is xd d (sc_lo sum_lo + sc_hi sum_hi) of
+//          (u - 32) q, sum_lo over the first 16 weights.
+// Two forms (the same integer products, different fp32 summation orders):
+//   AVX2          maddubs / madd per run, one FMA with the run's scale;
+//   AVX-512 VNNI  one vpdpbusd per run (q6_k: two, the second sums 32 q per 4 bytes for
+//                 the -32 offset), the run's scales from a super-block's scale vector.
+// Without AVX2: dot_row_q8_avx2's scalar loop (de-quantised weights, rounded activations).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_kernels.h"
+
+namespace topg::quant {
+
+#if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
+#define TOPG_VNNI_BUILT 1
+#define TOPG_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#else
+#define TOPG_VNNI_BUILT 0
+#endif
+
+#if TOPG_AVX2
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// The AVX2 form: sum over the row's nb super-blocks. u unsigned (maddubs's first operand).
+inline float dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const int8_t* xq,
+                               const float* xd, const float* xsum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  float extra = 0.f;
+  for (int64_t s = 0; s < nb; ++s) {
+    const int8_t* x = xq + 256 * s;
+    const float* d8 = xd + 8 * s;
+    if (fmt == Fmt::q4_k) {
+      const uint8_t* p = row + 144 * s;
+      stream_ahead(p, 144);
+      const float d = half_at(p), dmin = half_at(p + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(p + 4, sc, mn);
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo, hi;
+        q4k_runs(p + 16, c, lo, hi);
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * c + h;
+          const __m256i p16 =
+              _mm256_maddubs_epi16(h ? hi : lo, _mm256_loadu_si256((const __m256i*)(x + 32 * j)));
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(d * float(sc[j]) * d8[j]),
+                                _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), acc);
+          extra -= dmin * float(mn[j]) * d8[j] * xsum[8 * s + j];
+        }
+      }
+    } else {  // q6_k
+      const uint8_t* p = row + 210 * s;
+      stream_ahead(p, 210);
+      const float d = half_at(p + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+      const __m256i k32 = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {
+        __m256i u[4];
+        q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
+        for (int r = 0; r < 4; ++r) {
+          const int j = 4 * h + r;  // run j: weights 32 j.., scales sc[2 j], sc[2 j + 1]
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j));
+          // (u - 32) * x per pair: |.| <= 63 * 127 * 2 + 32 * 127 * 2 < 2^15
+          const __m256i p16 =
+              _mm256_sub_epi16(_mm256_maddubs_epi16(u[r], xv), _mm256_maddubs_epi16(k32, xv));
+          const __m256i s16 =
+              _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(d * d8[j]),
+                                _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, s16)), acc);
+        }
+      }
+    }
+  }
+  return hsum(acc) + extra;
+}
+#endif
+
+#if TOPG_VNNI_BUILT
+// The VNNI form, for a range of n rows (rb bytes apart), R = q4_k or q6_k.
+template <Fmt R>
+TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_k_vnni(
+    const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd, const float* xsum) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 a0 = zero, a1 = zero, cterm = zero;
+  for (int64_t s = 0; s < nb; ++s) {
+    const int8_t* x = xq + 256 * s;
+    const __m256 xdv = _mm256_loadu_ps(xd + 8 * s);  // the 8 runs' activation scales
+    if constexpr (R == Fmt::q4_k) {
+      const uint8_t* p = row + 144 * s;
+      stream_ahead(p, 144);
+      // scales and minimums of the 8 runs, 6 bits each, as 8 lanes
+      uint8_t sc[8], mn[8];
+      k_scales(p + 4, sc, mn);
+      uint64_t sc8, mn8;
+      std::memcpy(&sc8, sc, 8), std::memcpy(&mn8, mn, 8);
+      const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))));
+      const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))));
+      const __m256 sv = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(p)), scv), xdv);
+      const __m256 xs = _mm256_loadu_ps(xsum + 8 * s);
+      cterm = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(p + 2)), mnv),
+                               _mm256_mul_ps(xdv, xs), cterm);
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo, hi;
+        q4k_runs(p + 16, c, lo, hi);
+        const __m256i dl = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, load32(x + 64 * c));
+        const __m256i dh = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, load32(x + 64 * c + 32));
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl),
+                             _mm256_permutexvar_ps(_mm256_set1_epi32(2 * c), sv), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh),
+                             _mm256_permutexvar_ps(_mm256_set1_epi32(2 * c + 1), sv), a1);
+      }
+    } else {  // q6_k
+      const uint8_t* p = row + 210 * s;
+      stream_ahead(p, 210);
+      const __m256 d = _mm256_set1_ps(half_at(p + 208));
+      const __m256i k32 = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {
+        // the 8 scales of this half (16 weights each) as 8 lanes, times d
+        int64_t sc8;
+        std::memcpy(&sc8, p + 192 + 8 * h, 8);
+        const __m256 scv =
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sc8))), d);
+        __m256i u[4];
+        q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
+        for (int r = 0; r < 4; ++r) {
+          const int j = 4 * h + r;
+          const __m256i xv = load32(x + 32 * j);
+          // lanes 0-3: the run's first 16 weights, 4-7 the next 16
+          const __m256i dot =
+              _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u[r], xv),
+                               _mm256_dpbusd_epi32(_mm256_setzero_si256(), k32, xv));
+          const __m256i lanes = _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1,
+                                                  2 * r + 1, 2 * r + 1);
+          const __m256 sv = _mm256_mul_ps(_mm256_permutexvar_ps(lanes, scv),
+                                          _mm256_permutexvar_ps(_mm256_set1_epi32(j), xdv));
+          if (r & 1)
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a1);
+          else
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a0);
+        }
+      }
+    }
+  }
+  (void)xsum;
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), cterm));
+}
+
+template <Fmt R>
+TOPG_TARGET_VNNI void dot_rows_q8_k_vnni(const uint8_t* w, int64_t rb, int64_t n, int64_t nb,
+                                         const int8_t* xq, const float* xd, const float* xsum,
+                                         float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = dot_row_q8_k_vnni<R>(w + i * rb, nb, xq, xd, xsum);
+}
+#endif
+
+}  // namespace topg::quant

@@ -232,19 +232,18 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     blocks = -(-n // block_m) + min(num_experts, n)
     # out-of-range ids go to a bucket past the last expert, which gets no rows
     bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    counts = torch.bincount(bucket, minlength=num_experts + 1)  # [E + 1]
-    padded_blocks = (counts[:num_experts] + block_m - 1) // block_m
+    sorted_bucket, order = torch.sort(bucket, stable=True)
+    # where each bucket starts in `order` (counting by search: no atomics, no host read)
+    first = torch.searchsorted(sorted_bucket, torch.arange(num_experts + 1, device=dev))
+    padded_blocks = (first[1:] - first[:-1] + block_m - 1) // block_m  # [E]
     block_end = padded_blocks.cumsum(0)  # [E]
     block_start = torch.cat([block_end.new_zeros(1), block_end])  # [E + 1]; [E] = total
-    first = counts.cumsum(0) - counts  # index in `order` of each bucket's first assignment
-    order = torch.argsort(bucket, stable=True)
-    in_bucket = order.new_empty(n)
-    in_bucket[order] = torch.arange(n, device=dev) - first[bucket[order]]
-    pos = block_start[bucket] * block_m + in_bucket
+    in_bucket = torch.arange(n, device=dev) - first[sorted_bucket]
+    pos = block_start[sorted_bucket] * block_m + in_bucket
     # dropped ids are written to one spare slot past the end, then cut off
-    pos = torch.where(bucket < num_experts, pos, blocks * block_m)
+    pos = torch.where(sorted_bucket < num_experts, pos, blocks * block_m)
     sorted_ids = torch.full((blocks * block_m + 1,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, pos, torch.arange(n, dtype=torch.int32, device=dev))
+    sorted_ids.scatter_(0, pos, order.to(torch.int32))
     expert_ids = torch.searchsorted(block_end, torch.arange(blocks, device=dev), right=True)
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
     total = (block_start[-1:] * block_m).to(torch.int32)

@@ -12,7 +12,7 @@ CPU calls never come here: the CPU keys run topg's CPU kernels as before. docs/g
 ("Dispatch") describes the candidates, the table and the report.
 """
 
-from torch_topg.ops.dispatch.candidates import Candidate, candidates
+from torch_topg.ops.dispatch.candidates import Candidate
 from torch_topg.ops.dispatch.classes import bucket, classify
 from torch_topg.ops.dispatch.selector import (
     DEFAULT,
@@ -45,7 +45,6 @@ __all__ = [
     "Table",
     "TableError",
     "bucket",
-    "candidates",
     "classify",
     "dispatch_report",
     "fixed_order",

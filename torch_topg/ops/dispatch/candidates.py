@@ -213,7 +213,7 @@ def _moe_combine(y: torch.Tensor, perm: torch.Tensor, t: int, k: int) -> torch.T
     -> ``[T, H]``: the ``k`` rows of a token summed in slot order (no atomics)."""
     buf = torch.empty_like(y)
     buf[perm] = y
-    return buf.view(t, k, -1).sum(1)
+    return buf.view(t, k, y.shape[-1]).sum(1)
 
 
 def _gated(gu: torch.Tensor, inter: int, activation: str) -> torch.Tensor:

@@ -311,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", help=f"comma-separated subset of {','.join(DISPATCHED_ON_CUDA)}")
     p.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
     p.add_argument(
+        "--budget",
+        type=float,
+        help=f"seconds after which no new case starts (default {TIME_BUDGET_S:.0f}, "
+        f"{QUICK_BUDGET_S:.0f} with --quick)",
+    )
+    p.add_argument(
         "--dry-run", action="store_true", help="list what would be measured; no GPU needed"
     )
     a = p.parse_args(argv)
@@ -319,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if op not in DISPATCHED_ON_CUDA:
             p.error(f"--ops: {op!r} is not one of {', '.join(DISPATCHED_ON_CUDA)}")
     cases = select_cases(ops, a.quick)
-    limit = QUICK_BUDGET_S if a.quick else TIME_BUDGET_S
+    limit = a.budget or (QUICK_BUDGET_S if a.quick else TIME_BUDGET_S)
     if a.dry_run:
         meta = torch.device("meta")
         print(f"tune would measure {len(cases)} cases (time budget {limit:.0f} s):")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU suite, as two back-to-back runs that each fit one command on a lent GPU machine
-# (docs/gpu.md says exactly how to call them and how to read what comes back):
+# The GPU suite, as two back-to-back runs that each fit one command of a short GPU run
+# (at most 600 s a command, 15 minutes in all; docs/gpu.md says exactly how to call them
+# and how to read what comes back):
 #
 #   bash python/gpu_suite.sh build-test   # <= 300 s: build for sm_90 against the machine's
-#                                         #   own torch, CUDA tests, compute-sanitizer memcheck
+#                                         #   own torch, CUDA tests, the dispatch's tuning
+#                                         #   table (tune), compute-sanitizer memcheck
 #   bash python/gpu_suite.sh bench        # <= 240 s: GPU benchmarks, CUDA-graph capture tests,
 #                                         #   offload H2D benchmark (reuses build-test's build)
 #   bash python/gpu_suite.sh profile      # <= 190 s, optional: engine decode with / without
@@ -12,8 +14,9 @@
 #
 # Each stage runs under its own `timeout`, and a mode's stages never outlast its budget
 # (a stage gets at most the time the mode has left). Each mode writes at most 8 files to
-# $OUT (./gpu_out if unset), the device tool's limit: summary.md (environment, one row per
-# stage, the tail of each failed log, the result tables) and one log per stage.
+# $OUT (./gpu_out if unset), what a short GPU run brings back: summary.md (environment, one
+# row per stage, the tail of each failed log, the result tables), one log per stage and,
+# for build-test, tuning.json (the table `python -m torch_topg tune` measured).
 # Exit status: 0 all stages passed; 1 a stage failed; 2 no usable GPU (nothing was run);
 # 64 usage error.
 set -uo pipefail
@@ -72,14 +75,20 @@ CONFIGURE="cmake -S $(q "$ROOT") -B $(q "$BUILD") -G Ninja -DPython3_EXECUTABLE=
 BUILD_CMD="{ [ -f $(q "$BUILD/build.ninja") ] || $CONFIGURE; } && cmake --build $(q "$BUILD") -- -j$MAX_JOBS && $(q "$PY") python/check_cuda_build.py $(q "$LIB_DIR")"
 
 RESULTS=()
+OUTPUTS=()
 case "$MODE" in
   build-test)
     BUDGET=290
+    # tune: every implementation of the dispatched ops (docs/gpu.md, "Dispatch") timed at
+    # the quick shapes; its own budget (--budget) ends it well inside the stage's limit,
+    # so the table is written before the stage's timeout could stop it.
     STAGES=(
       "build 125 build.log $BUILD_CMD"
-      "tests 115 tests.log $PYTEST $XDIST $CUDA_TESTS -k 'cuda and not capture'"
-      "sanitizer 30 sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 3 $(q "$PY") python/benchmarks/gpu/sanitize_cases.py"
+      "tests 90 tests.log $PYTEST $XDIST $CUDA_TESTS -k 'cuda and not capture'"
+      "tune 45 tune.log $(q "$PY") -m torch_topg tune --quick --budget 25 --out $(q "$OUT/tuning.json")"
+      "sanitizer 10 sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 3 $(q "$PY") python/benchmarks/gpu/sanitize_cases.py"
     )
+    OUTPUTS=(tuning.json)
     ;;
   bench)
     BUDGET=230
@@ -118,7 +127,7 @@ esac
 REBUILD_LIMIT=125
 PREFLIGHT_LIMIT=20
 
-# Self-check: the stage limits fit the budget, the files fit the device tool's 8.
+# Self-check: the stage limits fit the budget, the files fit the 8 a run brings back.
 total=$PREFLIGHT_LIMIT
 files=(summary.md)
 for s in "${STAGES[@]}"; do
@@ -126,7 +135,7 @@ for s in "${STAGES[@]}"; do
   total=$((total + limit))
   files+=("$log")
 done
-files+=("${RESULTS[@]}")
+files+=("${RESULTS[@]}" "${OUTPUTS[@]}")
 [ "$MODE" = bench ] && files+=(results.json)
 if [ "$total" -gt "$BUDGET" ] || [ "${#files[@]}" -gt 8 ]; then
   echo "gpu_suite.sh $MODE: stage limits $total s (budget $BUDGET s), ${#files[@]} files (at most 8)" >&2

@@ -198,3 +198,23 @@ def test_profile_scripts_run_on_the_cpu(script: str, tmp_path: Path) -> None:
             assert "on: plan" in md.read_text()  # decode_plan=True took the plan on the CPU
     else:
         assert done.stdout.count(": ran, output") == 4
+
+
+def test_build_test_tunes_after_the_tests(tree: Path) -> None:
+    """build-test measures the dispatch's tuning table right after the tests and brings it
+    back; tune's own budget ends it inside its stage's limit, so the table gets written."""
+    out = run_suite(tree, "build-test", "--dry-run").stdout
+    stages = re.findall(r"^stage (\S+) limit=(\d+)s", out, re.M)
+    names = [n for n, _ in stages]
+    assert names.index("tune") == names.index("tests") + 1
+    line = next(ln for ln in out.splitlines() if ln.startswith("stage tune "))
+    own = float(re.search(r"--budget (\d+)", line).group(1))
+    assert own + 15 <= int(dict(stages)["tune"])  # start-up and the last case fit
+    assert "-m torch_topg tune --quick" in line and "tuning.json" in line
+    assert "tuning.json" in re.search(r"^writes \(\d+\): (.*)$", out, re.M).group(1).split()
+
+
+def test_the_suite_speaks_in_project_terms() -> None:
+    for path in (SCRIPT, ROOT / "docs" / "gpu.md"):
+        text = path.read_text()
+        assert not re.search(r"device tool|this workplace|device notes", text), path

@@ -11,6 +11,7 @@ from torch_topg import _native, ops, reference
 __version__ = "0.1.0"
 
 _native.load()
+ops.dispatch.install()  # the CUDA keys of the dispatched ops, where topg has CUDA kernels
 
 from torch_topg import tpu  # noqa: E402  (XLA-key kernels; imports no JAX / torch_xla)
 
@@ -20,6 +21,7 @@ from torch_topg import eager  # noqa: E402  (after load: enable() needs the nati
 from torch_topg.eager import disable, enable, enabled  # noqa: E402
 from torch_topg.modes import index_checks, set_index_checks  # noqa: E402
 from torch_topg.offload import OffloadHandle, offload  # noqa: E402
+from torch_topg.ops.dispatch import dispatch_report  # noqa: E402
 from torch_topg.quant import quantize  # noqa: E402  (weight-only quantisation)
 
 eager.install_transformers_hook()
@@ -29,6 +31,7 @@ __all__ = [
     "OffloadHandle",
     "__version__",
     "disable",
+    "dispatch_report",
     "eager",
     "enable",
     "enabled",

@@ -18,6 +18,11 @@ running server, from its ``/metrics``.
 ``python -m torch_topg options [--write docs/engine.md]`` prints the engine's options as
 the markdown table of docs/engine.md (``--write``: replaces that table in the file).
 
+``python -m torch_topg tune [--out PATH] [--ops a,b] [--quick] [--dry-run]`` measures every
+implementation of the ops dispatched on CUDA (attention, paged_attention, fused_moe, linear)
+on this GPU and writes the tuning table (docs/gpu.md, "Dispatch"); ``--dry-run`` lists the
+shapes without a GPU.
+
 ``python -m torch_topg serve [--model M] [--host H] [--port P] [engine options]`` serves
 the model over an OpenAI-compatible HTTP API (the ``serve`` extra; ``serve --help``,
 docs/serve.md).
@@ -117,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         return monitor_main(argv[1:])
     if argv[0] == "options":
         return options_main(argv[1:])
+    if argv[0] == "tune":
+        from torch_topg.ops.dispatch.tune import main as tune_main
+
+        return tune_main(argv[1:])
     if argv[0] == "serve":
         from torch_topg.serve.cli import serve_main
 

@@ -41,12 +41,30 @@ def index_checks(enabled: bool = True) -> Iterator[None]:
         set_index_checks(prev)
 
 
+_batch_invariant = {"on": False}
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether :func:`batch_invariant_mode` is on in this process. The CUDA dispatch
+    (``torch_topg.ops.dispatch``) reads it: while it is on, each op runs one fixed
+    implementation, whatever the batch or the tuning table."""
+    return _batch_invariant["on"]
+
+
 def batch_invariant_mode() -> Callable[[], None]:
     """Turn on the kernels' batch-invariant mode (``topg::_set_batch_invariant``: a row's
     result does not depend on the other rows of the batch) for the whole process; returns
     the function that restores the previous setting. ``Engine(deterministic=True)`` uses
-    it. Without the native kernels the reference runs, whose invariance is not guaranteed:
-    a ``RuntimeWarning`` says so and nothing changes."""
+    it. The CUDA dispatch then fixes one implementation per op
+    (:func:`batch_invariant_enabled`). Without the native kernels the reference runs,
+    whose invariance is not guaranteed: a ``RuntimeWarning`` says so and the kernels'
+    mode is not changed."""
+    was = _batch_invariant["on"]
+    _batch_invariant["on"] = True
+
+    def restore_flag() -> None:
+        _batch_invariant["on"] = was
+
     if not _native.is_loaded():
         warnings.warn(
             "Engine(deterministic=True): the native kernels are not loaded, so the reference "
@@ -54,9 +72,14 @@ def batch_invariant_mode() -> Callable[[], None]:
             RuntimeWarning,
             stacklevel=4,
         )
-        return lambda: None
+        return restore_flag
     prev = torch.ops.topg._set_batch_invariant.default(True)
-    return lambda: torch.ops.topg._set_batch_invariant.default(prev)
+
+    def restore() -> None:
+        torch.ops.topg._set_batch_invariant.default(prev)
+        restore_flag()
+
+    return restore
 
 
 def cpu_kernels() -> list[str]:

@@ -188,4 +188,4 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
 }  // namespace
 }  // namespace topg::cuda
 
-TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("attention", &topg::cuda::attention_cuda); }
+TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("_cuda_attention", &topg::cuda::attention_cuda); }

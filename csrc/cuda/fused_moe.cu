@@ -220,4 +220,4 @@ at::Tensor fused_moe_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_up,
 }  // namespace
 }  // namespace topg::cuda
 
-TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("fused_moe", &topg::cuda::fused_moe_cuda); }
+TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("_cuda_fused_moe", &topg::cuda::fused_moe_cuda); }

@@ -117,4 +117,4 @@ at::Tensor linear_cuda(const at::Tensor& input_, const at::Tensor& weight,
 }  // namespace
 }  // namespace topg::cuda
 
-TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("linear", &topg::cuda::linear_cuda); }
+TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("_cuda_linear", &topg::cuda::linear_cuda); }

@@ -290,4 +290,6 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
 }  // namespace
 }  // namespace topg::cuda
 
-TORCH_LIBRARY_IMPL(topg, CUDA, m) { m.impl("paged_attention", &topg::cuda::paged_attention_cuda); }
+TORCH_LIBRARY_IMPL(topg, CUDA, m) {
+  m.impl("_cuda_paged_attention", &topg::cuda::paged_attention_cuda);
+}

@@ -1,7 +1,9 @@
 """``torch_topg.explain(model, *args, **kwargs)``: what the ``topg`` backend does to a model.
 
 Reports dynamo's graph and graph-break counts (``torch._dynamo.explain``) and, per
-pattern site found by the passes, whether it was replaced and why not. It resets
+pattern site found by the passes, whether it was replaced and why not, and, for calls on
+CUDA tensors, which implementation the dispatch ran for each op and why
+(``torch_topg.dispatch_report``). It resets
 dynamo's caches before and after (compiled functions elsewhere in the process compile
 again on their next call).
 """
@@ -16,6 +18,7 @@ import torch
 
 from torch_topg.compile.backend import GraphReport, topg_backend
 from torch_topg.compile.passes.base import Site
+from torch_topg.ops.dispatch import dispatch_report
 
 #: The pattern families explain reports, in the order of the summary.
 PATTERNS = ("attention", "rotary", "rms_norm", "add_rms_norm", "mlp", "linear", "moe_router")
@@ -28,6 +31,8 @@ class ExplainResult:
     break_reasons: list[str]
     reports: list[GraphReport] = field(default_factory=list)
     fused_moe_calls: int = 0
+    #: The dispatch's decisions that ran calls during the compiled run (CUDA only).
+    dispatch: list[str] = field(default_factory=list)
 
     @property
     def sites(self) -> list[Site]:
@@ -71,6 +76,9 @@ class ExplainResult:
         if missed:
             lines.append("not replaced:")
             lines += [f"  {s.pattern:<12} {s.where}: {s.detail}" for s in missed]
+        if self.dispatch:
+            lines.append("dispatch (CUDA):")
+            lines += ["  " + d.replace("\n", "\n  ") for d in self.dispatch]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -95,14 +103,16 @@ def explain(
     with torch.no_grad():
         ex = torch._dynamo.explain(model)(*args, **kwargs)
     torch._dynamo.reset()
+    before = {id(d): d.calls for d in dispatch_report().decisions}
     try:
         with torch.no_grad():
             torch.compile(model, backend=backend)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
+    ran = [d.describe() for d in dispatch_report().decisions if d.calls > before.get(id(d), 0)]
     moe = torch.ops.topg.fused_moe.default
     calls = 0
     for g in ex.graphs:
         calls += sum(1 for n in g.graph.nodes if n.op == "call_function" and n.target is moe)
     reasons = [str(getattr(b, "reason", b)).splitlines()[0] for b in ex.break_reasons]
-    return ExplainResult(ex.graph_count, ex.graph_break_count, reasons, reports, calls)
+    return ExplainResult(ex.graph_count, ex.graph_break_count, reasons, reports, calls, ran)

@@ -1,9 +1,11 @@
 """Typed wrappers of the ``topg`` ops (``torch.ops.topg.*``); importing registers them.
 
 ``OPS`` is the op registry (name -> :class:`OpSpec`: schema, check, fake, reference,
-fallback, wrapper, kernels per device).
+fallback, wrapper, kernels per device). ``dispatch`` chooses what runs
+``attention``, ``paged_attention``, ``fused_moe`` and ``linear`` on CUDA tensors.
 """
 
+from torch_topg.ops import dispatch
 from torch_topg.ops._registry import OPS, OpSpec
 from torch_topg.ops.activation import gelu_and_mul, silu_and_mul
 from torch_topg.ops.attention import attention, paged_attention, reshape_and_cache
@@ -22,6 +24,7 @@ __all__ = [
     "OpSpec",
     "all_reduce",
     "attention",
+    "dispatch",
     "embedding_q",
     "fused_add_rms_norm",
     "fused_all_reduce_add_rms_norm",

@@ -94,6 +94,9 @@ SCHEMAS: dict[str, str] = {
 # - ``_cpu_kernels``: the instruction-set forms the CPU kernels chose at run time
 #   (``torch_topg.modes.cpu_kernels``); ``_set_amx`` switches the AMX path
 #   (``torch_topg.modes.set_amx``).
+# - ``_cuda_<op>`` for each op of ``DISPATCHED_ON_CUDA``: topg's own CUDA kernel of that op
+#   (csrc/cuda), with the op's schema. The op's CUDA key runs ``torch_topg.ops.dispatch``,
+#   which picks among this kernel, torch's built-in ones and the Triton kernels.
 INTERNAL_SCHEMAS: dict[str, str] = {
     "_enable_interception": "_enable_interception(str[] ops) -> str[]",
     "_disable_interception": "_disable_interception() -> ()",
@@ -102,3 +105,21 @@ INTERNAL_SCHEMAS: dict[str, str] = {
     "_cpu_kernels": "_cpu_kernels() -> str[]",
     "_set_amx": "_set_amx(bool enabled) -> bool",
 }
+
+#: The ops whose CUDA key is a measured choice among several implementations
+#: (``torch_topg.ops.dispatch``, docs/gpu.md "Dispatch"). ``linear_q`` and ``fused_moe_q``
+#: are next: adding an op here, renaming its ``m.impl`` in csrc/cuda and giving it candidates
+#: and a shape class in the dispatch package is all it takes.
+DISPATCHED_ON_CUDA: tuple[str, ...] = ("attention", "paged_attention", "fused_moe", "linear")
+
+#: The prefix of the internal op that holds topg's own CUDA kernel of a dispatched op.
+CUDA_KERNEL_PREFIX = "_cuda_"
+
+
+def cuda_kernel_op(name: str) -> str:
+    """``"_cuda_<name>"``: the internal op holding topg's CUDA kernel of ``topg::<name>``."""
+    return CUDA_KERNEL_PREFIX + name
+
+
+for _name in DISPATCHED_ON_CUDA:  # the same schema under the prefixed name
+    INTERNAL_SCHEMAS[cuda_kernel_op(_name)] = CUDA_KERNEL_PREFIX + SCHEMAS[_name]

@@ -325,11 +325,11 @@ def _linear(g: Gen) -> list[Sample]:
 def packed_weight(g: Gen, fmt: str, n: int, k: int) -> torch.Tensor:
     """A weight ``[n, k]`` packed in ``fmt`` (``torch_topg.quant``): quantised from a
     seeded float weight, or for the K-quants (read from files only) seeded bytes whose
-    half scales are set to 2^-10 (q6_k) / 2^-7 and 2^-9 (q4_k: d, dmin)."""
+    half scales are set to 2^-10 (q6_k) / 2^-7 and 2^-9 (q4_k, q5_k: d, dmin)."""
     from torch_topg.quant import FORMATS, quantize_weight
 
     f = FORMATS[fmt]
-    if fmt not in ("q4_k", "q6_k"):
+    if fmt not in ("q4_k", "q5_k", "q6_k"):
         return quantize_weight(g.randn(n, k, scale=max(k, 1) ** -0.5), fmt).to(g.device)
     raw = torch.randint(0, 256, (n * (k // f.block), f.block_bytes), generator=g.g)
     raw = raw.to(torch.uint8)
@@ -348,6 +348,7 @@ def _linear_q(g: Gen) -> list[Sample]:
         ("q4_0", 96),
         ("q4_1", 64),
         ("q4_k", 256),
+        ("q5_k", 512),
         ("q6_k", 256),
         ("int8", 45),
         ("int4_g32", 40),

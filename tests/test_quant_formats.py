@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 GGMLType = gguf.GGMLQuantizationType
 
 # Byte offsets of the half-precision scales inside one block, per GGUF format.
-HALF_AT = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
+HALF_AT = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
 def _bits(x: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -121,7 +121,7 @@ def test_no_rows_and_no_weights(fmt):
     f = FORMATS[fmt]
     k = f.block or 5
     assert dequantize(torch.zeros(0, f.row_bytes(k), dtype=torch.uint8), fmt, k).shape == (0, k)
-    if fmt not in ("q4_k", "q6_k"):  # (read from files only)
+    if fmt not in ("q4_k", "q5_k", "q6_k"):  # (read from files only)
         assert quantize_weight(torch.zeros(0, k), fmt).shape == (0, f.row_bytes(k))
 
 

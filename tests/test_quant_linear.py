@@ -214,7 +214,9 @@ def test_int8_gemv_forms_match_reference(tmp_path):
     ]
     # the K-quants (quant_act_k.h): one super-block, and six (K = 1536)
     kq = Gen("cpu", seed=12)
-    packed += [(packed_weight(kq, f, 37, k), f, k) for f in ("q4_k", "q6_k") for k in (256, 1536)]
+    packed += [
+        (packed_weight(kq, f, 37, k), f, k) for f in ("q4_k", "q5_k", "q6_k") for k in (256, 1536)
+    ]
     script, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
     script.write_text(_AVX2_Q8_SCRIPT)
     torch.save((x, packed), inp)

@@ -19,6 +19,10 @@ format    block  bytes  layout of one block -> weight
                         128 bytes: 4 chunks of 32 bytes, each giving 64 elements (low
                         nibbles 32, then high nibbles 32); sub-block ``j`` of 32:
                         ``(d * sc_j) * q - dmin * mn_j``
+``q5_k``  256    176    ``d``, ``dmin``, 12 scale bytes as q4_k, 32 bytes ``qh``, 128
+                        bytes as q4_k's nibbles; sub-block ``j``'s element ``i`` adds
+                        bit ``j`` of ``qh[i]`` as its 5th bit (+16):
+                        ``(d * sc_j) * q - dmin * mn_j``
 ``q6_k``  256    210    128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 x int8
                         scales, ``d``; 6-bit ``q`` in two halves of 128; sub-block
                         ``j`` of 16: ``(d * sc_j) * (q - 32)``
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 INT4_GROUPS = (32, 64, 128)
 OWN_FORMATS = ("int8", *(f"int4_g{g}" for g in INT4_GROUPS))
 
@@ -86,12 +90,14 @@ class QuantFormat:
         return None
 
 
-# GGMLQuantizationType values (gguf/constants.py): Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14.
+# GGMLQuantizationType values (gguf/constants.py): Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13,
+# Q6_K 14.
 FORMATS: dict[str, QuantFormat] = {
     "q8_0": QuantFormat("q8_0", 32, 34, 8, False),
     "q4_0": QuantFormat("q4_0", 32, 18, 2, False),
     "q4_1": QuantFormat("q4_1", 32, 20, 3, False),
     "q4_k": QuantFormat("q4_k", 256, 144, 12, False),
+    "q5_k": QuantFormat("q5_k", 256, 176, 13, False),
     "q6_k": QuantFormat("q6_k", 256, 210, 14, False),
     "int8": QuantFormat("int8", 0, 4, None, True),
     **{f"int4_g{g}": QuantFormat(f"int4_g{g}", g, 4 + g // 2, None, True) for g in INT4_GROUPS},
@@ -164,6 +170,20 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q - offset).reshape(n, 256)
 
 
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48].unsqueeze(1)  # [n, 1, 32]: bit j of byte i -> element i of sub-block j
+    high = (qh >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+    qs = b[:, 48:].reshape(n, 4, 32)
+    low = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+    q = (low | (high << 4)).float()
+    scale = (d * sc.float()).unsqueeze(-1)
+    offset = (dmin * mn.float()).unsqueeze(-1)
+    return (scale * q - offset).reshape(n, 256)
+
+
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     ql, qh = b[:, 0:128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
@@ -188,6 +208,7 @@ _DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "q4_0": _q4_0,
     "q4_1": _q4_1,
     "q4_k": _q4_k,
+    "q5_k": _q5_k,
     "q6_k": _q6_k,
     **{f"int4_g{g}": _int4(g) for g in INT4_GROUPS},
 }

@@ -10,7 +10,7 @@
 //   AVX-512 VNNI   (use_vnni(): q8_0, q4_0, q4_1, int4 with groups of 32, int8) per block
 //                  one vpdpbusd, the scales and constant terms of 8 blocks at a time in
 //                  vector registers, a range of rows per call.
-// The K-quants (q4_k, q6_k) have both forms in quant_act_k.h.
+// The K-quants (q4_k, q5_k, q6_k) have both forms in quant_act_k.h.
 // Measured (one thread, weights in L2, [1536, K] rows, cycles a block at 2.6 GHz, AVX2 /
 // VNNI): q4_1 3.49 / 2.39 (K = 576), 3.40 / 2.16 (K = 1536); q4_0 3.09 / 2.26, 3.00 / 2.06;
 // q8_0 2.66 / 2.31, 2.54 / 2.16. SmolLM2 Q4_1 decode with int8 activations (engine, plan
@@ -44,7 +44,7 @@ inline bool use_vnni() {
 // NaN. Model in Python: torch_topg.formats.quantize_activations.
 
 // The formats of the integer GEMM for many rows (gemm_q8_vnni.h: blocks of 32).
-inline bool int8_gemm(Fmt f) { return f != Fmt::q4_k && f != Fmt::q6_k; }
+inline bool int8_gemm(Fmt f) { return f != Fmt::q4_k && f != Fmt::q5_k && f != Fmt::q6_k; }
 
 // One block of 32, scalar: the definition (and the path of a block holding NaN or inf).
 inline void quantize_act_block(const float* xb, int8_t* q, float* d, float* qsum) {
@@ -334,6 +334,7 @@ inline float dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, con
       return hsum(acc) * s;
     }
     case Fmt::q4_k:
+    case Fmt::q5_k:
     case Fmt::q6_k:
       return dot_row_q8_k_avx2(f.fmt, row, nb, xq, xd, xsum);
     default:
@@ -387,6 +388,8 @@ inline void dot_rows_q8(const Format& f, const uint8_t* w, int64_t rb, int64_t n
         return dot_rows_q8_vnni<VnniRow::int8>(w, rb, n, k, (k + 31) / 32, xq, xd, xsum, out);
       case Fmt::q4_k:
         return dot_rows_q8_k_vnni<Fmt::q4_k>(w, rb, n, nb, xq, xd, xsum, out);
+      case Fmt::q5_k:
+        return dot_rows_q8_k_vnni<Fmt::q5_k>(w, rb, n, nb, xq, xd, xsum, out);
       case Fmt::q6_k:
         return dot_rows_q8_k_vnni<Fmt::q6_k>(w, rb, n, nb, xq, xd, xsum, out);
       default:

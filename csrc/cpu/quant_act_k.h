@@ -1,8 +1,9 @@
-// int8 activations against the K-quants (q4_k, q6_k): integer dot products per block of
+// int8 activations against the K-quants (q4_k, q5_k, q6_k): integer dot products per block of
 // 32 activations, as quant_act.h computes them for the 32-blocks formats. A K-quant's
 // super-block of 256 weights splits into 32-runs that line up with the activation blocks:
 //   q4_k   run j (of 8): 32 nibbles (the low or high halves of 32 bytes), w = d sc_j u -
 //          dmin m_j, so the run's sum is xd (d sc_j sum(u q) - dmin m_j sum(q));
+//   q5_k   as q4_k, u with a 5th bit (0..31);
 //   q6_k   run j (of 8): 32 six-bit codes u (4 bits in ql, 2 in qh), w = d sc (u - 32), with
 //          one sc per 16 weights: the run's sum is xd d (sc_lo sum_lo + sc_hi sum_hi) of
 //          (u - 32) q, sum_lo over the first 16 weights.
@@ -41,15 +42,19 @@ inline float dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const in
   for (int64_t s = 0; s < nb; ++s) {
     const int8_t* x = xq + 256 * s;
     const float* d8 = xd + 8 * s;
-    if (fmt == Fmt::q4_k) {
-      const uint8_t* p = row + 144 * s;
-      stream_ahead(p, 144);
+    if (fmt != Fmt::q6_k) {  // q4_k, q5_k
+      const int64_t bb = fmt == Fmt::q5_k ? 176 : 144;
+      const uint8_t* p = row + bb * s;
+      stream_ahead(p, bb);
       const float d = half_at(p), dmin = half_at(p + 2);
       uint8_t sc[8], mn[8];
       k_scales(p + 4, sc, mn);
       for (int c = 0; c < 4; ++c) {
         __m256i lo, hi;
-        q4k_runs(p + 16, c, lo, hi);
+        if (fmt == Fmt::q5_k)
+          k45_runs<Fmt::q5_k>(p, c, lo, hi);
+        else
+          k45_runs<Fmt::q4_k>(p, c, lo, hi);
         for (int h = 0; h < 2; ++h) {
           const int j = 2 * c + h;
           const __m256i p16 =
@@ -87,7 +92,7 @@ inline float dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const in
 #endif
 
 #if TOPG_VNNI_BUILT
-// The VNNI form, for a range of n rows (rb bytes apart), R = q4_k or q6_k.
+// The VNNI form, R = q4_k, q5_k or q6_k.
 template <Fmt R>
 TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_k_vnni(
     const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd, const float* xsum) {
@@ -96,9 +101,10 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_k_vnni(
   for (int64_t s = 0; s < nb; ++s) {
     const int8_t* x = xq + 256 * s;
     const __m256 xdv = _mm256_loadu_ps(xd + 8 * s);  // the 8 runs' activation scales
-    if constexpr (R == Fmt::q4_k) {
-      const uint8_t* p = row + 144 * s;
-      stream_ahead(p, 144);
+    if constexpr (R != Fmt::q6_k) {                  // q4_k, q5_k
+      constexpr int64_t bb = R == Fmt::q5_k ? 176 : 144;
+      const uint8_t* p = row + bb * s;
+      stream_ahead(p, bb);
       // scales and minimums of the 8 runs, 6 bits each, as 8 lanes
       uint8_t sc[8], mn[8];
       k_scales(p + 4, sc, mn);
@@ -112,7 +118,7 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_k_vnni(
                                _mm256_mul_ps(xdv, xs), cterm);
       for (int c = 0; c < 4; ++c) {
         __m256i lo, hi;
-        q4k_runs(p + 16, c, lo, hi);
+        k45_runs<R>(p, c, lo, hi);
         const __m256i dl = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, load32(x + 64 * c));
         const __m256i dh = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, load32(x + 64 * c + 32));
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl),

@@ -86,6 +86,21 @@ inline void dequant_block(const Format& f, const uint8_t* b, int64_t k, float* o
       }
       break;
     }
+    case Fmt::q5_k: {  // q4_k's with a 5th bit per weight: bit j of qh[i] for sub-block j
+      const float d = half_at(b), dmin = half_at(b + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(b + 4, sc, mn);
+      for (int c = 0; c < 4; ++c) nibbles(b + 48 + 32 * c, 32, q + 64 * c);
+      for (int j = 0; j < 8; ++j) {
+        const float s = d * float(sc[j]), o = dmin * float(mn[j]);
+        for (int i = 0; i < 32; ++i) {
+          const int v = q[32 * j + i] | (((b[16 + i] >> j) & 1) << 4);
+          const float t = s * float(v);
+          out[32 * j + i] = t - o;
+        }
+      }
+      break;
+    }
     case Fmt::q6_k: {
       const float d = half_at(b + 208);
       for (int h = 0; h < 2; ++h) {
@@ -162,14 +177,27 @@ __attribute__((always_inline)) inline void q6k_runs(const uint8_t* ql, const uin
                          _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
 }
 
-// q4_k's 32-runs of a super-block: runs 2c and 2c + 1 are the low and high nibbles of
-// qs[32c, 32c + 32).
-__attribute__((always_inline)) inline void q4k_runs(const uint8_t* qs, int c, __m256i& lo,
+// q4_k's 32-runs of the super-block p: runs 2c and 2c + 1 are the low and high nibbles
+// of qs[32c, 32c + 32) (qs at p + 16). q5_k (qs at p + 48): bit j of qh[i] (qh at p + 16)
+// is bit 4 of run j's code i.
+template <Fmt F>
+__attribute__((always_inline)) inline void k45_runs(const uint8_t* p, int c, __m256i& lo,
                                                     __m256i& hi) {
+  const uint8_t* qs = p + (F == Fmt::q5_k ? 48 : 16);
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(b, m4);
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+  if constexpr (F == Fmt::q5_k) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m256i b0 = _mm256_set1_epi8(char(1 << (2 * c))),
+                  b1 = _mm256_set1_epi8(char(2 << (2 * c)));
+    const __m256i sixteen = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(
+        lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
+    hi = _mm256_or_si256(
+        hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+  }
 }
 #endif
 
@@ -237,6 +265,29 @@ __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* row, in
   (void)row, (void)rb;
 #endif
 }
+
+#if TOPG_AVX2
+// q4_k / q5_k rows of nb super-blocks against fp32 x: fma32 per 32-run.
+template <Fmt F>
+inline void k45_dot(const uint8_t* row, int64_t nb, const float* x, __m256 acc[4]) {
+  constexpr int64_t bb = F == Fmt::q5_k ? 176 : 144;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + bb * b;
+    stream_ahead(p, bb);
+    const float d = half_at(p), dmin = half_at(p + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(p + 4, sc, mn);
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo, hi;
+      k45_runs<F>(p, c, lo, hi);
+      fma32(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
+            x + 256 * b + 64 * c, acc);
+      fma32(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
+            _mm256_set1_ps(-dmin * float(mn[2 * c + 1])), x + 256 * b + 64 * c + 32, acc);
+    }
+  }
+}
+#endif
 
 // sum over the row's k weights of w * x (x: fp32, zero-padded to padded(k)).
 inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float* x) {
@@ -307,21 +358,10 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
       return (hsum4(acc) + tail) * s;
     }
     case Fmt::q4_k:  // run j: u d sc_j - dmin m_j
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + 144 * b;
-        stream_ahead(p, 144);
-        const float d = half_at(p), dmin = half_at(p + 2);
-        uint8_t sc[8], mn[8];
-        k_scales(p + 4, sc, mn);
-        for (int c = 0; c < 4; ++c) {
-          __m256i lo, hi;
-          q4k_runs(p + 16, c, lo, hi);
-          fma32(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
-                x + 256 * b + 64 * c, acc);
-          fma32(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
-                _mm256_set1_ps(-dmin * float(mn[2 * c + 1])), x + 256 * b + 64 * c + 32, acc);
-        }
-      }
+      k45_dot<Fmt::q4_k>(row, nb, x, acc);
+      return hsum4(acc);
+    case Fmt::q5_k:
+      k45_dot<Fmt::q5_k>(row, nb, x, acc);
       return hsum4(acc);
     case Fmt::q6_k: {  // run j: (u - 32) d sc, sc per 16
       const __m256i k32 = _mm256_set1_epi8(32);
@@ -455,15 +495,20 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
       return n;
     }
     case Fmt::q4_k:
+    case Fmt::q5_k: {
+      const bool q5 = f.fmt == Fmt::q5_k;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + 144 * b;
-        stream_ahead(p, 144);
+        const uint8_t* p = row + f.block_bytes * b;
+        stream_ahead(p, f.block_bytes);
         const float d = half_at(p), dmin = half_at(p + 2);
         uint8_t sc[8], mn[8];
         k_scales(p + 4, sc, mn);
         for (int c = 0; c < 4; ++c) {
           __m256i lo, hi;
-          q4k_runs(p + 16, c, lo, hi);
+          if (q5)
+            k45_runs<Fmt::q5_k>(p, c, lo, hi);
+          else
+            k45_runs<Fmt::q4_k>(p, c, lo, hi);
           put(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
               256 * b + 64 * c);
           put(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
@@ -471,6 +516,7 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
         }
       }
       return n;
+    }
     case Fmt::q6_k: {
       const __m256i k32 = _mm256_set1_epi8(32);
       for (int64_t b = 0; b < nb; ++b) {

@@ -77,6 +77,24 @@ __device__ __forceinline__ void load_run(const Format& f, const uint8_t* row, in
       }
       break;
     }
+    case Fmt::q5_k: {  // q4_k's layout with qh (32 bytes) before the nibbles
+      const uint8_t* b = row + (su / 8) * 176;
+      const int j = int(su % 8);
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t* s = b + 4;
+      const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+      const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+      const float scale = __fmul_rn(d, float(sc)), off = __fmul_rn(dmin, float(mn));
+      const uint8_t* qh = b + 16;
+      const uint8_t* q = b + 48 + 32 * (j / 2);
+      const bool high = j & 1;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int v = (high ? q[i] >> 4 : q[i] & 15) | (((qh[i] >> j) & 1) << 4);
+        w[i] = __fsub_rn(__fmul_rn(scale, float(v)), off);
+      }
+      break;
+    }
     case Fmt::q6_k: {
       const uint8_t* b = row + (su / 8) * 210;
       const int j = int(su % 8), h = j / 4, r = j % 4;

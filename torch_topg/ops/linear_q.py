@@ -28,7 +28,7 @@ def linear_q(
             ``format`` (``torch_topg.quant.quantize_weight``, or a GGUF tensor's bytes);
             ``row_bytes = torch_topg.quant.get_format(format).row_bytes(K)``.
         format: one of ``torch_topg.quant.FORMATS``: ``"q8_0"``, ``"q4_0"``, ``"q4_1"``,
-            ``"q4_k"``, ``"q6_k"`` (K a multiple of the block, 32 or 256), ``"int8"``,
+            ``"q4_k"``, ``"q5_k"``, ``"q6_k"`` (K a multiple of the block, 32 or 256), ``"int8"``,
             ``"int4_g32"``, ``"int4_g64"``, ``"int4_g128"`` (any K).
         bias: ``[N]`` in the dtype of ``input``, or None.
         int8_activations: quantise ``input`` per block of 32 to int8 first

@@ -1,7 +1,7 @@
 """Weight-only quantisation: packed formats, their de-quantisers and quantisers.
 
 * :mod:`~torch_topg.formats`: the formats of ``topg::linear_q`` (GGUF q8_0, q4_0,
-  q4_1, q4_k, q6_k as stored in the file; groupwise ``int4_g{32,64,128}``; per-channel
+  q4_1, q4_k, q5_k, q6_k as stored in the file; groupwise ``int4_g{32,64,128}``; per-channel
   ``int8``) and :func:`dequantize`, bit-exact against gguf-py's de-quantiser;
 * :mod:`~torch_topg.quant.packing`: :func:`quantize_weight`, float -> packed;
 * :mod:`~torch_topg.quant.modules`: :func:`quantize` (a model's linears and MoE experts

@@ -5,7 +5,7 @@
   gguf-py's ``quants.quantize``), so a weight quantised here equals one quantised by
   llama.cpp's ``llama-quantize`` without an importance matrix.
 
-The K-quants (``q4_k``, ``q6_k``) are read from GGUF files only: ggml's quantisers for
+The K-quants (``q4_k``, ``q5_k``, ``q6_k``) are read from GGUF files only: ggml's quantisers for
 them search scales per sub-block, which is not reproduced here.
 """
 

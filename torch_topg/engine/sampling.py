@@ -81,6 +81,7 @@ from torch_topg.engine.keyed import (
     seed_tensor,
 )
 from torch_topg.engine.sampling_params import GREEDY_EPS, MAX_LOGPROBS, SamplingParams
+from torch_topg.engine.structured import apply_bitmask
 
 __all__ = [
     "GREEDY_EPS",
@@ -169,10 +170,16 @@ class Sampler:
         prompt_tokens: TokenLists | None = None,
         output_tokens: TokenLists | None = None,
         banned: TokenLists | None = None,
+        bitmask: tuple[Tensor, list[int]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row: ``logits [B, V]`` -> :class:`SamplerOutput`.
-        ``banned``: per row, ids that must not be drawn (None: none)."""
+        ``banned``: per row, ids that must not be drawn (None: none). ``bitmask``:
+        ``(words int32 [R, ceil(V / 32)], rows)``, the structured-output masks of ``R``
+        rows (xgrammar's packing): their forbidden tokens are set to -inf first, before
+        everything else (the logprobs are then those of the constrained rows)."""
         B, V = _check(logits, params)
+        if bitmask is not None:
+            logits = apply_bitmask(logits, *bitmask)
         dev = logits.device
         seeds = seed_tensor(seeds, dev)
         positions = seed_tensor(positions, dev)

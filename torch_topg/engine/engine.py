@@ -402,11 +402,8 @@ class Engine:
         views = [r.view(-1, r.shape[-1]) for _, r in sampled]
         logits = joined_rows(views)  # a view of the runner's logits when rows are in order
         params = [s.request.params for s, _ in rows]
-        masks = self.constraints.masks(rows)
-        t0 = time.perf_counter()
-        if (
-            plain_greedy(params) and masks is None
-        ):  # the sampler's own fast path, without building its inputs
+        masks = self.constraints.masks(rows)  # structured outputs: joins the mask worker
+        if plain_greedy(params) and masks is None:  # the sampler's fast path, inputs unbuilt
             res = SamplerOutput(argmax_rows(logits))
         else:
             seeds = seed_tensor([s.seed for s, _ in rows])
@@ -421,7 +418,7 @@ class Engine:
             )  # fmt: skip
         tokens = res.tokens.tolist()
         if masks is not None:
-            self.constraints.applied(time.perf_counter() - t0)
+            self.constraints.applied(self.sampler.mask_s)
         now = time.perf_counter()
         i = 0
         for (seq, _), prop in zip(sampled, props, strict=True):

@@ -61,6 +61,7 @@ tie check; the greedy fast path never does.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,6 +159,7 @@ class Sampler:
     def __init__(self) -> None:
         self._ids_cache: dict[tuple[int, torch.device], Tensor] = {}
         self._scratch = _Scratch()
+        self.mask_s = 0.0  # the last call's time applying structured-output masks
 
     # -- public API ------------------------------------------------------------------
 
@@ -179,7 +181,9 @@ class Sampler:
         everything else (the logprobs are then those of the constrained rows)."""
         B, V = _check(logits, params)
         if bitmask is not None:
+            t0 = time.perf_counter()
             logits = apply_bitmask(logits, *bitmask)
+            self.mask_s = time.perf_counter() - t0  # read by the engine's figures
         dev = logits.device
         seeds = seed_tensor(seeds, dev)
         positions = seed_tensor(positions, dev)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -249,32 +250,51 @@ class GrammarCompiler:
 
 # --------------------------------------------------------------------------- masks
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _table(dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 8]``: the 8 bits of each byte value, as bool, or as 0 / -inf (float)."""
+    t = _TABLES.get((dev, dtype))
+    if t is None:
+        byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        bits = ((byte >> torch.arange(8, dtype=torch.int32)) & 1).bool()
+        t = bits if dtype == torch.bool else torch.where(bits, 0.0, float("-inf")).to(dtype)
+        t = _TABLES[dev, dtype] = t.to(dev)
+    return t
+
+
+def _expand(bitmask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """The packed words' bits as ``[R, vocab]`` of ``dtype`` (see :func:`allowed_mask`):
+    the words read as little-endian bytes (byte ``b`` of word ``w`` holds tokens
+    ``32 w + 8 b ..``), each byte's 8 entries one row of a lookup table."""
+    R = bitmask.shape[0]
+    data = bitmask.contiguous().view(torch.uint8)
+    if sys.byteorder == "big":  # the words' bytes, least significant first
+        data = data.view(R, -1, 4).flip(-1).reshape(R, -1)
+    out = _table(bitmask.device, dtype).index_select(0, data.reshape(-1).long())
+    return out.view(R, -1)[:, :vocab]
 
 
 def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool ``[R, vocab]`` from xgrammar's packed int32 bitmask ``[R, ceil(vocab / 32)]``
     (bit ``j % 32`` of word ``j // 32`` set: token ``j`` allowed). Any device."""
-    dev = bitmask.device
-    shifts = _SHIFTS.get(dev)
-    if shifts is None:
-        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    return _expand(bitmask, vocab, torch.bool)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """fp32 copy of ``logits [B, V]`` with the tokens each of ``rows`` may not take set to
-    -inf (``bitmask[i]`` is row ``rows[i]``'s); the input is never written."""
+    -inf (``bitmask[i]`` is row ``rows[i]``'s); the input is never written.
+
+    The mask is added as 0 / -inf (one lookup and one add: a boolean ``masked_fill`` of
+    8 x 49152 took 4x as long on the CPU)."""
+    B, V = logits.shape
+    add = _expand(bitmask.to(logits.device, non_blocking=True), V, torch.float32)
+    if len(rows) == B and rows == list(range(B)):
+        return logits.float() + add
     x = logits.float()
     if x is logits:
         x = x.clone()
-    B, V = x.shape
-    bm = bitmask.to(x.device, non_blocking=True)
-    allowed = allowed_mask(bm, V)
-    if len(rows) == B and rows == list(range(B)):
-        x.masked_fill_(~allowed, float("-inf"))
-        return x
     idx = torch.tensor(rows, device=x.device)
-    x[idx] = x[idx].masked_fill(~allowed, float("-inf"))
+    x[idx] = x[idx] + add
     return x

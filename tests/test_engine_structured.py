@@ -244,3 +244,23 @@ def test_compiled_grammars_are_cached(compiler):
     after = compiler.stats()
     assert after["compiled"] == before["compiled"] + 1
     assert after["cache_hits"] == before["cache_hits"] + 1
+
+
+def test_integers_get_json_safe_bounds():
+    from torch_topg.engine.structured import SAFE_INTEGER, bounded_integers
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": ["integer", "null"], "minimum": 3},
+            "c": {"type": "integer", "exclusiveMaximum": 10},
+            "d": {"const": {"type": "integer"}},
+        },
+    }
+    got = bounded_integers(schema)["properties"]
+    assert got["a"] == {"type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    assert got["b"]["minimum"] == 3 and got["b"]["maximum"] == SAFE_INTEGER
+    assert "maximum" not in got["c"] and got["c"]["minimum"] == -SAFE_INTEGER
+    assert got["d"] == {"const": {"type": "integer"}}  # data, not a schema
+    assert schema["properties"]["a"] == {"type": "integer"}  # the input is not changed

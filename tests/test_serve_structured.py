@@ -1,7 +1,7 @@
 """Structured outputs through the official ``openai`` client against the server on
 loopback, SmolLM2-135M-Instruct's real weights: schemas from the corpus
 (tests/data/json_schemas.json; the whole corpus runs in
-python/benchmarks/structured_outputs.py, ~80 s here), the SDK's ``parse()`` with a
+python/benchmarks/structured_outputs.py, 44-125 s here), the SDK's ``parse()`` with a
 pydantic model, regex and choice (streamed and not), and 400s naming the field."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _ask(client, prompt: str, **kw):
     )
 
 
-def test_corpus_corpus_file_shape():
+def test_corpus_file_shape():
     assert len(CORPUS) >= 30
     for case in CORPUS:
         jsonschema.Draft202012Validator.check_schema(case["schema"])
@@ -116,10 +116,11 @@ def test_regex_and_choice_streamed_and_not(served):
     choices = ["Paris", "London", "Berlin"]
     kw = dict(max_tokens=10, extra_body={"structured_outputs": {"choice": choices}})
     r = _ask(client, "What is the capital of France?", **kw)
-    assert r.choices[0].message.content == "Paris" and r.choices[0].finish_reason == "stop"
+    answer = r.choices[0].message.content
+    assert answer in choices and r.choices[0].finish_reason == "stop"
     chunks = list(_ask(client, "What is the capital of France?", stream=True, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == "Paris"
+    assert text == answer  # greedy: streamed as answered
     c = client.completions.create(model=MODEL, prompt="The answer is", max_tokens=10,
                                   temperature=0, extra_body={"guided_choice": ["yes", "no"]})  # fmt: skip
     assert c.choices[0].text in ("yes", "no")
@@ -133,7 +134,7 @@ def test_regex_and_choice_streamed_and_not(served):
                               "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
          "response_format.json_schema.schema"),
         ({"grammar": "root ::= missing"}, "grammar"),
-        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_400s_naming_the_field(served, extra, param):

@@ -139,6 +139,31 @@ def choice_ebnf(options: Iterable[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
 
 
+SAFE_INTEGER = 2**53 - 1  # I-JSON (RFC 7493): the integers every JSON reader holds exactly
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def bounded_integers(schema: Any) -> Any:
+    """``schema`` with every integer type given the bounds it lacks, +-(2**53 - 1).
+
+    An unbounded integer lets a model write digits until ``max_tokens`` (SmolLM2 wrote
+    a population of 100 ones); llama.cpp's schema grammars cap integers at 16 digits for
+    the same reason. Values under the keywords that hold data (``enum``, ``const``, ...)
+    are left alone."""
+    if isinstance(schema, list):
+        return [bounded_integers(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYWORDS else bounded_integers(v) for k, v in schema.items()}
+    t = out.get("type")
+    if t == "integer" or (isinstance(t, list) and "integer" in t):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
+
+
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
@@ -215,8 +240,9 @@ class GrammarCompiler:
                 # (OpenAI's strict mode). Whitespace between tokens is bounded, so a model
                 # cannot spend its budget on blanks.
                 strict = spec.kind == "json_schema"
+                schema = json.dumps(bounded_integers(json.loads(spec.value))) if strict else None
                 grammar = comp.compile_json_schema(
-                    spec.value if strict else '{"type": "object"}', strict_mode=strict,
+                    schema or '{"type": "object"}', strict_mode=strict,
                     any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE,
                 )  # fmt: skip
             elif spec.kind == "regex":

@@ -6,6 +6,7 @@ models, metrics, disconnects."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -274,11 +275,46 @@ def test_chat_logprobs(client) -> None:
     [
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools", "not supported"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "not supported"),
+        # structured outputs: malformed or not compiling, 400 naming the field
+        ("/v1/chat/completions", {"guided_regex": "a(b"}, "guided_regex", "does not compile"),
+        ("/v1/completions", {"grammar": "root ::= nothing"}, "grammar", "does not compile"),
         (
             "/v1/chat/completions",
-            {"response_format": {"type": "json_object"}},
-            "response_format",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+            "response_format.json_schema.schema",
+            "does not compile",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "required",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "xml"}},
+            "response_format.type",
+            "xml",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"regex": 5}},
+            "structured_outputs.regex",
+            "string",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"yaml": "x"}},
+            "structured_outputs.yaml",
             "not supported",
+        ),
+        ("/v1/completions", {"guided_choice": []}, "guided_choice", "non-empty list"),
+        ("/v1/completions", {"json_schema": "{oops"}, "json_schema", "schema"),
+        (
+            "/v1/chat/completions",
+            {"guided_regex": "a+", "response_format": {"type": "json_object"}},
+            "guided_regex",
+            "only one",
         ),
         ("/v1/chat/completions", {"functions": []}, "functions", "not supported"),
         ("/v1/completions", {"logit_bias": {"a": 1}}, "logit_bias", "token ids"),
@@ -594,3 +630,44 @@ def test_openai_client(client) -> None:
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )  # fmt: skip
     assert [m.id for m in oai.models.list()] == [MODEL]
+
+
+# --- structured outputs on the tiny engine ----------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "extra", "check"),
+    [
+        ("/v1/completions", {"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+        (
+            "/v1/chat/completions",
+            {"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}},
+            lambda t: re.fullmatch("[a-z]{3}-[0-9]{2}", t),
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}},
+            lambda t: isinstance(json.loads(t), dict),
+        ),
+        (
+            "/v1/completions",
+            {"grammar": 'root ::= "x" [0-9] "y"'},
+            lambda t: re.fullmatch("x[0-9]y", t),
+        ),
+        ("/v1/completions", {"response_format": {"type": "text"}}, lambda t: isinstance(t, str)),
+    ],
+)
+def test_structured_outputs_streamed_and_not(client, path, extra, check) -> None:
+    base = {"max_tokens": 300, "temperature": 0}
+    base.update({"messages": MESSAGES} if "chat" in path else {"prompt": "Hi"})
+    r = client.post(path, json={**base, **extra})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if "chat" in path else choice["text"]
+    assert check(text), text
+    if "response_format" in extra and extra["response_format"]["type"] == "text":
+        return
+    assert choice["finish_reason"] == "stop"
+    with client.stream("POST", path, json={**base, **extra, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    key = (lambda c: c["delta"].get("content") or "") if "chat" in path else (lambda c: c["text"])
+    assert "".join(key(c["choices"][0]) for c in chunks if c["choices"]) == text

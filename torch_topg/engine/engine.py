@@ -40,6 +40,8 @@ from torch_topg.engine.sampling import (
 )
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
+from torch_topg.engine.structured import GrammarCompiler, Structured
+from torch_topg.engine.structured_step import Constraints
 from torch_topg.modes import batch_invariant_mode
 
 __all__ = ["Engine", "QueueFull"]
@@ -110,6 +112,7 @@ class Engine:
             self.proposer = Speculator(config.speculative, self.runner,
                                        max_model_len=config.max_model_len, compile=args.compile)  # fmt: skip
         self._eos = eos_ids(model, tokenizer)
+        self.constraints = Constraints(GrammarCompiler(tokenizer, _logits_width(model), self._eos))
         self._rng = random.Random(args.seed)
         self._ids = itertools.count()
         self._on_shutdown = [*(on_shutdown or []), self.kv.close]
@@ -170,6 +173,7 @@ class Engine:
             raise ParameterError(
                 "logit_bias", f"token id {max(params.logit_bias)} outside [0, {vocab})"
             )
+        grammar = self.compile_structured(params.structured) if params.structured else None
         rid = f"req-{next(self._ids)}"
         handle = RequestHandle(rid, self.abort)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -177,6 +181,7 @@ class Engine:
             request_id=rid, prompt=prompt, prompt_token_ids=ids, params=params,
             max_tokens=max_tokens, eos_ids=frozenset() if params.ignore_eos else self._eos,
             tokenizer=self.tokenizer, handle=handle, seed=seed, session_id=session_id,
+            grammar=grammar,
         )  # fmt: skip
         with self._cv:
             if self._stopping:
@@ -191,6 +196,13 @@ class Engine:
             self._inbox.append(req)
             self._cv.notify_all()
         return handle
+
+    def compile_structured(self, spec: Structured) -> Any:
+        """The compiled grammar of a structured-output spec, from the engine's cache
+        (compiled now when new); a ``ParameterError`` naming ``structured`` when it does
+        not compile. ``submit`` calls it; a front end may call it first, off its event
+        loop, so a request's compile never runs on the engine loop."""
+        return self.constraints.compiler.compile(spec)
 
     def generate(
         self, inputs: Any, *, session_id: str | None = None, **sampling: Any
@@ -310,6 +322,7 @@ class Engine:
         self.proposer.plan(self.scheduler)
         out = self.scheduler.schedule()
         self.proposer.propose(out)
+        self.constraints.start(out)  # the masks fill while the model runs
         t1 = time.perf_counter()
         st.time["schedule_s"] += t1 - t0
         if not out.scheduled:
@@ -389,7 +402,8 @@ class Engine:
         views = [r.view(-1, r.shape[-1]) for _, r in sampled]
         logits = joined_rows(views)  # a view of the runner's logits when rows are in order
         params = [s.request.params for s, _ in rows]
-        if plain_greedy(params):  # the sampler's own fast path, without building its inputs
+        masks = self.constraints.masks(rows)  # structured outputs: joins the mask worker
+        if plain_greedy(params) and masks is None:  # the sampler's fast path, inputs unbuilt
             res = SamplerOutput(argmax_rows(logits))
         else:
             seeds = seed_tensor([s.seed for s, _ in rows])
@@ -400,9 +414,11 @@ class Engine:
                 logits, params, seeds, positions,
                 prompt_tokens=[s.token_ids[: s.prompt_len] for s, _ in rows] if needs_hist else None,
                 output_tokens=[s.output_ids + d for s, d in rows] if needs_hist else None,
-                banned=banned if any(banned) else None,
+                banned=banned if any(banned) else None, bitmask=masks,
             )  # fmt: skip
         tokens = res.tokens.tolist()
+        if masks is not None:
+            self.constraints.applied(self.sampler.mask_s)
         now = time.perf_counter()
         i = 0
         for (seq, _), prop in zip(sampled, props, strict=True):
@@ -411,8 +427,13 @@ class Engine:
             if seq.finished:  # its request ended while the step ran (a sibling failed)
                 continue
             keep = self.proposer.verify(self.scheduler, seq, drawn) if prop else 1
+            ended = None
+            if seq.request.grammar is not None:  # the grammar may end it, or refuse the rest
+                keep, ended = self.constraints.commit(seq, drawn[:keep])
             lps = [self._logprob(res, first + j, tok, seq) for j, tok in enumerate(drawn[:keep])]
             n, reason = self.scheduler.update_from_output(seq, drawn[:keep], lps, now)
+            if ended is not None and reason is None:
+                self.scheduler.finish(seq, reason := ended)
             self._emit(seq, drawn[:n], lps[:n], reason)
 
     @staticmethod
@@ -499,6 +520,7 @@ class Engine:
             },
             "time": dict(st.time),
             **({"speculative": spec} if (spec := self.proposer.summary()) is not None else {}),
+            "structured": self.constraints.stats(),
             "decode_plan": {
                 "active": self.runner.plan is not None,
                 "kind": "cuda_graphs" if self.runner.device.type == "cuda" else "plan",
@@ -543,6 +565,13 @@ def _decode_plan_wanted(config: EngineConfig) -> bool | str:
     if config.device.type not in ("cpu", "cuda"):
         return f"device {config.device.type}: no decode plan (CPU) or CUDA graphs for it"
     return True
+
+
+def _logits_width(model: torch.nn.Module) -> int:
+    """Columns of the model's logits (its ``lm_head``; may exceed the tokenizer's vocabulary)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    width = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+    return int(width or model.config.get_text_config().vocab_size)
 
 
 def _cache_salt(model: torch.nn.Module, caches: list[torch.Tensor], block_size: int) -> bytes:

@@ -61,6 +61,7 @@ tie check; the greedy fast path never does.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ from torch_topg.engine.keyed import (
     seed_tensor,
 )
 from torch_topg.engine.sampling_params import GREEDY_EPS, MAX_LOGPROBS, SamplingParams
+from torch_topg.engine.structured import apply_bitmask
 
 __all__ = [
     "GREEDY_EPS",
@@ -157,6 +159,7 @@ class Sampler:
     def __init__(self) -> None:
         self._ids_cache: dict[tuple[int, torch.device], Tensor] = {}
         self._scratch = _Scratch()
+        self.mask_s = 0.0  # the last call's time applying structured-output masks
 
     # -- public API ------------------------------------------------------------------
 
@@ -169,10 +172,18 @@ class Sampler:
         prompt_tokens: TokenLists | None = None,
         output_tokens: TokenLists | None = None,
         banned: TokenLists | None = None,
+        bitmask: tuple[Tensor, list[int]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row: ``logits [B, V]`` -> :class:`SamplerOutput`.
-        ``banned``: per row, ids that must not be drawn (None: none)."""
+        ``banned``: per row, ids that must not be drawn (None: none). ``bitmask``:
+        ``(words int32 [R, ceil(V / 32)], rows)``, the structured-output masks of ``R``
+        rows (xgrammar's packing): their forbidden tokens are set to -inf first, before
+        everything else (the logprobs are then those of the constrained rows)."""
         B, V = _check(logits, params)
+        if bitmask is not None:
+            t0 = time.perf_counter()
+            logits = apply_bitmask(logits, *bitmask)
+            self.mask_s = time.perf_counter() - t0  # read by the engine's figures
         dev = logits.device
         seeds = seed_tensor(seeds, dev)
         positions = seed_tensor(positions, dev)

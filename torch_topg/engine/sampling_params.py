@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_topg.engine.errors import ParameterError
+from torch_topg.engine.structured import Structured
 
 __all__ = ["GREEDY_EPS", "MAX_LOGPROBS", "SamplingParams"]
 
@@ -48,8 +49,18 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # EOS and stop_token_ids cannot be drawn before this many new tokens (vLLM's)
     min_tokens: int = 0
+    # the output must match this constraint (a JSON schema, a regex, a choice, a grammar:
+    # engine/structured.py); a dict is read as Structured(**dict)
+    structured: Structured | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):
+            try:
+                self.structured = Structured(**self.structured)
+            except TypeError as e:
+                raise ParameterError(
+                    "structured", f"structured must be a Structured or {{'kind', 'value'}}: {e}"
+                ) from None
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -161,6 +172,8 @@ class SamplingParams:
             )
         ):
             raise bad("logit_bias", "a dict of token ids >= 0 to numbers in [-100, 100]")
+        if self.structured is not None and not isinstance(self.structured, Structured):
+            raise bad("structured", "a Structured (engine/structured.py) or None")
 
 
 def _is_int(v: object) -> bool:

@@ -53,6 +53,7 @@ class Sequence:
         if request.params.logprobs is not None:
             self.out.logprobs = []
         self.num_preemptions = 0
+        self.matcher: Any = None  # structured outputs: the grammar matcher (structured_step.py)
 
     @property
     def prompt_len(self) -> int:
@@ -110,6 +111,7 @@ class Request:
     cached_prompt_tokens: int = 0
     session_id: str | None = None
     error: BaseException | None = None
+    grammar: Any = None  # structured outputs: the compiled grammar (structured.py)
     forked: bool = False  # n > 1: the other samples have started from the first one
 
     def __post_init__(self) -> None:

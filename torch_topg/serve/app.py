@@ -224,6 +224,7 @@ async def _generate(
     resp: Body,
     start: float,
 ) -> Any:
+    await generation.compile_constraint(engine, req)
     handles = generation.submit(engine, req)
     if req.stream:
         events = generation.stream(resp, req, handles, state.text, state.metrics, start)

@@ -27,6 +27,19 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks for its clien
 RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves at every engine step
 
 
+async def compile_constraint(engine: Engine, req: GenerationRequest) -> None:
+    """Compile the request's structured-output constraint off the event loop (the engine
+    caches it, so ``submit`` finds it ready); a 400 naming the field when it does not
+    compile."""
+    spec = req.sampling.get("structured")
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(engine.compile_structured, spec)
+    except ValueError as e:
+        raise from_engine_error(e, req.renames) from None
+
+
 def submit(engine: Engine, req: GenerationRequest) -> list[RequestHandle]:
     """One engine request per prompt; all or none (a refused one aborts the others)."""
     options = dict(req.sampling)

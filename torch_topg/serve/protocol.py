@@ -14,6 +14,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_topg.serve.constraints import FIELDS as STRUCTURED_FIELDS
+from torch_topg.serve.constraints import parse_structured
 from torch_topg.serve.errors import APIError
 
 # Accepted by both endpoints: OpenAI's sampling fields plus vLLM's extensions (top_k,
@@ -37,25 +39,19 @@ _SAMPLING = (
 )
 _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "logprobs", "user", "session_id",
-    *_SAMPLING,
+    *_SAMPLING, *STRUCTURED_FIELDS,
 }  # fmt: skip
 MAX_SESSION_ID = 256  # characters
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs"})
 
 _TOOLS = "tool and function calling is not implemented (no tool-call parser)"
-_CONSTRAINED = "constrained decoding (JSON mode, JSON schema, grammars) is not implemented"
 UNSUPPORTED: dict[str, str] = {
     "tools": _TOOLS,
     "tool_choice": _TOOLS,
     "parallel_tool_calls": _TOOLS,
     "functions": _TOOLS,
     "function_call": _TOOLS,
-    "response_format": _CONSTRAINED,
-    "guided_json": _CONSTRAINED,
-    "guided_regex": _CONSTRAINED,
-    "guided_choice": _CONSTRAINED,
-    "guided_grammar": _CONSTRAINED,
     "best_of": "best_of (ranking several samples) is not implemented; use n",
     "echo": "echoing the prompt is not implemented",
     "suffix": "fill-in-the-middle (suffix) is not implemented",
@@ -165,10 +161,16 @@ def _stream_options(fields: dict[str, Any]) -> tuple[bool, bool]:
     return stream, usage
 
 
-def _sampling(fields: dict[str, Any]) -> dict[str, Any]:
+def _sampling(fields: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
+    """The engine's sampling keywords; a structured-output constraint's field goes into
+    ``renames`` (the engine's errors about it name that field)."""
     out = {k: fields[k] for k in _SAMPLING if k in fields}
     if out.get("logit_bias") is not None:
         out["logit_bias"] = _logit_bias(out["logit_bias"])
+    spec, where = parse_structured(fields)
+    if spec is not None:
+        out["structured"] = spec
+        renames["structured"] = where or "structured"
     return out
 
 
@@ -194,7 +196,8 @@ def parse_completion(body: Any, served: str) -> GenerationRequest:
         raise APIError("prompt is required", param="prompt")
     inputs = _prompts(fields["prompt"])
     stream, usage = _stream_options(fields)
-    sampling = _sampling(fields)
+    renames = {"prompt": "prompt"}
+    sampling = _sampling(fields, renames)
     max_tokens, name = _max_tokens(fields, ("max_tokens",))
     sampling["max_new_tokens"] = max_tokens if max_tokens is not None else 16  # OpenAI's
     lp = fields.get("logprobs")
@@ -206,7 +209,7 @@ def parse_completion(body: Any, served: str) -> GenerationRequest:
         sampling["logprobs"] = lp
     return GenerationRequest(
         inputs, sampling, stream, usage, lp, _n(fields),
-        renames={"max_new_tokens": name, "prompt": "prompt"},
+        renames={"max_new_tokens": name, **renames},
         session_id=_session_id(fields),
     )  # fmt: skip
 
@@ -239,7 +242,8 @@ def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
         raise APIError("messages is required", param="messages")
     messages = chat_messages(fields["messages"])
     stream, usage = _stream_options(fields)
-    sampling = _sampling(fields)
+    renames: dict[str, str] = {}
+    sampling = _sampling(fields, renames)
     max_tokens, name = _max_tokens(fields, ("max_completion_tokens", "max_tokens"))
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
@@ -263,7 +267,7 @@ def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
     return GenerationRequest(
         [messages], sampling, stream, usage, k, _n(fields),
         renames={"max_new_tokens": name, "prompt": "messages", "max_length": "messages",
-                 "logprobs": "top_logprobs"},
+                 "logprobs": "top_logprobs", **renames},
         session_id=_session_id(fields),
     )  # fmt: skip
 

@@ -119,6 +119,50 @@ def _install(build: Path, bins: dict[str, Path]) -> None:
         shutil.copy2(found[0], bins[t])
 
 
+def _sources(d: Path, version: str, log, verbose: bool) -> Path:
+    """The vendored llama.cpp tree of the llama-cpp-python sdist (downloaded and
+    extracted into d once)."""
+    sdist = d / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        if verbose:
+            print(f"[llama.cpp] downloading llama-cpp-python=={version} sdist")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                "llama-cpp-python",  # the sdist only: its build tools (cmake) as wheels
+                "--no-deps",
+                f"llama-cpp-python=={version}",
+                "-d",
+                str(d),
+            ],
+            log,
+            nice=False,
+        )
+    if not sdist.exists():
+        raise LlamaCppUnavailable(f"pip download produced no {sdist.name}")
+    src_root = d / f"llama_cpp_python-{version}"
+    if not src_root.exists():
+        with tarfile.open(sdist) as tf:
+            tf.extractall(d, filter="data")
+    src = src_root / "vendor" / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        raise LlamaCppUnavailable(f"no vendored llama.cpp in {src_root}")
+    return src
+
+
+def llama_cpp_sources(version: str = VERSION) -> Path:
+    """The vendored llama.cpp sources (convert_hf_to_gguf.py, gguf-py), downloaded and
+    extracted on first use; nothing is built. Raises LlamaCppUnavailable."""
+    d = cache_dir(version)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "build.log", "a") as log:
+        return _sources(d, version, log, verbose=False)
+
+
 def ensure_llama_cpp(
     version: str = VERSION, force: bool = False, jobs: int = 2, verbose: bool = True
 ) -> dict[str, Path]:
@@ -133,35 +177,7 @@ def ensure_llama_cpp(
     with open(log_path, "a") as log:
         log.write(f"\n==== build {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
         try:
-            sdist = d / f"llama_cpp_python-{version}.tar.gz"
-            if not sdist.exists():
-                if verbose:
-                    print(f"[llama.cpp] downloading llama-cpp-python=={version} sdist")
-                _run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pip",
-                        "download",
-                        "--no-binary",
-                        "llama-cpp-python",  # the sdist only: its build tools (cmake) as wheels
-                        "--no-deps",
-                        f"llama-cpp-python=={version}",
-                        "-d",
-                        str(d),
-                    ],
-                    log,
-                    nice=False,
-                )
-            if not sdist.exists():
-                raise LlamaCppUnavailable(f"pip download produced no {sdist.name}")
-            src_root = d / f"llama_cpp_python-{version}"
-            if not src_root.exists():
-                with tarfile.open(sdist) as tf:
-                    tf.extractall(d, filter="data")
-            src = src_root / "vendor" / "llama.cpp"
-            if not (src / "CMakeLists.txt").exists():
-                raise LlamaCppUnavailable(f"no vendored llama.cpp in {src_root}")
+            src = _sources(d, version, log, verbose)
             build = d / "build"
             if verbose:
                 print(f"[llama.cpp] building {', '.join(TARGETS)} (log: {log_path})")

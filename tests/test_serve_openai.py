@@ -114,12 +114,12 @@ def test_chat_n_and_logprobs(served) -> None:
 
 def test_errors_are_the_clients_exceptions(served) -> None:
     client, _ = served
-    with pytest.raises(openai.BadRequestError, match="tools") as e:
+    with pytest.raises(openai.BadRequestError, match="name") as e:
         client.chat.completions.create(
             model=MODEL, messages=MESSAGES,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tools=[{"type": "function", "function": {"parameters": {}}}],
         )  # fmt: skip
-    assert e.value.status_code == 400 and e.value.param == "tools"
+    assert e.value.status_code == 400 and e.value.param == "tools[0].function.name"
     assert e.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from torch_topg.engine import Engine
 from torch_topg.serve import generation
+from torch_topg.serve.chat_template import ChatOptions, ChatRenderer
 from torch_topg.serve.errors import APIError
 from torch_topg.serve.metrics import CONTENT_TYPE, ServerMetrics
 from torch_topg.serve.playground import PAGE
@@ -30,6 +31,12 @@ from torch_topg.serve.protocol import GenerationRequest, parse_chat, parse_compl
 from torch_topg.serve.responses import Response as Body
 from torch_topg.serve.responses import TokenText
 from torch_topg.serve.tokenize import detokenize_body, tokenize_body
+from torch_topg.serve.tools import (
+    ForcedToolParser,
+    OutputSpec,
+    constrain_to_tool_call,
+    tool_call_schema,
+)
 
 _ENDPOINTS = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
               "/tokenize", "/detokenize")  # fmt: skip
@@ -39,18 +46,31 @@ class ServerState:
     """What the routes share: the engine (None while loading), the served name, metrics."""
 
     def __init__(
-        self, engine: Engine | None, model_name: str, api_keys: tuple[str, ...] = ()
+        self,
+        engine: Engine | None,
+        model_name: str,
+        api_keys: tuple[str, ...] = (),
+        chat: ChatOptions | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine: Engine | None = None
         self.model_name = model_name
         self.api_keys = api_keys
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: self.engine, lambda: self.model_name)
-        self.text = TokenText(engine.tokenizer if engine is not None else None)
+        self.text = TokenText(None)
+        self.chat_options = chat or ChatOptions()
+        self.chat: ChatRenderer | None = None
+        if engine is not None:
+            self.set_engine(engine)
 
     def set_engine(self, engine: Engine) -> None:
         """The model is loaded: start serving it (``/health`` turns 200)."""
         self.text = TokenText(engine.tokenizer)
+        o = self.chat_options
+        self.chat = ChatRenderer(
+            engine.tokenizer, o.template, o.tool_parser, o.reasoning_parser,
+            getattr(getattr(engine.model, "config", None), "model_type", None),
+        )  # fmt: skip
         self.engine = engine
 
     @property
@@ -70,17 +90,19 @@ def create_app(
     *,
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
+    chat: ChatOptions | None = None,
 ) -> FastAPI:
     """The server's app over ``engine`` (None: loading, see :class:`ServerState`).
 
     ``model_name`` is what ``/v1/models`` lists and requests may name; ``api_key``: one
     key or several; when given, every ``/v1`` request needs ``Authorization: Bearer <key>``
     with one of them (401 otherwise). ``allowed_origins``: browser origins allowed by CORS
-    (``"*"``: any). The app never shuts the engine down: its owner does.
+    (``"*"``: any). ``chat``: the chat template and output parsers (:class:`ChatOptions`).
+    The app never shuts the engine down: its owner does.
     """
     app = FastAPI(title="torch_topg", docs_url=None, redoc_url=None, openapi_url=None)
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
-    state = ServerState(engine, model_name, keys)
+    state = ServerState(engine, model_name, keys, chat)
     app.state.topg = state
 
     @app.exception_handler(APIError)
@@ -146,13 +168,15 @@ def create_app(
         body = await _json(request)
         eng = state.require_engine()
         req = parse_chat(body, state.model_name, eng.config.max_model_len)
+        _prepare_chat(state, req)
         return await _generate(state, request, eng, req, Body("chat", state.model_name), start)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         """vLLM's: ``{"prompt": str}`` or ``{"messages": [...], "add_generation_prompt":
         true}`` (``add_special_tokens``) -> ``{"count", "max_model_len", "tokens"}``."""
-        return tokenize_body(state.require_engine(), await _json(request), state.model_name)
+        eng = state.require_engine()
+        return tokenize_body(eng, await _json(request), state.model_name, state.chat)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -214,6 +238,32 @@ async def _json(request: Request) -> Any:
         raise APIError(f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # thousands of nested levels: json.loads recurses per level
         raise APIError("the request body nests too deeply to parse") from None
+
+
+def _prepare_chat(state: ServerState, req: GenerationRequest) -> None:
+    """Render the chat prompt (tools included) into token ids, and choose how its choices
+    are parsed: the tool parser when tools are rendered (``auto``), the forced-call
+    reader for ``required`` / a named function (after the grammar hook), the reasoning
+    parser when the server has one."""
+    renderer, chat = state.chat, req.chat
+    assert renderer is not None and chat is not None  # set with the engine; parse_chat
+    prompt, ids = renderer.render_ids(chat)
+    req.inputs = [ids]
+    spec = chat.tools
+    parser = None
+    if spec is not None and spec.rendered:
+        if spec.choice in ("required", "function"):
+            forced = "required" if spec.function is None else {
+                "type": "function", "function": {"name": spec.function}}  # fmt: skip
+            constrain_to_tool_call(
+                req.sampling, tool_call_schema(spec.tools, forced, spec.parallel)
+            )
+            parser = ForcedToolParser()
+        else:
+            parser = renderer.parser_for(chat.template)
+    if parser is not None or renderer.reasoning is not None:
+        max_calls = spec.max_calls if spec is not None else None
+        req.output = OutputSpec(parser, renderer.reasoning, prompt, max_calls)
 
 
 async def _generate(

@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from torch_topg.engine.options import add_cli_args, from_cli_args
+from torch_topg.serve.chat_template import ChatOptions, load_chat_template
+from torch_topg.serve.reasoning import REASONING_PARSERS
+from torch_topg.serve.tool_parsers import parser_names
 
 log = logging.getLogger("torch_topg.serve")
 
@@ -46,6 +49,14 @@ def parser() -> argparse.ArgumentParser:
                    help="a file of API keys, one per line (blank lines and # comments skipped)")  # fmt: skip
     p.add_argument("--allowed-origins", action="append", default=None,
                    help="browser origins allowed by CORS (repeat, or '*' for any)")  # fmt: skip
+    p.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                   help="a Jinja chat template file, or a shipped one (hermes, llama3_json, "
+                   "mistral, smollm2), instead of the model's own (docs/tools.md)")  # fmt: skip
+    p.add_argument("--tool-call-parser", default=None, choices=parser_names(),
+                   help="how tool calls are read from answers (default: detected from the "
+                   "chat template and the model type)")  # fmt: skip
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think> reasoning into reasoning_content (default: none)")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     add_cli_args(p)  # one flag per engine option (torch_topg/engine/options.py)
@@ -59,6 +70,13 @@ def api_keys(args: argparse.Namespace) -> list[str]:
         text = Path(args.api_key_file).read_text()
         keys += [k.strip() for k in text.splitlines() if k.strip() and not k.startswith("#")]
     return keys
+
+
+def chat_options(args: argparse.Namespace) -> ChatOptions:
+    """The chat template's text (``--chat-template``: a file or a shipped name) and the
+    parsers' names; ValueError for a template that cannot be read."""
+    template = load_chat_template(args.chat_template) if args.chat_template else None
+    return ChatOptions(template, args.tool_call_parser, args.reasoning_parser)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -86,8 +104,13 @@ def serve_main(argv: list[str]) -> int:
     except OSError as e:
         print(f"--api-key-file: {e}", file=sys.stderr)
         return 2
+    try:
+        chat = chat_options(args)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     app = create_app(None, served_name(args), api_key=keys,
-                     allowed_origins=args.allowed_origins or ())  # fmt: skip
+                     allowed_origins=args.allowed_origins or (), chat=chat)  # fmt: skip
     state = app.state.topg
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)

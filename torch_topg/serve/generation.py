@@ -22,6 +22,7 @@ from torch_topg.serve.responses import (
     sse,
     usage,
 )
+from torch_topg.serve.tools import OutputSpec, event_delta, finish_reason
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks for its client
 RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves at every engine step
@@ -120,9 +121,13 @@ async def complete(
             lp = None
             if req.logprobs is not None:
                 lp = _logprobs(resp, sample.logprobs or [], text, req.logprobs)
-            choices.append(
-                resp.choice(p * req.n + sample.index, sample.text, sample.finish_reason, lp)
-            )
+            index, reason = p * req.n + sample.index, sample.finish_reason
+            if req.output is None:
+                choices.append(resp.choice(index, sample.text, reason, lp))
+                continue
+            msg = req.output.message(sample.text)
+            reason = finish_reason(reason, bool(msg.get("tool_calls")))
+            choices.append(resp.choice(index, sample.text, reason, lp, message=msg))
     return resp.body(choices, usage(outputs))
 
 
@@ -186,6 +191,7 @@ async def stream(
     offsets = [0] * choices  # legacy logprobs' text offsets
     usages: list[dict[str, Any]] = []
     finished = False
+    parsers = _ChoiceParsers(resp, req.output, choices) if req.output is not None else None
     try:
         if resp.kind == "chat":
             for c in range(choices):
@@ -200,6 +206,10 @@ async def stream(
             if req.logprobs is not None and d.logprobs:
                 lp = _logprobs(resp, d.logprobs, text, req.logprobs, offsets[c])
                 offsets[c] += sum(len(text(t.token_id)) for t in d.logprobs)
+            if parsers is not None:
+                for chunk in parsers.chunks(c, d.text, d.finish_reason, lp):
+                    yield resp.chunk([chunk], None, inc)
+                continue
             content = d.text if (d.text or resp.kind != "chat") else None
             yield resp.chunk([resp.chunk_choice(c, content, d.finish_reason, lp)], None, inc)
         finished = True
@@ -213,6 +223,40 @@ async def stream(
         if not finished:
             _closed_early(handles, metrics, choices, start)
     yield DONE
+
+
+class _ChoiceParsers:
+    """The parsed chat stream: per choice an output parser; each engine delta becomes the
+    chunks of its events (reasoning, content, one per call delta), logprobs on the first
+    (carried to the next chunk when the delta's text was held back), the finish reason
+    on the last (``tool_calls`` when calls were made)."""
+
+    def __init__(self, resp: Response, spec: OutputSpec, choices: int) -> None:
+        self.resp = resp
+        self.parsers = [spec.parser() for _ in range(choices)]
+        self.called = [False] * choices
+        self.held: list[list[Any]] = [[] for _ in range(choices)]  # logprobs not yet sent
+
+    def chunks(self, c: int, text: str, reason: str | None, lp: Any) -> list[dict[str, Any]]:
+        p = self.parsers[c]
+        events = p.feed(text) if text else []
+        if reason is not None:
+            events += p.finish()
+        if lp:
+            self.held[c] += lp["content"]
+        deltas = [event_delta(e) for e in events]
+        self.called[c] |= any("tool_calls" in d for d in deltas)
+        if reason is not None and not deltas:
+            deltas = [{}]
+        out = []
+        for k, delta in enumerate(deltas):
+            logprobs = None
+            if k == 0 and self.held[c]:
+                logprobs, self.held[c] = {"content": self.held[c]}, []
+            last = k == len(deltas) - 1
+            why = finish_reason(reason, self.called[c]) if last else None
+            out.append(self.resp.delta_choice(c, delta, why, logprobs))
+        return out
 
 
 def _closed_early(

@@ -16,7 +16,9 @@ from typing import Any
 
 from torch_topg.serve.constraints import FIELDS as STRUCTURED_FIELDS
 from torch_topg.serve.constraints import parse_structured
+from torch_topg.serve.chat_template import ChatInput, check_template_fields
 from torch_topg.serve.errors import APIError
+from torch_topg.serve.tools import parse_tools
 
 # Accepted by both endpoints: OpenAI's sampling fields plus vLLM's extensions (top_k,
 # min_p, repetition_penalty, ignore_eos, stop_token_ids, min_tokens), with the engine's
@@ -43,15 +45,15 @@ _COMMON = {
 }  # fmt: skip
 MAX_SESSION_ID = 256  # characters
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
-CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs"})
+CHAT_FIELDS = frozenset(_COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "chat_template", "chat_template_kwargs",
+})  # fmt: skip
 
-_TOOLS = "tool and function calling is not implemented (no tool-call parser)"
+_FUNCTIONS = "the deprecated functions API is not implemented; use tools and tool_choice"
 UNSUPPORTED: dict[str, str] = {
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
-    "functions": _TOOLS,
-    "function_call": _TOOLS,
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
     "best_of": "best_of (ranking several samples) is not implemented; use n",
     "echo": "echoing the prompt is not implemented",
     "suffix": "fill-in-the-middle (suffix) is not implemented",
@@ -66,7 +68,14 @@ UNSUPPORTED: dict[str, str] = {
     "verbosity": "verbosity controls are not implemented",
 }
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+# the keys a message may have, by role (OpenAI's; ``name`` is passed to the template)
+_MESSAGE_KEYS = {
+    "system": ("role", "content", "name"),
+    "user": ("role", "content", "name"),
+    "assistant": ("role", "content", "name", "tool_calls"),
+    "tool": ("role", "content", "tool_call_id"),
+}
 MAX_TOP_LOGPROBS = 20  # the engine's MAX_LOGPROBS
 
 
@@ -83,6 +92,8 @@ class GenerationRequest:
     # engine parameter -> this request's field, for the engine's error messages
     renames: dict[str, str] = field(default_factory=dict)
     session_id: str | None = None  # the engine's session (KV kept for the conversation)
+    chat: ChatInput | None = None  # chat: what the server renders into ``inputs``
+    output: Any = None  # chat: how choices are parsed (app.OutputSpec), None: plain text
 
 
 def _is_int(v: Any) -> bool:
@@ -241,6 +252,8 @@ def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
     if "messages" not in fields:
         raise APIError("messages is required", param="messages")
     messages = chat_messages(fields["messages"])
+    template, template_kwargs = check_template_fields(fields)
+    chat = ChatInput(messages, parse_tools(fields), template, template_kwargs)
     stream, usage = _stream_options(fields)
     renames: dict[str, str] = {}
     sampling = _sampling(fields, renames)
@@ -268,7 +281,7 @@ def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
         [messages], sampling, stream, usage, k, _n(fields),
         renames={"max_new_tokens": name, "prompt": "messages", "max_length": "messages",
                  "logprobs": "top_logprobs", **renames},
-        session_id=_session_id(fields),
+        session_id=_session_id(fields), chat=chat,
     )  # fmt: skip
 
 
@@ -293,8 +306,10 @@ def _n(fields: dict[str, Any]) -> int:
     return n if _is_int(n) else 1  # the engine names a bad n
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages checked (text content, the roles the chat endpoint takes)."""
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages checked: text content; the roles system, user, assistant (with
+    ``tool_calls``, whose ``arguments`` are JSON text) and tool (with ``tool_call_id``).
+    A 400 names the first bad field (``messages[i].tool_calls[j].function.name``, ...)."""
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
     out = []
@@ -302,21 +317,72 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise APIError(f"{where} must be an object", param=where)
-        for key in _present(m):
-            if key not in ("role", "content"):
-                why = _TOOLS if key in ("tool_calls", "tool_call_id", "function_call") else ""
-                raise APIError(
-                    f"{where}.{key} is not supported (only role and content){': ' + why if why else ''}",
-                    param=f"{where}.{key}",
-                )
         role = m.get("role")
         if role not in _ROLES:
-            why = f": {_TOOLS}" if role in ("tool", "function") else ""
             raise APIError(
-                f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}{why}",
+                f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r:.40}",
                 param=f"{where}.role",
             )
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+        fields = _present(m)
+        for key in fields:
+            if key not in _MESSAGE_KEYS[role]:
+                raise APIError(
+                    f"{where}.{key} is not supported in a {role} message "
+                    f"(only {', '.join(_MESSAGE_KEYS[role])})",
+                    param=f"{where}.{key}",
+                )
+        msg: dict[str, Any] = {"role": role}
+        if role == "assistant" and "tool_calls" in fields:
+            msg["tool_calls"] = _tool_calls(fields["tool_calls"], f"{where}.tool_calls")
+            content = fields.get("content")
+            msg["content"] = "" if content is None else _content(content, f"{where}.content")
+        else:
+            msg["content"] = _content(m.get("content"), f"{where}.content")
+        if role == "tool":
+            tid = fields.get("tool_call_id")
+            if not isinstance(tid, str) or not tid:
+                raise APIError(f"{where}.tool_call_id is required (the id of the call "
+                               "this answers)", param=f"{where}.tool_call_id")  # fmt: skip
+            msg["tool_call_id"] = tid
+        if "name" in fields:
+            if not isinstance(fields["name"], str):
+                raise APIError(f"{where}.name must be a string", param=f"{where}.name")
+            msg["name"] = fields["name"]
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``: ``{"id", "type": "function", "function":
+    {"name", "arguments"}}`` each, ``arguments`` a string (JSON text)."""
+    if not isinstance(calls, list) or not calls:
+        raise APIError(f"{where} must be a non-empty list", param=where)
+    out = []
+    for j, c in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(c, dict):
+            raise APIError(f"{at} must be an object", param=at)
+        for key in c:
+            if key not in ("id", "type", "function"):
+                raise APIError(f"{at}.{key} is not a field of a tool call", param=f"{at}.{key}")
+        if c.get("type", "function") != "function":
+            raise APIError(f"{at}.type must be 'function'", param=f"{at}.type")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise APIError(f"{at}.id must be a string", param=f"{at}.id")
+        fn = c.get("function")
+        if not isinstance(fn, dict):
+            raise APIError(f"{at}.function must be an object", param=f"{at}.function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"{at}.function.name must be a non-empty string",
+                           param=f"{at}.function.name")  # fmt: skip
+        if not isinstance(fn.get("arguments"), str):
+            raise APIError(f"{at}.function.arguments must be a string (JSON text)",
+                           param=f"{at}.function.arguments")  # fmt: skip
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
+        if cid is not None:
+            call["id"] = cid
+        out.append(call)
     return out
 
 

@@ -156,12 +156,19 @@ class Response:
         }
 
     def choice(
-        self, index: int, text: str, finish_reason: str | None, logprobs: Any = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Any = None,
+        message: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """A choice of a whole response; chat: ``message`` (content, reasoning, tool
+        calls) when the output was parsed, else the text as content."""
         if self.kind == "chat":
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message or {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
@@ -210,6 +217,18 @@ class Response:
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
+
+    def delta_choice(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: Any = None,
+    ) -> dict[str, Any]:
+        """A chat chunk's choice with a ready ``delta`` (content, reasoning_content or
+        tool_calls)."""
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}  # fmt: skip
 
 
 def sse(obj: Any) -> str:

@@ -12,12 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from torch_topg.engine import Engine
+from torch_topg.serve.chat_template import ChatInput, ChatRenderer, check_template_fields
 from torch_topg.serve.errors import APIError
 from torch_topg.serve.protocol import chat_messages, check_fields, check_model
+from torch_topg.serve.tools import parse_tools
 
 TOKENIZE_FIELDS = frozenset(
-    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
-)
+    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools",
+     "chat_template", "chat_template_kwargs"}
+)  # fmt: skip
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -34,7 +37,11 @@ def _flag(fields: dict[str, Any], name: str) -> bool:
     return v
 
 
-def tokenize_body(engine: Engine, body: Any, served: str) -> dict[str, Any]:
+def tokenize_body(
+    engine: Engine, body: Any, served: str, renderer: ChatRenderer | None = None
+) -> dict[str, Any]:
+    """``renderer``: the chat endpoint's (so both count the same tokens); None: one over
+    the engine's tokenizer with the model's template."""
     fields = check_fields(body, TOKENIZE_FIELDS)
     check_model(fields, served)
     tok = _tokenizer(engine)
@@ -46,14 +53,10 @@ def tokenize_body(engine: Engine, body: Any, served: str) -> dict[str, Any]:
             raise APIError(f"prompt must be a string, got {prompt!r:.40}", param="prompt")
         ids = tok.encode(prompt, add_special_tokens=_flag(fields, "add_special_tokens"))
     else:
-        messages = chat_messages(fields["messages"])
-        if not getattr(tok, "chat_template", None):
-            raise APIError("this model has no chat template", param="messages")
-        text = tok.apply_chat_template(
-            messages,
-            add_generation_prompt=_flag(fields, "add_generation_prompt"),
-            tokenize=False,
-        )
+        template, kwargs = check_template_fields(fields)
+        chat = ChatInput(chat_messages(fields["messages"]), parse_tools(fields), template, kwargs)
+        renderer = renderer or ChatRenderer(tok)
+        text = renderer.render(chat, add_generation_prompt=_flag(fields, "add_generation_prompt"))
         ids = tok.encode(text, add_special_tokens=False)
     ids = [int(t) for t in ids]
     return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids}

@@ -137,15 +137,40 @@ def test_tool_choice_none_renders_no_tools(served) -> None:
     assert none.choices[0].message.tool_calls is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_call_always_parses_and_names_a_declared_function(served, choice, stream) -> None:
+    """tool_choice "required" or a named function: the grammar forces a call, so the
+    answer is one that parses, names a declared function (the named one) and has JSON
+    arguments; streamed deltas reassemble to it."""
+    client, _, _ = served
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 96, "temperature": 0,
+          "tools": [WEATHER], "tool_choice": choice}  # fmt: skip
+    if stream:
+        _, calls, finish = _reassemble(client.chat.completions.create(stream=True, **kw))
+        names = [name for _, name, _ in calls]
+        args = [a for _, _, a in calls]
+    else:
+        r = client.chat.completions.create(**kw)
+        finish, calls = r.choices[0].finish_reason, r.choices[0].message.tool_calls
+        names = [c.function.name for c in calls]
+        args = [c.function.arguments for c in calls]
+    assert finish == "tool_calls", finish
+    assert names and set(names) <= {"get_weather"}
+    for a in args:
+        assert isinstance(json.loads(a), dict)
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
         ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name", "required"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice", "not in tools"),
         ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "needs structured outputs"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice", "needs structured outputs"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice", "cannot be combined"),
         ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id", "required"),
         ({"tools": [WEATHER], "extra_body": {"chat_template_kwargs": {"tools": []}}},
          "chat_template_kwargs.tools", "server"),

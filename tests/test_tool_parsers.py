@@ -299,9 +299,15 @@ def test_tool_call_schema_validates_calls() -> None:
     ]
 
 
-def test_forcing_a_call_is_refused_until_structured_outputs() -> None:
-    with pytest.raises(APIError, match="needs structured outputs") as e:
-        constrain_to_tool_call({}, tool_call_schema(TOOLS, "required"))
+def test_forcing_a_call_sets_the_grammar_and_refuses_a_second_one() -> None:
+    from torch_topg.engine.structured import Structured
+
+    sampling: dict = {}
+    schema = tool_call_schema(TOOLS, "required")
+    constrain_to_tool_call(sampling, schema)
+    assert sampling["structured"] == Structured("json_schema", schema)
+    with pytest.raises(APIError, match="cannot be combined") as e:
+        constrain_to_tool_call(sampling, schema)
     assert e.value.status == 400 and e.value.param == "tool_choice"
 
 

@@ -14,9 +14,9 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_topg.serve.chat_template import ChatInput, check_template_fields
 from torch_topg.serve.constraints import FIELDS as STRUCTURED_FIELDS
 from torch_topg.serve.constraints import parse_structured
-from torch_topg.serve.chat_template import ChatInput, check_template_fields
 from torch_topg.serve.errors import APIError
 from torch_topg.serve.tools import parse_tools
 

@@ -167,16 +167,20 @@ def tool_call_schema(
 
 
 def constrain_to_tool_call(sampling: dict[str, Any], schema: dict[str, Any]) -> None:
-    """HOOK (structured outputs): constrain the request's sampling to ``schema``.
+    """Constrain the request's sampling to ``schema`` (``tool_choice`` ``"required"`` or a
+    named function): ``SamplingParams.structured`` becomes ``Structured("json_schema",
+    schema)``, so the answer is always a call that parses. A request that also carries a
+    structured-output constraint is refused (400 naming ``tool_choice``): one grammar per
+    answer."""
+    from torch_topg.engine.structured import Structured
 
-    Wired to ``Structured("json_schema", schema)`` on ``SamplingParams.structured`` once
-    the engine has grammar masks; until then a forced call cannot be guaranteed, so the
-    request is refused rather than answered unconstrained."""
-    raise APIError(
-        "tool_choice 'required' needs structured outputs, not available in this build "
-        "(a named function too); use 'auto'",
-        param="tool_choice",
-    )
+    if sampling.get("structured") is not None:
+        raise APIError(
+            "tool_choice 'required' or a named function forces the answer's grammar; it "
+            "cannot be combined with response_format or another structured-output field",
+            param="tool_choice",
+        )
+    sampling["structured"] = Structured("json_schema", schema)
 
 
 class ForcedToolParser(ToolParser):

@@ -54,20 +54,23 @@ class EngineSide:
     round at a time: each round one decode (a random 256-token prompt, 64 new tokens) and
     one TTFT (a random 512-token prompt). Both sides of a file draw the same prompts."""
 
-    def __init__(self, path: Path, int8_activations: bool) -> None:
-
+    def __init__(self, path: Path, int8_activations: bool, *, quantization: str | None = "gguf",
+                 dtype: str | None = None, ttft: bool = True) -> None:  # fmt: skip
         from torch_topg.engine import Engine
 
-        q = {"method": "gguf", "int8_activations": int8_activations}
+        q = {"method": quantization, "int8_activations": int8_activations} if quantization else None
+        kw = {"dtype": dtype} if dtype else {}
         self.eng, self.load_s = timed(Engine.from_pretrained, str(path), quantization=q,
                                       max_batch_size=1, max_model_len=MAX_MODEL_LEN,
-                                      prefix_caching=False)  # fmt: skip
+                                      prefix_caching=False, **kw)  # fmt: skip
+        self.with_ttft = ttft
         self.rng = random.Random(0)
         self.kw = dict(temperature=0, ignore_eos=True)
         self.decode: list[float] = []
         self.ttft: list[float] = []
         self.eng.generate(self.ids(DECODE_CONTEXT), max_new_tokens=8, **self.kw)  # warm-up
-        self.eng.generate(self.ids(TTFT_PROMPT), max_new_tokens=1, **self.kw)
+        if ttft:
+            self.eng.generate(self.ids(TTFT_PROMPT), max_new_tokens=1, **self.kw)
 
     def ids(self, n: int) -> list[int]:
         return [self.rng.randrange(10, 40000) for _ in range(n)]
@@ -76,6 +79,8 @@ class EngineSide:
         o = self.eng.generate(self.ids(DECODE_CONTEXT), max_new_tokens=DECODE_TOKENS, **self.kw)
         tt = o[0].outputs[0].token_times
         self.decode.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
+        if not self.with_ttft:
+            return
         o = self.eng.generate(self.ids(TTFT_PROMPT), max_new_tokens=1, **self.kw)
         self.ttft.append(o[0].ttft * 1e3)
 
@@ -84,7 +89,8 @@ class EngineSide:
             plan = self.eng.stats()["decode_plan"]
         finally:
             self.eng.shutdown()
-        return {"decode_ms": summarize(self.decode), "prefill_ms": summarize(self.ttft),
+        ttft = summarize(self.ttft) if self.ttft else None
+        return {"decode_ms": summarize(self.decode), "prefill_ms": ttft,
                 "load_s": self.load_s, "plan": plan}  # fmt: skip
 
 

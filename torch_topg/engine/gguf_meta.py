@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # (u32 element type, u64 count, elements).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
-_FORMAT = 1  # this cache's layout; part of the digest
+_FORMAT = 2  # this cache's layout; part of the digest (2: llama3 RoPE from rope_freqs)
 
 
 class _Truncated(ValueError):
@@ -146,9 +146,14 @@ def _cache_root() -> Path:
 
 
 def _convert(folder: Path, name: str) -> tuple[Any, Any]:
+    import gguf
     from transformers import AutoConfig, AutoTokenizer
 
+    from torch_topg.quant.gguf_rope import apply_rope_freqs
+
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # Llama 3's RoPE scaling is stored as a tensor transformers' reader drops
+    config = apply_rope_freqs(config, gguf.GGUFReader(folder / name))
     return config, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 

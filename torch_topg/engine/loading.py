@@ -115,6 +115,8 @@ def load(
         m = load_dequantized(folder / gguf, config, dtype)
         if m is not None:
             return m.to(device).eval(), tok, None
+    if gguf:  # the config as converted here (transformers' own drops Llama 3's RoPE scaling)
+        kw["config"] = config
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     return m.to(device).eval(), tok, (None if gguf else folder)
 
@@ -136,6 +138,8 @@ def load_gguf_packed(
     act = resolve_quantization(quantization)[1].get("int8_activations", False)
     m = load_packed(path, config, dtype, int8_activations=act)
     if m is None:  # the file de-quantised by transformers (config and tokenizer kept)
-        m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, gguf_file=name)
+        m = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, gguf_file=name, config=config
+        )
         m = apply_quantization(m.eval(), quantization, path).to(dtype=dtype)
     return m, tok

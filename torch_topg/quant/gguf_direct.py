@@ -207,6 +207,8 @@ def load_packed(
     floats: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, tuple[torch.Tensor, str | None]]] = {}  # path -> part
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # Llama 3's RoPE scaling: in the config (gguf_rope.py)
+            continue
         target = _target(t.name, arch)
         if target is None:
             return None

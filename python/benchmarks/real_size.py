@@ -1,0 +1,249 @@
+"""Batch-1 decode at the sizes people run, side by side with llama.cpp on the same GGUF
+files: models of real architectures' shapes with random weights (torch_topg/bench/
+real_size.py), written once as a BF16 GGUF by llama.cpp's converter, then quantised by
+llama-quantize to each format.
+
+    python python/benchmarks/real_size.py --shape llama-3.2-1b \\
+        --formats bf16,q8_0,q4_0,q4_k_m,q5_k_m,q6_k --repeats 3
+    python python/benchmarks/real_size.py --table            # combine the records
+
+Staged and resumable: a shape's BF16 GGUF is kept in the cache (the only unquantised
+copy; the safetensors it came from are deleted once it is written, unless --keep); each
+format is quantised, measured and written as its own record (bench_results/
+real_size-<date>-<commit>.json, one row per format), and its file deleted unless --keep.
+--table combines the newest row per (shape, format) among records of the newest commit
+measured on this machine type.
+
+Per format, ``repeats`` interleaved rounds of: llama-bench (``-p 0 -n 64 -d 256 -t 2``,
+flash attention off and on, the faster kept), the engine with int8 activations, and the
+engine with fp32 activations (``quantization={"method": "gguf", ...}``; BF16: the file in
+bf16), each round in a rotated order. Reported with each side's share of the read limit:
+the bytes a decode step reads (every tensor of the file once, the embedding table once
+if it is also the LM head, else one row of it; plus the KV cache at the context) over
+the read bandwidth measured in the same run. The weights' values do not change the
+speed: every kernel reads all of a weight whatever it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS
+from quantized_llama import EngineSide
+
+from torch_topg.bench.machine import machine_info, read_bandwidth_stats
+from torch_topg.bench.record import git_commit, load_record, new_record, write_record
+from torch_topg.bench.timing import summarize
+
+FORMATS = {"bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M",
+           "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}  # fmt: skip
+
+
+def cache_root() -> Path:
+    root = os.environ.get("TOPG_CACHE_DIR", str(Path.home() / ".cache" / "torch_topg"))
+    return Path(root) / "real-size"
+
+
+def bf16_file(shape: str, llama_src: Path, keep: bool) -> Path:
+    """The shape's BF16 GGUF, written once (checkpoint, then llama.cpp's converter)."""
+    from torch_topg.bench.real_size import convert_to_gguf, write_checkpoint
+    from torch_topg.models.hf import smollm2_folder
+
+    out = cache_root() / f"{shape}-bf16.gguf"
+    if out.exists():
+        return out
+    folder = cache_root() / shape
+    print(f"[{shape}] writing the checkpoint to {folder}", flush=True)
+    write_checkpoint(shape, folder, smollm2_folder())
+    print(f"[{shape}] converting to {out.name}", flush=True)
+    convert_to_gguf(folder, out, llama_src / "convert_hf_to_gguf.py")
+    if not keep:
+        shutil.rmtree(folder)
+    return out
+
+
+def quantized_file(shape: str, fmt: str, bf16: Path, quantize: Path) -> Path:
+    if fmt == "bf16":
+        return bf16
+    out = cache_root() / f"{shape}-{fmt}.gguf"
+    if not out.exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        cmd = [str(quantize), str(bf16), str(tmp), FORMATS[fmt], str(THREADS)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0 or not tmp.exists():
+            raise RuntimeError(f"llama-quantize exited {p.returncode}: {p.stderr[-500:]}")
+        tmp.rename(out)
+    return out
+
+
+def read_bytes(path: Path, context: int) -> tuple[int, dict[str, int]]:
+    """Bytes one decode step reads from the file's tensors at ``context`` tokens (see the
+    module docstring), and the tensor count per storage type."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    kinds: dict[str, int] = {}
+    sizes = {}
+    for t in r.tensors:
+        kinds[t.tensor_type.name.lower()] = kinds.get(t.tensor_type.name.lower(), 0) + 1
+        sizes[t.name] = int(t.n_bytes)
+    total = sum(sizes.values())
+    if "output.weight" in sizes:  # untied: the lookup reads one row of the embedding
+        emb = next(t for t in r.tensors if t.name == "token_embd.weight")
+        total -= sizes["token_embd.weight"] - sizes["token_embd.weight"] // int(emb.shape[-1])
+
+    def field(key: str) -> int:
+        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+        return int(r.fields[f"{arch}.{key}"].parts[-1][0])
+
+    layers, kv_heads = field("block_count"), field("attention.head_count_kv")
+    head_dim = field("embedding_length") // field("attention.head_count")
+    if "llama.attention.key_length" in r.fields:
+        head_dim = int(r.fields["llama.attention.key_length"].parts[-1][0])
+    kv = 2 * layers * kv_heads * head_dim * context * 2  # bf16 / f16 caches on both sides
+    return total + kv, kinds
+
+
+class LlamaBench:
+    """llama-bench decode samples, flash attention off and on (each call warms up)."""
+
+    def __init__(self, bench: Path, path: Path) -> None:
+        self.bench, self.path = bench, path
+        self.samples: dict[int, list[float]] = {0: [], 1: []}
+        self.cmd = ""
+        self.build = ""
+
+    def round(self) -> None:
+        cmd = [str(self.bench), "-m", str(self.path), "-t", str(THREADS), "-r", "1", "-o",
+               "json", "-p", "0", "-n", str(DECODE_TOKENS), "-d", str(DECODE_CONTEXT),
+               "-fa", "0,1"]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr[-400:]}")
+        for row in json.loads(p.stdout):
+            fa = int(bool(row.get("flash_attn")))
+            self.samples[fa] += [x / 1e6 / DECODE_TOKENS for x in row["samples_ns"]]
+            self.build = f"{row.get('build_commit')} ({row.get('build_number')})"
+        self.cmd = " ".join(cmd)
+
+    def close(self) -> dict:
+        per = {fa: summarize(s) for fa, s in self.samples.items() if s}
+        best = min(per, key=lambda fa: per[fa].median)
+        return {"decode_ms": per[best], "flash_attn": best, "cmd": self.cmd, "build": self.build,
+                "by_flash_attn": {str(k): v.to_dict() for k, v in per.items()}}  # fmt: skip
+
+
+def run_format(shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: float) -> dict:
+    nbytes, kinds = read_bytes(path, DECODE_CONTEXT)
+    limit_ms = nbytes / bw * 1e3
+    sides: dict = {"llama.cpp": LlamaBench(llama["llama-bench"], path)}
+    if fmt == "bf16":
+        sides["topg"] = EngineSide(path, False, quantization=None, dtype="bfloat16", ttft=False)
+    else:
+        sides["topg int8 act."] = EngineSide(path, True, ttft=False)
+        sides["topg fp32 act."] = EngineSide(path, False, ttft=False)
+    names = list(sides)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sides[name].round()
+    figures, extra = {}, {}
+    for name, side in sides.items():
+        out = side.close()
+        figures[name] = out["decode_ms"]
+        extra[name] = {k: v for k, v in out.items() if k not in ("decode_ms", "prefill_ms")}
+    lc = figures["llama.cpp"].median
+    row = {
+        "key": f"{shape} | {fmt} | batch-1 decode",
+        "shape": shape,
+        "format": fmt,
+        "unit": "ms/token",
+        "figures": {k: v.to_dict() for k, v in figures.items()},
+        "ratios": {f"{k} / llama.cpp": v.scaled(1 / lc).to_dict() for k, v in figures.items()
+                   if k != "llama.cpp"},  # fmt: skip
+        "read_limit_ms": limit_ms,
+        "read_share": {k: limit_ms / v.median for k, v in figures.items()},
+        "tensors": kinds,
+        "file_bytes": path.stat().st_size,
+        "sides": json.loads(json.dumps(extra, default=lambda o: o.to_dict())),
+    }
+    line = ", ".join(f"{k} {v.fmt()} ms ({limit_ms / v.median:.0%} of the read limit)"
+                     for k, v in figures.items())  # fmt: skip
+    print(f"[{shape} {fmt}] {line}", flush=True)
+    return row
+
+
+def table(out: Path) -> str:
+    """Markdown of the newest row per (shape, format) among the records of the newest
+    commit measured on this machine type."""
+    recs = []
+    for p in sorted(out.glob("real_size-*.json")):
+        try:
+            recs.append(load_record(p))
+        except ValueError:
+            continue
+    if not recs:
+        return "no real_size records"
+    model = machine_info(measure=False).get("cpu_model", "")
+    recs = [r for r in recs if r["machine"].get("cpu_model", "") == model] or recs
+    commit = max(recs, key=lambda r: r["date"])["commit"]
+    rows: dict = {}
+    for r in sorted((r for r in recs if r["commit"] == commit), key=lambda r: r["date"]):
+        for row in r["rows"]:
+            rows[(row["shape"], row["format"])] = (row, r)
+    lines = [f"Commit {commit}, {model or 'this machine'}; 2 threads each; random weights "
+             "(speed does not depend on the weights' values).", "",
+             "| shape | format | topg ms/token | share of read limit | llama.cpp ms/token | "
+             "share | topg / llama.cpp |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (shape, fmt), (row, _) in sorted(rows.items()):
+        fig = row["figures"]
+        name = min((k for k in fig if k != "llama.cpp"), key=lambda k: fig[k]["median"])
+        t, lc = fig[name], fig["llama.cpp"]
+        share = row["read_share"]
+        lines.append(f"| {shape} | {fmt} ({name}) | {t['median']:.1f} [{t['lo']:.1f}-{t['hi']:.1f}] | "
+                     f"{share[name]:.0%} | {lc['median']:.1f} [{lc['lo']:.1f}-{lc['hi']:.1f}] | "
+                     f"{share['llama.cpp']:.0%} | {t['median'] / lc['median']:.2f}x |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and quantised files")
+    ap.add_argument("--table", action="store_true", help="print the combined table and exit")
+    ap.add_argument("--out", default="bench_results")
+    a = ap.parse_args(argv)
+    if a.table:
+        print(table(Path(a.out)))
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llama_cpp_build import ensure_llama_cpp, llama_cpp_sources
+
+    llama = {k: str(v) for k, v in ensure_llama_cpp().items()}
+    bf16 = bf16_file(a.shape, llama_cpp_sources(), a.keep)
+    bw = read_bandwidth_stats(THREADS)
+    print(f"read bandwidth {bw.scaled(1e-9).fmt('.1f')} GB/s", flush=True)
+    commit, _ = git_commit()
+    for fmt in a.formats.split(","):
+        path = quantized_file(a.shape, fmt, bf16, Path(llama["llama-quantize"]))
+        try:
+            row = run_format(a.shape, fmt, path, llama, a.repeats, bw.median)
+        finally:
+            if fmt != "bf16" and not a.keep:
+                path.unlink(missing_ok=True)
+        rec = new_record("real_size", [row], machine_info(), notes=[
+            f"read bandwidth {bw.scaled(1e-9).fmt('.1f')} GB/s ({THREADS} threads)",
+            "random weights: speed does not depend on the weights' values"])  # fmt: skip
+        print(f"record {write_record(rec, a.out)} (commit {commit})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The real-size benchmark models (torch_topg/bench/real_size.py): the shapes are the
+published models' (parameter counts), the writer's checkpoint loads in transformers, and
+llama.cpp's converter turns it into a GGUF file whose tensors read back (through the
+gguf package and the engine's GGUF loader) equal to the checkpoint's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_topg.bench.real_size import SHAPES, _parameter_shapes, config_for, write_checkpoint
+
+pytestmark = pytest.mark.native_independent
+
+#: Parameters of the published models (their model cards), tied LM heads counted once.
+PUBLISHED = {"llama-3.2-1b": 1.24e9, "qwen2.5-3b": 3.09e9, "llama-3.1-8b": 8.03e9,
+             "olmoe-1b-7b": 6.92e9}  # fmt: skip
+
+TINY = {
+    "llama-3.2-1b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen2.5-3b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_shapes_have_the_published_parameter_counts(shape):
+    n = sum(torch.Size(s).numel() for s in _parameter_shapes(config_for(shape)).values())
+    assert abs(n / PUBLISHED[shape] - 1) < 0.01, f"{shape}: {n / 1e9:.3f}B parameters"
+
+
+def test_unknown_shape_is_refused():
+    with pytest.raises(ValueError, match="unknown shape 'llama-9b'; known: llama-3.2-1b"):
+        config_for("llama-9b")
+
+
+@pytest.fixture(scope="module")
+def converter() -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "benchmarks"))
+    from llama_cpp_build import llama_cpp_sources
+
+    return llama_cpp_sources() / "convert_hf_to_gguf.py"  # downloaded once (PyPI's sdist)
+
+
+@pytest.mark.parametrize("shape", list(TINY))
+def test_gguf_from_llama_cpp_converter_reads_back_equal(shape, tmp_path, converter, monkeypatch):
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from torch_topg.bench.real_size import convert_to_gguf
+    from torch_topg.engine.gguf_meta import config_and_tokenizer
+    from torch_topg.models.hf import smollm2_folder
+    from torch_topg.quant.gguf_direct import load_packed
+
+    monkeypatch.setenv("TOPG_CACHE_DIR", str(tmp_path / "cache"))
+    folder = write_checkpoint(shape, tmp_path / shape, smollm2_folder(), **TINY[shape])
+    cfg = config_for(shape, **TINY[shape])
+    stored = {}
+    for f in folder.glob("*.safetensors"):
+        stored.update(load_file(f))
+    assert set(stored) == set(_parameter_shapes(cfg))
+    # transformers loads the checkpoint with no missing or unexpected weight
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.vocab_size == SHAPES[shape][1]["vocab_size"]
+
+    out = convert_to_gguf(folder, tmp_path / f"{shape}.gguf", converter)
+    reader = gguf.GGUFReader(out)
+    assert {t.tensor_type.name for t in reader.tensors} <= {"BF16", "F32"}
+    # every checkpoint tensor, plus Llama 3's RoPE frequency factors (rope_freqs)
+    assert len([t for t in reader.tensors if t.name != "rope_freqs.weight"]) == len(stored)
+    config, _ = config_and_tokenizer(out)
+    if shape.startswith("llama"):  # Llama 3's RoPE scaling, kept as rope_freqs in the file
+        assert config.rope_parameters["rope_type"] == "llama3"
+        assert config.rope_parameters["factor"] == cfg.rope_parameters["factor"]
+    loaded = load_packed(out, config, torch.bfloat16)
+    assert loaded is not None
+    state = loaded.state_dict()
+    for name, t in stored.items():
+        assert torch.equal(state[name].to(t.dtype), t), name
+    # the same weights and the same rotary angles: the same logits
+    ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = model.to(torch.bfloat16)(ids).logits.float()
+        got = loaded(ids).logits.float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -429,6 +429,7 @@ def _special_attention(g: Gen) -> list[Special]:
         Special("sinks, window 0", (q, k, v), {"causal": True, "window_left": 0, "sinks": g.randn(2)}, finite=True),
         Special("nan sink: its head", (q, k, v), {"causal": True, "sinks": _put(g.randn(2), (1,), NAN)}),
         Special("-inf sink: none", (q, k, v), {"sinks": torch.full((2,), -INF, device=q.device)}, finite=True),
+        Special("nan sink, -inf mask row: zeros there", (q, k, v), {"mask": mask, "sinks": _put(g.randn(2), (0,), NAN)}),
     ]  # fmt: skip
 
 
@@ -448,7 +449,7 @@ def _special_paged(g: Gen) -> list[Special]:
         Special("int8: nan query", (_put(q, (1, 0, 3), NAN), kq, vq, bt, sl), s8),
         Special("nan query", (_put(q, (1, 0, 3), NAN), kc, vc, bt, sl)),
         Special("no sequences", (q[:0], kc, vc, bt[:0], sl[:0])),
-        Special("sinks, seq_len 0: zeros", (q, kc, vc, bt, sl * 0), {"sinks": g.randn(2)}, finite=True),
+        Special("sinks, seq_len 0: zeros", (q, kc, vc, bt, sl * 0), {"sinks": _put(g.randn(2), (1,), NAN)}, finite=True),
         Special("nan sink: its head", (q, kc, vc, bt, sl), {"sinks": _put(g.randn(2), (0,), NAN)}),
         Special("large sinks", (q, kn, vn, bt, sl), {"sinks": torch.full((2,), 80.0, device=q.device)}, finite=True),
     ]  # fmt: skip

@@ -60,7 +60,8 @@ def _attend_one(
     # Softmax where a row with no visible key gives zeros instead of NaN.
     m = s.amax(-1, keepdim=True)  # [Hq, Sq, 1]
     sink = None if sinks is None else sinks.float().view(hq, 1, 1).expand(hq, sq, 1)
-    if sink is not None:
+    if sink is not None:  # a row that sees no key outputs zeros, whatever its sink
+        sink = torch.where(m == float("-inf"), float("-inf"), sink)
         m = torch.maximum(m, sink)
     m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     e = torch.exp(s - m)

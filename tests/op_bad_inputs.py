@@ -165,6 +165,7 @@ def _bad_attention(g: Gen, other: str) -> list[BadInput]:
         BadInput("heads", (q, g.randn(2, 7, 3, 16), g.randn(2, 7, 3, 16)), match=re.escape("query heads (4) must be a multiple of key/value heads (3)")),
         BadInput("window", (q, k, v), {"window_left": -2}, match=re.escape("window_left must be >= -1, got -2")),
         BadInput("softcap", (q, k, v), {"softcap": -1.5}, match=re.escape("softcap must be >= 0, got -1.5")),
+        *_bad_sinks(g, (q, k, v), 4, other),
         BadInput("key batch", (q, k[:1], v[:1]), match=_arg("key", "size 2 at dim 0 (the batch of 'query')")),
         BadInput("cu_seqlens_k dense", (q, k, v), {"cu_seqlens_k": c}, match=_arg("cu_seqlens_k", "None without 'cu_seqlens_q'")),
         BadInput("int mask", (q, k, v), {"mask": g.randint(2, 5, 7)}, match=_arg("mask", FLOAT)),
@@ -202,10 +203,23 @@ def _bad_paged(g: Gen, other: str) -> list[BadInput]:
         BadInput("cu_seqlens_q size", (q, kc, vc, bt, sl), {"cu_seqlens_q": g.ints([0, 2])}, match=_arg("cu_seqlens_q", "size 3 at dim 0 (num_seqs + 1, from 'seq_lens')")),
         BadInput("window", (q, kc, vc, bt, sl), {"window_left": -3}, match=re.escape("window_left must be >= -1, got -3")),
         BadInput("softcap", (q, kc, vc, bt, sl), {"softcap": -1.0}, match=re.escape("softcap must be >= 0, got -1")),
+        *_bad_sinks(g, (q, kc, vc, bt, sl), 4, other),
         BadInput("block id", (q, kc, vc, bt.index_fill(1, g.ints([0], torch.int64), nb), sl), match=_value("block_tables", f"block ids in [0, {nb})"), value_check=True),
         BadInput("seq_len too long", (q, kc, vc, bt, g.ints([5, 4 * bt.shape[1] + 1])), match=_value("seq_lens", f"values in [0, {4 * bt.shape[1]}] (max_blocks_per_seq * block_size)"), value_check=True),
         BadInput("cu_seqlens_q values", (g.randn(3, 4, 16), kc, vc, bt, sl), {"cu_seqlens_q": g.ints([0, 2, 1])}, match=_value("cu_seqlens_q", "non-decreasing offsets from 0 to 3 (the query rows)"), value_check=True),
         BadInput("q_len > seq_len", (g.randn(7, 4, 16), kc, vc, bt, sl), {"cu_seqlens_q": g.ints([0, 6, 7])}, match=_value("cu_seqlens_q", "at most seq_lens[0] = 5 query tokens for sequence 0 (its last tokens), got 6"), value_check=True),
+    ]  # fmt: skip
+
+
+def _bad_sinks(g: Gen, args: tuple, hq: int, other: str) -> list[BadInput]:
+    """Attention sinks: float32 [hq] on the query's device, contiguous."""
+    dev = args[0].device
+    return [
+        BadInput("sinks shape", args, {"sinks": g.randn(hq + 1)}, match=_arg("sinks", f"size {hq} at dim 0 (the query heads of 'query')")),
+        BadInput("2-d sinks", args, {"sinks": g.randn(1, hq)}, match=_arg("sinks", "1 dimensions")),
+        BadInput("sinks dtype", args, {"sinks": g.randn(hq).bfloat16()}, match=_arg("sinks", "dtype float32")),
+        BadInput("sinks device", args, {"sinks": g.randn(hq).to(other)}, match=_arg("sinks", f"device {dev} (the device of 'query')")),
+        BadInput("strided sinks", args, {"sinks": g.randn(2 * hq)[::2]}, match=_arg("sinks", CONTIG)),
     ]  # fmt: skip
 
 
@@ -411,7 +425,12 @@ def _special_attention(g: Gen) -> list[Special]:
         Special("-inf mask row: zeros", (q, k, v), {"mask": mask}, finite=True),
         Special("no queries", (q[:, :0], k, v), {"causal": True}),
         Special("no keys: zeros", (q, k[:, :0], v[:, :0])),
-    ]
+        Special("sinks, no keys: zeros", (q, k[:, :0], v[:, :0]), {"sinks": g.randn(2)}),
+        Special("sinks, window 0", (q, k, v), {"causal": True, "window_left": 0, "sinks": g.randn(2)}, finite=True),
+        Special("nan sink: its head", (q, k, v), {"causal": True, "sinks": _put(g.randn(2), (1,), NAN)}),
+        Special("-inf sink: none", (q, k, v), {"sinks": torch.full((2,), -INF, device=q.device)}, finite=True),
+        Special("nan sink, -inf mask row: zeros there", (q, k, v), {"mask": mask, "sinks": _put(g.randn(2), (0,), NAN)}),
+    ]  # fmt: skip
 
 
 def _special_paged(g: Gen) -> list[Special]:
@@ -430,7 +449,10 @@ def _special_paged(g: Gen) -> list[Special]:
         Special("int8: nan query", (_put(q, (1, 0, 3), NAN), kq, vq, bt, sl), s8),
         Special("nan query", (_put(q, (1, 0, 3), NAN), kc, vc, bt, sl)),
         Special("no sequences", (q[:0], kc, vc, bt[:0], sl[:0])),
-    ]
+        Special("sinks, seq_len 0: zeros", (q, kc, vc, bt, sl * 0), {"sinks": _put(g.randn(2), (1,), NAN)}, finite=True),
+        Special("nan sink: its head", (q, kc, vc, bt, sl), {"sinks": _put(g.randn(2), (0,), NAN)}),
+        Special("large sinks", (q, kn, vn, bt, sl), {"sinks": torch.full((2,), 80.0, device=q.device)}, finite=True),
+    ]  # fmt: skip
 
 
 def _special_cache(g: Gen) -> list[Special]:

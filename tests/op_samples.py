@@ -203,6 +203,8 @@ def _attention(g: Gen) -> list[Sample]:
         tk, tv = (g.randn(2, 2, 7, 16, dtype=dt).transpose(1, 2) for _ in range(2))
         kw = {"window_left": 3, "softcap": 5.0, "scale": 0.3}
         out.append(Sample(f"{dt} transposed window softcap", (tq, tk, tv), kw, dtype=dt))
+        sinks = g.randn(4)
+        out.append(Sample(f"{dt} sinks", (q, k, v), {"causal": True, "sinks": sinks}, dtype=dt))
         mask = torch.rand(2, 1, 9, 12, generator=g.g).to(g.device) > 0.3
         out.append(Sample(f"{dt} bool mask", (q, k, v), {"mask": mask}, dtype=dt))
         lens = [5, 0, 6]
@@ -229,6 +231,8 @@ def _paged_attention(g: Gen) -> list[Sample]:
         out.append(Sample(f"{dt} decode", (q, kc, vc, bt, sl), dtype=dt))
         kw = {"window_left": 6, "softcap": 10.0, "scale": 0.2}
         out.append(Sample(f"{dt} window softcap", (q, kc, vc, bt, sl), kw, dtype=dt))
+        sk = {"sinks": g.randn(4), "window_left": 6}
+        out.append(Sample(f"{dt} sinks", (q, kc, vc, bt, sl), sk, dtype=dt))
         rq = g.randn(2 + 17 + 0, 4, 20, dtype=dt)  # ragged: 2 and 17 new tokens
         out.append(
             Sample(

@@ -14,6 +14,17 @@ from torch_topg import reference
 LENGTHS = st.sampled_from([1, 2, 17, 63, 64, 65, 100, 129])
 HEADS = st.sampled_from([(1, 1), (2, 2), (4, 2), (8, 2), (6, 1), (4, 4)])  # (Hq, Hkv)
 HEAD_DIMS = st.sampled_from([32, 64, 80, 128, 20])
+#: attention sinks: none, around the scores, or large enough to take most of the mass
+SINKS = st.sampled_from(["none", "none", "randn", "large"])
+
+
+def _sinks(kind: str, hq: int) -> torch.Tensor | None:
+    """float32 [hq] sinks of a kind (see SINKS); one head's is -inf (no effect)."""
+    if kind == "none":
+        return None
+    s = torch.randn(hq) * 2 if kind == "randn" else torch.full((hq,), 6.0)
+    s[0] = float("-inf")
+    return s
 
 
 def _qkv(b, sq, sk, hq, hkv, d, dtype, transposed=False):
@@ -42,16 +53,20 @@ def _qkv(b, sq, sk, hq, hkv, d, dtype, transposed=False):
     softcap=st.sampled_from([0.0, 0.0, 5.0]),
     scale=st.sampled_from([None, 0.3]),
     transposed=st.booleans(),
+    sinks=SINKS,
 )
-@example(1, 65, 0, (8, 2), 128, torch.bfloat16, True, -1, 0.0, None, True)
-@example(2, 17, 40, (4, 1), 80, torch.float16, True, 7, 5.0, 0.3, False)
-@example(1, 1, 0, (2, 2), 64, torch.float32, False, -1, 0.0, None, False)
-@example(1, 129, 0, (6, 1), 32, torch.float32, True, 0, 0.0, None, False)
-def test_attention(b, sq, extra_k, heads, d, dtype, causal, window, softcap, scale, transposed):
+@example(1, 65, 0, (8, 2), 128, torch.bfloat16, True, -1, 0.0, None, True, "none")
+@example(2, 17, 40, (4, 1), 80, torch.float16, True, 7, 5.0, 0.3, False, "randn")
+@example(1, 1, 0, (2, 2), 64, torch.float32, False, -1, 0.0, None, False, "large")
+@example(1, 129, 0, (6, 1), 32, torch.float32, True, 0, 0.0, None, False, "randn")
+def test_attention(
+    b, sq, extra_k, heads, d, dtype, causal, window, softcap, scale, transposed, sinks
+):
     hq, hkv = heads
     sk = sq + extra_k
     q, k, v = _qkv(b, sq, sk, hq, hkv, d, dtype, transposed)
-    kw = dict(causal=causal, window_left=window, softcap=softcap, scale=scale)
+    kw = dict(causal=causal, window_left=window, softcap=softcap, scale=scale,
+              sinks=_sinks(sinks, hq))  # fmt: skip
     out = torch_topg.ops.attention(q, k, v, **kw)
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == dtype
     assert_close(out, reference.attention(q, k, v, **kw))
@@ -75,9 +90,11 @@ def test_attention_causal_more_queries_than_keys():
     causal=st.booleans(),
     window=st.sampled_from([-1, 9]),
     separate_k=st.booleans(),
+    sinks=SINKS,
 )
-@example([1, 65, 17], [0, 5, 0, 0], (8, 2), torch.bfloat16, True, -1, True)
-def test_attention_ragged(lengths, extra, heads, dtype, causal, window, separate_k):
+@example([1, 65, 17], [0, 5, 0, 0], (8, 2), torch.bfloat16, True, -1, True, "none")
+@example([0, 65, 17], [0, 5, 0, 0], (8, 2), torch.float32, True, 9, True, "randn")
+def test_attention_ragged(lengths, extra, heads, dtype, causal, window, separate_k, sinks):
     hq, hkv = heads
     d = 64
     lk = [n + e for n, e in zip(lengths, extra, strict=False)] if separate_k else lengths
@@ -91,6 +108,7 @@ def test_attention_ragged(lengths, extra, heads, dtype, causal, window, separate
         cu_seqlens_k=cu_k if separate_k else None,
         causal=causal,
         window_left=window,
+        sinks=_sinks(sinks, hq),
     )
     assert_close(torch_topg.ops.attention(q, k, v, **kw), reference.attention(q, k, v, **kw))
 
@@ -141,6 +159,30 @@ def test_attention_opcheck():
     torch.library.opcheck(op, (q, k, v), {"mask": torch.rand(2, 1, 9, 12) > 0.5})
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     torch.library.opcheck(op, (q[0], k[0, :9], v[0, :9]), {"cu_seqlens_q": cu, "causal": True})
+    torch.library.opcheck(op, (q, k, v), {"causal": True, "sinks": torch.randn(4)})
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_sinks_reference_is_transformers_gpt_oss_attention(sliding_window):
+    """The reference's sink term is the one transformers' GPT-OSS eager attention computes
+    (the sink joins the softmax as a column and is dropped), and the kernel agrees."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    torch.manual_seed(0)
+    b, s, hq, hkv, d = 2, 11, 4, 2, 16
+    q, k, v = (torch.randn(b, h, s, d) for h in (hq, hkv, hkv))  # [B, H, S, D]
+    mod = torch.nn.Module()
+    mod.sinks, mod.num_key_value_groups, mod.training = torch.randn(hq) * 2, hq // hkv, False
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    visible = j <= i
+    if sliding_window:
+        visible &= j > i - sliding_window
+    mask = torch.zeros(s, s).masked_fill(~visible, float("-inf"))[None, None]
+    want, _ = gpt_oss.eager_attention_forward(mod, q, k, v, mask, scaling=0.3)  # [B, S, H, D]
+    kw = dict(causal=True, scale=0.3, sinks=mod.sinks)
+    kw["window_left"] = sliding_window - 1 if sliding_window else -1
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    assert_close(reference.attention(qt, kt, vt, **kw), want)
+    assert_close(torch_topg.ops.attention(qt, kt, vt, **kw), want)
 
 
 _Q, _K = torch.randn(1, 4, 4, 16), torch.randn(1, 4, 2, 16)

@@ -319,6 +319,16 @@ def test_lower_refuses_int8_kv_and_names_it():
         lower(r.model, r.kv_caches, block_size=4, max_positions=16)
 
 
+def test_lower_refuses_attention_sinks():
+    """The plan's attention has no sink term: a model with sinks stays on the graph."""
+    r = ModelRunner(tiny("llama-tiny"), num_blocks=8, block_size=4, max_blocks_per_seq=4,
+                    compile=False)  # fmt: skip
+    heads = r.model.config.num_attention_heads
+    r.model.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(heads))
+    with pytest.raises(Unsupported, match=r"layers\.1\.self_attn\.sinks \(attention sinks\)"):
+        lower(r.model, r.kv_caches, block_size=4, max_positions=16)
+
+
 def test_thread_count_changes_and_profile(monkeypatch):
     monkeypatch.setenv("TOPG_PROFILE", "1")
     r = _runner("llama-tiny", torch.float32)

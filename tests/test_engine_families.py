@@ -15,7 +15,7 @@ import transformers
 from engine_utils import hf_greedy, whole_pool
 
 from torch_topg.engine import Engine
-from torch_topg.engine.families import UnsupportedModel, check_config
+from torch_topg.engine.families import UnsupportedModel, check_config, check_supported
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -41,6 +41,9 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),  # MoE, QK-norm
     "starcoder2": ("Starcoder2Config", {}),  # biases, LayerNorm, GELU MLP
     "glm4": ("Glm4Config", dict(head_dim=16)),  # fused gate/up, extra norms
+    # attention sinks, alternating sliding / full layers, MoE with biased clamped-SwiGLU
+    # experts (not fused_moe's: they run their own code), YaRN rotary
+    "gpt_oss": ("GptOssConfig", dict(WINDOWED, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 
@@ -54,7 +57,15 @@ def family_model(kind: str) -> torch.nn.Module:
     cls, extra = FAMILIES[kind]
     config = getattr(transformers, cls)(**{**BASE, **extra})
     config._attn_implementation = "eager" if "layer_types" in extra else "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # sinks large enough to decide tokens (initialised near 0)
+        for sinks in _sink_params(model):
+            sinks.normal_(0.0, 3.0)
+    return model
+
+
+def _sink_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [m.sinks for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)]
 
 
 def test_no_module_names_these_families():
@@ -85,12 +96,24 @@ def _config_folder(tmp_path: pathlib.Path, config) -> pathlib.Path:
     return tmp_path
 
 
-def test_attention_sinks_are_refused_before_loading(tmp_path):
-    config = transformers.GptOssConfig(**{**BASE, **WINDOWED}, num_local_experts=4,
-                                       num_experts_per_tok=2)  # fmt: skip
-    with pytest.raises(UnsupportedModel, match="attention sinks") as e:
+def test_refused_before_loading(tmp_path):
+    config = transformers.CONFIG_MAPPING["falcon"]()
+    with pytest.raises(UnsupportedModel, match="attention outside") as e:
         Engine.from_pretrained(str(_config_folder(tmp_path, config)))
-    assert e.value.feature == "attention sinks" and e.value.param == "model"
+    assert e.value.param == "model"
+
+
+def test_attention_sinks_decide_the_tokens():
+    """The sinks of the GPT-OSS config above change its greedy tokens, so the family test
+    fails if the engine drops them; and the engine's probe accepts the family."""
+    model = family_model("gpt_oss")
+    check_supported(model.config)
+    p = list(range(3, 23))
+    want = hf_greedy(model, p, 10)
+    with torch.no_grad():
+        for sinks in _sink_params(model):
+            sinks.fill_(float("-inf"))  # a sink of -inf weighs nothing
+    assert hf_greedy(model, p, 10) != want
 
 
 @pytest.mark.parametrize(
@@ -109,12 +132,23 @@ def test_unsupported_features_are_named(kind, overrides, feature):
         check_config(config)
 
 
-def test_sink_kwarg_is_never_ignored():
-    """The attention function raises on a sink term instead of leaving it out."""
+def test_sink_kwarg_reaches_the_kernel():
+    """transformers' ``s_aux`` (in the model's dtype) becomes paged_attention's ``sinks``."""
+    from torch_topg import reference
     from torch_topg.engine.attention import paged_attention_forward
 
-    q = torch.zeros(1, 4, 1, 16)
+    torch.manual_seed(0)
+    hq, hkv, d, t = 4, 2, 16, 3
+    q, k, v = torch.randn(1, hq, t, d), torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)
+    kc, vc = torch.zeros(2, 4, hkv, d), torch.zeros(2, 4, hkv, d)
     mod = torch.nn.Module()
     mod.layer_idx = 0
-    with pytest.raises(NotImplementedError, match="sink"):
-        paged_attention_forward(mod, q, q, q, None, topg_kv_caches=[q, q], s_aux=torch.zeros(4))
+    meta = dict(topg_kv_caches=[kc, vc], topg_slot_mapping=torch.arange(t),
+                topg_block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+                topg_seq_lens=torch.tensor([t], dtype=torch.int32),
+                topg_cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32))  # fmt: skip
+    s_aux = torch.randn(hq, dtype=torch.bfloat16) * 3
+    out, _ = paged_attention_forward(mod, q, k, v, None, scaling=0.25, s_aux=s_aux, **meta)
+    want = reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               causal=True, scale=0.25, sinks=s_aux.float())  # fmt: skip
+    torch.testing.assert_close(out, want)

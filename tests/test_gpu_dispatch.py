@@ -350,6 +350,7 @@ def test_sdpa_candidates_say_what_they_cannot_take():
     q, kv = torch.randn(1, 4, 8, 64, dtype=bf), torch.randn(1, 6, 2, 64, dtype=bf)
     cases = {
         "softcap": {"softcap": 30.0},
+        "attention sinks": {"sinks": torch.zeros(8)},
         "sliding window": {"window_left": 3},
         "mask": {"mask": torch.ones(4, 6, dtype=torch.bool)},
         "causal with Sq != Sk": {"causal": True},

@@ -14,6 +14,18 @@ from hypothesis import strategies as st
 import torch_topg
 from torch_topg import reference
 
+#: attention sinks: none, around the scores, or large enough to take most of the mass
+SINKS = st.sampled_from(["none", "none", "randn", "large"])
+
+
+def _sinks(kind: str, hq: int) -> torch.Tensor | None:
+    """float32 [hq] sinks of a kind (see SINKS); one head's is -inf (no effect)."""
+    if kind == "none":
+        return None
+    s = torch.randn(hq) * 2 if kind == "randn" else torch.full((hq,), 6.0)
+    s[0] = float("-inf")
+    return s
+
 
 def _paged(lens, hq, hkv, d, block_size, dtype, spare_blocks=3):
     """Random caches with shuffled (non-contiguous) block tables for sequences `lens`."""
@@ -38,15 +50,17 @@ def _paged(lens, hq, hkv, d, block_size, dtype, spare_blocks=3):
     window=st.sampled_from([-1, -1, 0, 10, 200]),
     softcap=st.sampled_from([0.0, 0.0, 10.0]),
     scale=st.sampled_from([None, 0.2]),
+    sinks=SINKS,
 )
-@example([1, 16, 700], (32, 8), 128, 16, torch.bfloat16, -1, 0.0, None)
-@example([2048], (8, 2), 64, 16, torch.float32, -1, 0.0, None)  # split into partitions
-@example([33, 0, 64], (6, 1), 80, 32, torch.float16, 10, 10.0, 0.2)
-@example([5, 1], (4, 2), 20, 1, torch.float32, 200, 0.0, None)
-def test_paged_attention(lens, heads, d, block_size, dtype, window, softcap, scale):
+@example([1, 16, 700], (32, 8), 128, 16, torch.bfloat16, -1, 0.0, None, "none")
+@example([2048], (8, 2), 64, 16, torch.float32, -1, 0.0, None, "none")  # split into partitions
+@example([2048, 3], (8, 2), 64, 16, torch.float32, -1, 0.0, None, "randn")  # sinks, partitions
+@example([33, 0, 64], (6, 1), 80, 32, torch.float16, 10, 10.0, 0.2, "large")
+@example([5, 1], (4, 2), 20, 1, torch.float32, 200, 0.0, None, "none")
+def test_paged_attention(lens, heads, d, block_size, dtype, window, softcap, scale, sinks):
     hq, hkv = heads
     q, kc, vc, bt, sl = _paged(lens, hq, hkv, d, block_size, dtype)
-    kw = dict(scale=scale, window_left=window, softcap=softcap)
+    kw = dict(scale=scale, window_left=window, softcap=softcap, sinks=_sinks(sinks, hq))
     out = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, reference.paged_attention(q, kc, vc, bt, sl, **kw))
@@ -94,17 +108,20 @@ def _q_len(n: int, kind: str) -> int:
     window=st.sampled_from([-1, -1, 0, 10, 200]),
     softcap=st.sampled_from([0.0, 0.0, 10.0]),
     scale=st.sampled_from([None, 0.2]),
+    sinks=SINKS,
 )
-@example([(700, "all"), (17, "few"), (0, "zero")], (32, 8), 128, 16, torch.bfloat16, -1, 0.0, None)
-@example([(300, "few"), (16, "all"), (1, "one")], (6, 1), 80, 32, torch.float16, 10, 10.0, 0.2)
-@example([(100, "zero"), (15, "all")], (4, 2), 20, 1, torch.float32, 200, 0.0, None)
-def test_paged_attention_ragged(seqs, heads, d, block_size, dtype, window, softcap, scale):
+@example([(700, "all"), (17, "few"), (0, "zero")], (32, 8), 128, 16, torch.bfloat16, -1, 0.0, None, "none")  # fmt: skip
+@example([(700, "all"), (17, "few"), (0, "zero")], (32, 8), 128, 16, torch.float32, -1, 0.0, None, "randn")  # fmt: skip
+@example([(300, "few"), (16, "all"), (1, "one")], (6, 1), 80, 32, torch.float16, 10, 10.0, 0.2, "large")  # fmt: skip
+@example([(100, "zero"), (15, "all")], (4, 2), 20, 1, torch.float32, 200, 0.0, None, "none")
+def test_paged_attention_ragged(seqs, heads, d, block_size, dtype, window, softcap, scale, sinks):
     hq, hkv = heads
     lens = [n for n, _ in seqs]
     q_lens = [_q_len(n, kind) for n, kind in seqs]
     _, kc, vc, bt, sl = _paged(lens, hq, hkv, d, block_size, dtype)
     q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
-    kw = dict(cu_seqlens_q=_cu(q_lens), scale=scale, window_left=window, softcap=softcap)
+    kw = dict(cu_seqlens_q=_cu(q_lens), scale=scale, window_left=window, softcap=softcap,
+              sinks=_sinks(sinks, hq))  # fmt: skip
     out = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, reference.paged_attention(q, kc, vc, bt, sl, **kw))
@@ -115,15 +132,15 @@ def test_paged_attention_ragged_one_token_each_is_decode():
     # All q_len == 1: the ragged form is the plain form, bitwise. (A plain query of a
     # sequence with seq_len 0 gives zeros; in the ragged form q_len 1 > 0 is an error.)
     q, kc, vc, bt, sl = _paged([1, 700, 33, 2, 2100], 8, 2, 64, 16, torch.bfloat16)
-    for kw in ({}, {"window_left": 50, "softcap": 5.0}):
+    for kw in ({}, {"window_left": 50, "softcap": 5.0}, {"sinks": _sinks("randn", 8)}):
         plain = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
         ragged = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=_cu([1] * 5), **kw)
         assert torch.equal(plain, ragged)
 
 
 @requires_kernel("paged_attention")
-@pytest.mark.parametrize("window", [-1, 40])
-def test_paged_attention_prefill_chunk_matches_causal_attention(window):
+@pytest.mark.parametrize(("window", "sinks"), [(-1, "none"), (40, "none"), (40, "randn")])
+def test_paged_attention_prefill_chunk_matches_causal_attention(window, sinks):
     # A chunk of the last 50 tokens over 300 cached ones == the last 50 rows of causal
     # prefill attention over the gathered K/V; the whole prompt (q_len == seq_len) too.
     n, hq, hkv, d = 300, 8, 2, 64
@@ -131,10 +148,11 @@ def test_paged_attention_prefill_chunk_matches_causal_attention(window):
     k = kc[bt[0].long()].flatten(0, 1)[:n]
     v = vc[bt[0].long()].flatten(0, 1)[:n]
     full_q = torch.randn(1, n, hq, d)
-    prefill = torch_topg.ops.attention(full_q, k[None], v[None], causal=True, window_left=window)
-    for chunk in (50, n):
+    kw = dict(window_left=window, sinks=_sinks(sinks, hq))
+    prefill = torch_topg.ops.attention(full_q, k[None], v[None], causal=True, **kw)
+    for chunk in (50, n):  # 50: the dense kernel's rows (paged_kernels.h kDenseRows)
         out = torch_topg.ops.paged_attention(
-            full_q[0, n - chunk :], kc, vc, bt, sl, cu_seqlens_q=_cu([chunk]), window_left=window
+            full_q[0, n - chunk :], kc, vc, bt, sl, cu_seqlens_q=_cu([chunk]), **kw
         )
         assert_close(out, prefill[0, n - chunk :])
 
@@ -148,7 +166,7 @@ def test_paged_attention_batch_invariant(dtype):
     hq, hkv, d, bs = 8, 2, 64, 16
     mates = [5, 3000, 129, 700, 1, 2048]
     q, kc, vc, bt, sl = _paged([1500, *mates], hq, hkv, d, bs, dtype)
-    for kw in ({}, {"window_left": 600}, {"softcap": 20.0}):
+    for kw in ({}, {"window_left": 600}, {"softcap": 20.0}, {"sinks": _sinks("randn", hq)}):
         batch = torch_topg.ops.paged_attention(q, kc, vc, bt, sl, **kw)
         alone = torch_topg.ops.paged_attention(q[:1], kc, vc, bt[:1], sl[:1], **kw)
         assert torch.equal(batch[:1], alone)
@@ -417,7 +435,8 @@ def test_reshape_and_cache_bad_slot_mapping():
 _AVX2_PAGED = """
 import sys, torch, torch_topg
 cases = torch.load(sys.argv[1])
-torch.save([torch_topg.ops.paged_attention(*a, cu_seqlens_q=cu) for a, cu in cases], sys.argv[2])
+torch.save([torch_topg.ops.paged_attention(*a, cu_seqlens_q=cu, sinks=s) for a, cu, s in cases],
+           sys.argv[2])
 """
 
 
@@ -426,7 +445,8 @@ def test_bf16_dot_path_and_avx2_path_match_the_reference(tmp_path):
     """bf16 caches with a head dim that is a multiple of 32 take the AVX-512 BF16 path
     (paged_bf16dp.h) on CPUs that have it, the AVX2 path elsewhere. The AVX2 path runs in a
     subprocess with TOPG_DISABLE_AVX512=1; both are compared with the reference (decode and
-    ragged rows, odd key counts, every head-group width), and with each other."""
+    ragged rows, odd key counts, every head-group width, with and without sinks), and with
+    each other."""
     import os
     import subprocess
     import sys
@@ -441,12 +461,13 @@ def test_bf16_dot_path_and_avx2_path_match_the_reference(tmp_path):
         ([3, 64], (6, 1), 96),
     ]:
         q, kc, vc, bt, sl = _paged(lens, hq, hkv, d, 16, torch.bfloat16)
-        cases.append(((q, kc, vc, bt, sl), None))
         q_lens = [min(n, 4) for n in lens]
         qr = torch.randn(sum(q_lens), hq, d, dtype=torch.bfloat16)
-        cases.append(((qr, kc, vc, bt, sl), _cu(q_lens)))
-    for (q, kc, vc, bt, sl), cu in cases:
-        refs.append(reference.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu))
+        for sinks in (None, _sinks("randn", hq)):
+            cases.append(((q, kc, vc, bt, sl), None, sinks))
+            cases.append(((qr, kc, vc, bt, sl), _cu(q_lens), sinks))
+    for (q, kc, vc, bt, sl), cu, sinks in cases:
+        refs.append(reference.paged_attention(q, kc, vc, bt, sl, cu_seqlens_q=cu, sinks=sinks))
     inp, out, script = tmp_path / "in.pt", tmp_path / "out.pt", tmp_path / "avx2.py"
     torch.save(cases, inp)
     script.write_text(_AVX2_PAGED)
@@ -454,8 +475,8 @@ def test_bf16_dot_path_and_avx2_path_match_the_reference(tmp_path):
     subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
                    cwd=tmp_path, timeout=300)  # fmt: skip
     avx2 = torch.load(out, weights_only=False)
-    for (args, cu), ref, theirs in zip(cases, refs, avx2, strict=True):
-        ours = torch_topg.ops.paged_attention(*args, cu_seqlens_q=cu)
+    for (args, cu, sinks), ref, theirs in zip(cases, refs, avx2, strict=True):
+        ours = torch_topg.ops.paged_attention(*args, cu_seqlens_q=cu, sinks=sinks)
         assert_close(ours, ref)
         assert_close(theirs, ref)
         assert_close(ours, theirs)

@@ -55,6 +55,15 @@ def T(a) -> torch.Tensor:  # type: ignore[no-untyped-def]
     return to_torch(a)
 
 
+def _sinks(with_sinks: bool, hq: int) -> torch.Tensor | None:
+    """float32 [hq] attention sinks (one -inf: no sink for that head), or None."""
+    if not with_sinks:
+        return None
+    s = torch.randn(hq) * 2
+    s[0] = float("-inf")
+    return s
+
+
 # --- norms ---------------------------------------------------------------------------
 @_examples(3)
 @given(
@@ -98,20 +107,23 @@ def test_rms_norm(rows, hidden, dtype, block_rows, fused):
     softcap=st.sampled_from([0.0, 0.0, 5.0]),
     scale=st.sampled_from([None, 0.3]),
     blocks=st.sampled_from([(8, 8), (16, 8), (8, 16), (128, 128)]),
+    sinks=st.booleans(),
 )
-@example(1, 23, 17, (4, 2), 20, torch.float32, True, 6, 5.0, 0.3, (8, 16))  # partial blocks
-@example(2, 16, 0, (2, 2), 32, torch.bfloat16, True, -1, 0.0, None, (8, 8))  # blocks divide
-@example(1, 7, 5, (3, 1), 16, torch.float32, False, 0, 0.0, None, (8, 8))
-def test_attention(b, sq, extra_k, heads, d, dtype, causal, window, softcap, scale, blocks):
+@example(1, 23, 17, (4, 2), 20, torch.float32, True, 6, 5.0, 0.3, (8, 16), True)  # partial blocks
+@example(2, 16, 0, (2, 2), 32, torch.bfloat16, True, -1, 0.0, None, (8, 8), False)  # blocks divide
+@example(1, 7, 5, (3, 1), 16, torch.float32, False, 0, 0.0, None, (8, 8), False)
+def test_attention(b, sq, extra_k, heads, d, dtype, causal, window, softcap, scale, blocks, sinks):
     hq, hkv = heads
     sk = sq + extra_k
     q = torch.randn(b, sq, hq, d, dtype=dtype)
     k = torch.randn(b, sk, hkv, d, dtype=dtype)
     v = torch.randn(b, sk, hkv, d, dtype=dtype)
     kw = dict(causal=causal, window_left=window, softcap=softcap, scale=scale)
-    out = _jit(A.attention, block_q=blocks[0], block_k=blocks[1], **kw)(J(q), J(k), J(v))
+    sk_ = _sinks(sinks, hq)
+    fn = _jit(A.attention, block_q=blocks[0], block_k=blocks[1], **kw)
+    out = fn(J(q), J(k), J(v), sinks=J(sk_))
     assert out.shape == q.shape and T(out).dtype == dtype
-    assert_close(T(out), reference.attention(q, k, v, **kw))
+    assert_close(T(out), reference.attention(q, k, v, sinks=sk_, **kw))
 
 
 def test_attention_more_queries_than_keys():
@@ -143,17 +155,21 @@ def _paged(lens, hq, hkv, d, page, dtype):  # type: ignore[no-untyped-def]
     softcap=st.sampled_from([0.0, 0.0, 5.0]),
     scale=st.sampled_from([None, 0.3]),
     pages_per_step=st.sampled_from([None, 1, 3]),
+    sinks=st.booleans(),
 )
-@example([17, 0, 40], (4, 2), 20, 4, torch.float32, 9, 5.0, 0.3, 3)  # 3 does not divide pages
-@example([16, 1], (8, 1), 32, 16, torch.bfloat16, -1, 0.0, None, None)
-@example([40], (2, 2), 16, 1, torch.float32, 0, 0.0, None, None)  # page size 1
-def test_paged_attention(lens, heads, d, page, dtype, window, softcap, scale, pages_per_step):
+@example([17, 0, 40], (4, 2), 20, 4, torch.float32, 9, 5.0, 0.3, 3, True)  # 3 does not divide pages
+@example([16, 1], (8, 1), 32, 16, torch.bfloat16, -1, 0.0, None, None, False)
+@example([40], (2, 2), 16, 1, torch.float32, 0, 0.0, None, None, False)  # page size 1
+def test_paged_attention(
+    lens, heads, d, page, dtype, window, softcap, scale, pages_per_step, sinks
+):
     q, kc, vc, bt, sl = _paged(lens, heads[0], heads[1], d, page, dtype)
     kw = dict(scale=scale, window_left=window, softcap=softcap)
+    sk_ = _sinks(sinks, heads[0])
     fn = _jit(P.paged_attention, pages_per_step=pages_per_step, **kw)
-    out = T(fn(J(q), J(kc), J(vc), J(bt), J(sl)))
+    out = T(fn(J(q), J(kc), J(vc), J(bt), J(sl), sinks=J(sk_)))
     assert out.shape == q.shape and out.dtype == dtype
-    assert_close(out, reference.paged_attention(q, kc, vc, bt, sl, **kw))
+    assert_close(out, reference.paged_attention(q, kc, vc, bt, sl, sinks=sk_, **kw))
     for s, n in enumerate(lens):
         if n == 0:
             assert torch.equal(out[s], torch.zeros_like(out[s]))

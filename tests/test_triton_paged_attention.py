@@ -244,6 +244,10 @@ def test_supports_reasons():
     kbig = torch.randn(*kc.shape[:3], 300, device=DEVICE)
     assert tpa.supports(big, kbig, kbig, bt, sl) == "head_dim 300 > 256"
     assert tpa.supports(q, kc.half(), vc.half(), bt, sl) == "key_cache dtype float16"
+    sinks = torch.zeros(4, device=DEVICE)
+    assert "attention sinks" in tpa.supports(q, kc, vc, bt, sl, sinks=sinks)
+    with pytest.raises(RuntimeError, match="cannot take this call: attention sinks"):
+        tpa.paged_attention(q, kc, vc, bt, sl, sinks=sinks)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the kernels are compiled for CUDA here")

@@ -294,6 +294,16 @@ inline PagedSizes paged_attention(const at::Tensor& q, const at::Tensor& kc, con
   return s;
 }
 
+// Attention sinks (attention, paged_attention): None, or contiguous float32 [hq] on the
+// query's device. Returns the pointer the kernels read (null: no sink).
+inline const float* sinks(const char* op, const std::optional<at::Tensor>& sinks,
+                          const at::Tensor& q, int64_t hq) {
+  if (!sinks.has_value()) return nullptr;
+  Arg(op, "sinks", *sinks).dim(1).dtype(at::kFloat).same_device(q, "query");
+  Arg(op, "sinks", *sinks).size(0, hq, "the query heads of 'query'").contiguous();
+  return sinks->const_data_ptr<float>();
+}
+
 // ---------------------------------------------------------------- attention (prefill)
 struct AttentionSizes {
   bool ragged = false;

@@ -34,10 +34,12 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
                          const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
                          std::optional<double> scale, int64_t window_left, double softcap,
                          const std::optional<at::Tensor>& mask, std::optional<int64_t> max_seqlen_q,
-                         std::optional<int64_t> max_seqlen_k) {
+                         std::optional<int64_t> max_seqlen_k,
+                         const std::optional<at::Tensor>& sinks) {
   const checks::AttentionSizes sz =
       checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k, window_left, softcap, mask,
                         max_seqlen_q, max_seqlen_k, at::kCPU);
+  const float* sink_ptr = checks::sinks(OP, sinks, query, sz.hq);
   const bool ragged = sz.ragged;
 
   // Per-sequence offsets (elements) and lengths; token / head strides are shared.
@@ -85,6 +87,7 @@ at::Tensor attention_cpu(const at::Tensor& query, const at::Tensor& key, const a
     a.hq = hq, a.hkv = hkv, a.d = d;
     a.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
     a.softcap = float(softcap), a.causal = causal, a.window = window_left;
+    a.sinks = sink_ptr;
     if (mask_f.defined()) {
       a.mask = mask_f.const_data_ptr<float>();
       a.m_sb = mask_f.stride(0), a.m_sh = mask_f.stride(1);

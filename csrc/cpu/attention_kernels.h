@@ -56,6 +56,7 @@ struct PrefillArgs {
   int64_t window;               // -1 = unlimited
   const float* mask = nullptr;  // additive fp32, strides for [B, Hq, Sq, Sk] (0 = broadcast)
   int64_t m_sb = 0, m_sh = 0, m_si = 0, m_sj = 0;
+  const float* sinks = nullptr;  // [hq] attention sinks: a logit per head with no value
 
   // Visible keys of query position i: [lo(i), hi(i)] (may be empty).
   int64_t hi(int64_t b, int64_t i) const {
@@ -377,12 +378,19 @@ void prefill_block(const PrefillArgs<T>& a, int64_t b, int64_t kvh, int64_t i0, 
     }
   }
 
-  // out = O / l (zeros for rows that saw no key), rounded once to T.
+  // out = O / l (zeros for rows that saw no key), rounded once to T. A sink joins the
+  // softmax here: O / (l e^(m - M) + e^(sink - M)) e^(m - M), M = max(m, sink).
   for (int64_t r = 0; r < M; ++r) {
     const int64_t i = i0 + r / G, h = kvh * G + r % G;
     T* dst = a.out + a.o_off[b] + i * a.o_ss + h * a.o_sh;
     const float* src = ws.o.data() + r * dp;
-    const float l = ws.l[r], inv = std::isnan(l) ? l : l > 0.f ? 1.f / l : 0.f;
+    const float l = ws.l[r];
+    float inv = std::isnan(l) ? l : l > 0.f ? 1.f / l : 0.f;
+    if (a.sinks && l > 0.f) {  // a NaN sink makes the row NaN (std::max keeps m, exp does not)
+      const float sink = a.sinks[h], mx = std::max(ws.m[r], sink);
+      const float f = std::exp(ws.m[r] - mx);
+      inv = f / (l * f + std::exp(sink - mx));
+    }
     int64_t e = 0;
     for (; e + 8 <= d; e += 8) (Vec8::load(src + e) * Vec8(inv)).store(dst + e);
     for (; e < d; ++e) dst[e] = from_float<T>(src[e] * inv);

@@ -35,7 +35,7 @@ template <typename T>
 void dense_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const int32_t* bt, int64_t bt_ss, const int32_t* lens, const int32_t* cu,
                 const std::vector<int64_t>& dense, at::Tensor& out, const checks::PagedSizes& sz,
-                float scale, int64_t window_left, float softcap) {
+                float scale, int64_t window_left, float softcap, const float* sinks) {
   const int64_t hkv = sz.hkv, d = sz.head_dim, bs = sz.block_size, row = hkv * d;
   const int64_t nd = int64_t(dense.size());
   std::vector<int64_t> q_off(nd), k_off(nd), o_off(nd), sq(nd), sk(nd);
@@ -72,6 +72,7 @@ void dense_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::
   a.o_off = o_off.data(), a.sq = sq.data(), a.sk = sk.data();
   a.hq = sz.hq, a.hkv = hkv, a.d = d, a.scale = scale, a.softcap = softcap;
   a.causal = true, a.window = window_left;  // bottom-right aligned, as the paged rows
+  a.sinks = sinks;
   attn::run_prefill(a, nd);
 }
 
@@ -81,10 +82,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
                                const std::optional<at::Tensor>& cu_seqlens_q_,
                                std::optional<double> scale, int64_t window_left, double softcap,
                                const std::optional<at::Tensor>& key_scale,
-                               const std::optional<at::Tensor>& value_scale) {
+                               const std::optional<at::Tensor>& value_scale,
+                               const std::optional<at::Tensor>& sinks_) {
   const checks::PagedSizes sz = checks::paged_attention(
       query, key_cache, value_cache, block_tables_, seq_lens_, cu_seqlens_q_, window_left, softcap,
       key_scale, value_scale, at::kCPU);
+  const float* sinks = checks::sinks(OP, sinks_, query, sz.hq);
   const at::Tensor block_tables = block_tables_.contiguous(), seq_lens = seq_lens_.contiguous();
   const bool ragged = sz.ragged;
   const at::Tensor cu_seqlens_q = ragged ? cu_seqlens_q_->contiguous() : at::Tensor();
@@ -193,7 +196,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
         for (int64_t r = it.r0; r < it.r1; ++r)
           if (pending[r].fetch_sub(1, std::memory_order_acq_rel) == 1)
             paged::combine(res.data() + first[r] * hq * rs, first[r + 1] - first[r], hq, d,
-                           o + r * hq * d, d);
+                           o + r * hq * d, d, sinks);
       });
       w0 = w1;
     }
@@ -207,7 +210,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
       dense_rows<T>(query, key_cache, value_cache, block_tables.const_data_ptr<int32_t>(),
                     block_tables.size(1), lens, cu, dense, out, sz,
                     float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d))), window_left,
-                    float(softcap));
+                    float(softcap), sinks);
   });
   return out;
 }

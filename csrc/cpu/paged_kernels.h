@@ -445,9 +445,12 @@ void partition(const PagedArgs<T, C>& a, const RowPart* rp, int64_t R, int64_t t
 }
 
 // Merge the partitions of one query row (in partition order) and write its `heads`
-// output rows.
+// output rows. sinks (null: none): per head a logit that joins the softmax here, once per
+// row whatever its partitions: in the max and in the sum, with no value (not for a row
+// that saw no key: zeros, whatever its sink).
 template <typename T>
-void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, int64_t out_sh) {
+void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, int64_t out_sh,
+             const float* sinks = nullptr) {
   const int64_t dp = round_up(d, 8), rs = part_stride(d);
   std::vector<float> o(dp);
   for (int64_t g = 0; g < heads; ++g) {
@@ -456,6 +459,8 @@ void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, 
       const float mp = res[(p * heads + g) * rs + dp];
       m = std::isnan(mp) || std::isnan(m) ? NAN : std::max(m, mp);
     }
+    if (sinks && m != NEG_INF)
+      m = std::isnan(sinks[g]) || std::isnan(m) ? NAN : std::max(m, sinks[g]);
     std::fill(o.begin(), o.end(), 0.f);
     float l = 0.f;
     if (m != NEG_INF) {
@@ -467,6 +472,7 @@ void combine(const float* res, int64_t parts, int64_t heads, int64_t d, T* out, 
         for (int64_t e = 0; e < dp; e += 8)
           Vec8::fma(Vec8(w), Vec8::load(r + e), Vec8::load(o.data() + e)).store(o.data() + e);
       }
+      if (sinks) l += std::exp(sinks[g] - m);
     }
     const float inv = std::isnan(l) ? l : l > 0.f ? 1.f / l : 0.f;  // seq_len 0 -> zeros
     T* dst = out + g * out_sh;

@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
   const DenseKV<T> kv{k + sv.b * a.k_sb + sv.k0 * a.k_ss + sv.hk * a.k_sh,
                       v + sv.b * a.v_sb + sv.k0 * a.v_ss + sv.hk * a.v_sh, a.k_ss, a.v_ss};
   attn::attend_block<T, MAXND>(q, rows, p, kv, klo, khi + 1, vec,
-                               [&](int r, int c, float val, float, float) {
+                               [&](int r, int c, float val, float m, float l) {
+                                 val *= attn::sink_factor(p.sinks, sv.h, m, l);
                                  o[sv.ob + (i0 + r) * a.o_ss + c] = from_float<T>(val);
                                });
 }
@@ -102,11 +103,12 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
                           const std::optional<at::Tensor>& cu_seqlens_k, bool causal,
                           std::optional<double> scale, int64_t window_left, double softcap,
                           const std::optional<at::Tensor>& mask,
-                          std::optional<int64_t> max_seqlen_q,
-                          std::optional<int64_t> max_seqlen_k) {
+                          std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k,
+                          const std::optional<at::Tensor>& sinks) {
   const checks::AttentionSizes sz =
       checks::attention(query, key, value, cu_seqlens_q, cu_seqlens_k, window_left, softcap, mask,
                         max_seqlen_q, max_seqlen_k, at::kCUDA);
+  const float* sink_ptr = checks::sinks(OP, sinks, query, sz.hq);
   const bool ragged = sz.ragged;
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = at::empty(query.sizes(), query.options());
@@ -158,6 +160,7 @@ at::Tensor attention_cuda(const at::Tensor& query, const at::Tensor& key, const 
   p.d = int(d);
   p.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
   p.softcap = float(softcap);
+  p.sinks = sink_ptr;
   p.mask_sj = mask_f.defined() ? mask_f.stride(3) : 0;
   p.mask_kind = !mask_f.defined()                       ? attn::kMaskFloat
                 : mask_f.scalar_type() == at::kBool     ? attn::kMaskBool

@@ -43,7 +43,20 @@ struct Params {
   float scale, softcap;
   int64_t mask_sj;  // key stride of the mask (elements)
   int mask_kind;
+  const float* sinks;  // [hq] attention sinks, or null
 };
+
+// Attention sinks: the factor that turns head h's output normalised over its keys
+// (running max m, sum l) into the output of the softmax that also holds the logit
+// sinks[h] with no value: l e^(m - M) / (l e^(m - M) + e^(sink - M)), M = max(m, sink).
+// 1 without sinks or when the row saw no key (its output is already 0); a NaN sink gives
+// NaN, as the softmax would.
+__device__ __forceinline__ float sink_factor(const float* sinks, int h, float m, float l) {
+  if (sinks == nullptr || !(l > 0.f)) return 1.f;
+  const float sink = sinks[h], mx = fmaxf(m, sink);
+  const float kept = l * __expf(m - mx);
+  return kept / (kept + __expf(sink - mx));
+}
 
 // Additive mask value of key j in a mask row.
 __device__ __forceinline__ float mask_at(const void* row, int64_t j, const Params& p) {

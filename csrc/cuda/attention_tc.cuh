@@ -242,7 +242,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int idx = threadIdx.x; idx < nrows * D; idx += kThreads) {
     const int rr2 = idx / D, c = idx % D;
     const float l = row_l[rr2];
-    const float val = isnan(l) ? NAN : l > 0.f ? Os[rr2 * L::LDO + c] / l : 0.f;
+    float val = isnan(l) ? NAN : l > 0.f ? Os[rr2 * L::LDO + c] / l : 0.f;
+    val *= sink_factor(p.sinks, sv.h, row_m[rr2], l);
     o[sv.ob + (i0 + rr2) * a.o_ss + c] = from_float<T>(val);
   }
 }

@@ -131,6 +131,7 @@ __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
   attn::attend_block<T, MAXND>(q, rows, p, kv, t0, k1, vec,
                                [&](int i, int c, float val, float m, float l) {
                                  if (a.parts == 1) {
+                                   val *= attn::sink_factor(p.sinks, h0 + i, m, l);
                                    o[r * a.o_ss + (h0 + i) * a.o_sh + c] = from_float<T>(val);
                                  } else {
                                    const int64_t idx = (lr * a.hq + h0 + i) * a.parts + part;
@@ -142,9 +143,11 @@ __global__ void __launch_bounds__(attn::kWarps * 32, attn::kMinBlocks<MAXND>)
 
 // Pass 2: merge the partitions of one (row, head) in order: weights l_p * exp(m_p - M).
 // A row with one partition takes its normalised output as it is, the value the
-// direct-write path of pass 1 rounds: the same bits whatever the partition slots.
+// direct-write path of pass 1 rounds: the same bits whatever the partition slots. The
+// sink (sinks: [hq] or null) joins once, after the merge, as in the direct-write path.
 template <typename T>
-__global__ void paged_reduce_kernel(T* __restrict__ o, PagedArgs a, int d) {
+__global__ void paged_reduce_kernel(T* __restrict__ o, PagedArgs a, int d,
+                                    const float* __restrict__ sinks) {
   const int h = blockIdx.x;
   const int64_t lr = blockIdx.y, r = a.row0 + lr;
   int64_t s, lo, n;
@@ -154,6 +157,14 @@ __global__ void paged_reduce_kernel(T* __restrict__ o, PagedArgs a, int d) {
   float mx = -INFINITY;
   bool nan = false;  // a partition's NaN row (its l) makes the row NaN
   for (int64_t i = 0; i < used; ++i) mx = fmaxf(mx, a.pm[base + i]), nan |= isnan(a.pl[base + i]);
+  float share = 1.f;  // the keys' share of the mass next to the sink
+  if (sinks != nullptr && used == 1) {
+    share = attn::sink_factor(sinks, h, a.pm[base], a.pl[base]);
+  } else if (sinks != nullptr && !nan && mx != -INFINITY) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < used; ++i) sum += a.pl[base + i] * __expf(a.pm[base + i] - mx);
+    share = attn::sink_factor(sinks, h, mx, sum);
+  }
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     float val = 0.f;
     if (used == 1) {
@@ -169,7 +180,7 @@ __global__ void paged_reduce_kernel(T* __restrict__ o, PagedArgs a, int d) {
       }
       val = sum > 0.f ? acc / sum : 0.f;
     }
-    o[r * a.o_ss + h * a.o_sh + c] = from_float<T>(val);
+    o[r * a.o_ss + h * a.o_sh + c] = from_float<T>(val * share);
   }
 }
 
@@ -205,10 +216,12 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
                                 const std::optional<at::Tensor>& cu_seqlens_q_,
                                 std::optional<double> scale, int64_t window_left, double softcap,
                                 const std::optional<at::Tensor>& key_scale,
-                                const std::optional<at::Tensor>& value_scale) {
+                                const std::optional<at::Tensor>& value_scale,
+                                const std::optional<at::Tensor>& sinks) {
   const checks::PagedSizes sz = checks::paged_attention(
       query, key_cache, value_cache, block_tables_, seq_lens_, cu_seqlens_q_, window_left, softcap,
       key_scale, value_scale, at::kCUDA);
+  const float* sink_ptr = checks::sinks(OP, sinks, query, sz.hq);
   const c10::cuda::CUDAGuard guard(query.device());
   const at::Tensor block_tables = block_tables_.contiguous(), seq_lens = seq_lens_.contiguous();
   const at::Tensor cu = cu_seqlens_q_.has_value() ? cu_seqlens_q_->contiguous() : at::Tensor();
@@ -253,6 +266,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
   p.d = int(d);
   p.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(d)));
   p.softcap = float(softcap);
+  p.sinks = sink_ptr;
   const float* ks = sz.quant ? key_scale->const_data_ptr<float>() : nullptr;
   const float* vs = sz.quant ? value_scale->const_data_ptr<float>() : nullptr;
   TOPG_CUDA_DISPATCH_FLOAT(query.scalar_type(), OP, T, [&] {
@@ -279,7 +293,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
         launch.template operator()<8>();
       if (parts > 1) {
         paged_reduce_kernel<T><<<dim3(unsigned(hq), unsigned(nr)), 128, 0, current_stream()>>>(
-            dptr<T>(out), a, int(d));
+            dptr<T>(out), a, int(d), sink_ptr);
         TOPG_CUDA_LAUNCH_CHECK();
       }
     }

@@ -43,6 +43,20 @@ def vmem(shape: tuple[int, ...], dtype):  # type: ignore[no-untyped-def]
     return pltpu.VMEM(shape, dtype)
 
 
+def normalise(acc, total, m, sink=None):  # type: ignore[no-untyped-def]
+    """The online softmax's result: ``acc / total``, zeros for a row that saw no key
+    (``total == 0``). With ``sink`` (a logit broadcastable to ``m``, the attention sink:
+    it joins the softmax with no value) ``acc e^(m - M) / (total e^(m - M) + e^(sink - M))``,
+    ``M = max(m, sink)``: a NaN sink gives NaN, an ``-inf`` sink is no sink."""
+    seen = total > 0
+    if sink is None:
+        return jnp.where(seen, acc / jnp.where(seen, total, 1.0), 0.0)
+    mx = jnp.maximum(m, sink)
+    f = jnp.exp(jnp.where(seen, m - mx, 0.0))
+    denom = total * f + jnp.exp(sink - mx)
+    return jnp.where(seen, acc * f / jnp.where(seen, denom, 1.0), 0.0)
+
+
 def div(a, b: int):  # type: ignore[no-untyped-def]
     """``a // b`` for traced non-negative ints ``a``. ``jnp.floor_divide`` corrects for
     negative operands with ``sign``, whose Mosaic lowering queries the TPU generation:

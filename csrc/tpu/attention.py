@@ -11,6 +11,8 @@ keys and values are zeroed before use, padded query rows are discarded on write-
 
 Semantics as ``torch_topg.reference.attention``: scores ``q.k * scale``, then softcap
 ``c * tanh(s / c)``, then the causal / window mask; a query that sees no key outputs zeros.
+Attention sinks (``sinks [Hq]`` float32: a logit per query head with no value) join the
+softmax at the end, from the running max and sum.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import cdiv, check_block, compiler_params, div, fit_block, vmem
+from ._common import cdiv, check_block, compiler_params, div, fit_block, normalise, vmem
 
 #: Default q / kv block lengths. 128 fills the MXU (128x128 on v4/v5e; v6e's 256x256 MXU
 #: prefers 256 when head_dim is 256). A q block of 128 x D 128 in fp32 is 64 KiB; the
@@ -46,11 +48,8 @@ def _attn_kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    m_sc,
-    l_sc,
-    acc_sc,
-    *,
+    *refs,
+    has_sinks,
     scale,
     softcap,
     causal,
@@ -60,6 +59,8 @@ def _attn_kernel(
     bq,
     bk,
 ):  # type: ignore[no-untyped-def]
+    sink_ref = refs[0] if has_sinks else None  # [1, 1, 1]: this head's sink
+    o_ref, m_sc, l_sc, acc_sc = refs[1:] if has_sinks else refs
     i, j = pl.program_id(2), pl.program_id(3)
     off = sk - sq  # bottom-right alignment: query i sits at key position i + off
 
@@ -107,8 +108,8 @@ def _attn_kernel(
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():  # type: ignore[no-untyped-def]
-        total = l_sc[...]
-        out = jnp.where(total > 0, acc_sc[...] / jnp.where(total > 0, total, 1.0), 0.0)
+        sink = None if sink_ref is None else sink_ref[0]  # [1, 1]
+        out = normalise(acc_sc[...], l_sc[...], m_sc[...], sink)
         o_ref[0, 0] = out.astype(o_ref.dtype)
 
 
@@ -116,6 +117,7 @@ def attention_kernel(
     q,
     k,
     v,
+    sinks=None,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -125,8 +127,8 @@ def attention_kernel(
     block_k: int = BLOCK_K,
     interpret: bool = False,
 ):  # type: ignore[no-untyped-def]
-    """One ``pallas_call`` in the kernel layout: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]
-    -> [B, Hq, Sq, D] in q's dtype."""
+    """One ``pallas_call`` in the kernel layout: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D],
+    sinks None or float32 [Hq] -> [B, Hq, Sq, D] in q's dtype."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -155,13 +157,18 @@ def attention_kernel(
         sk=sk,
         bq=bq,
         bk=bk,
+        has_sinks=sinks is not None,
     )
     q_spec = pl.BlockSpec((1, 1, bq, d), lambda bi, h, i, j: (bi, h, i, 0))
     kv_spec = pl.BlockSpec((1, 1, bk, d), kv_index)
+    operands, in_specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    if sinks is not None:  # [Hq, 1, 1]: each head's block is its own sink
+        operands.append(sinks.astype(jnp.float32).reshape(hq, 1, 1))
+        in_specs.append(pl.BlockSpec((1, 1, 1), lambda bi, h, i, j: (h, 0, 0)))
     return pl.pallas_call(
         kernel,
         grid=(b, hq, nq, nk),
-        in_specs=[q_spec, kv_spec, kv_spec],
+        in_specs=in_specs,
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[
@@ -171,10 +178,10 @@ def attention_kernel(
         ],
         compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
-    )(q, k, v)
+    )(*operands)
 
 
-def check_attention(q, k, v) -> None:  # type: ignore[no-untyped-def]
+def check_attention(q, k, v, sinks=None) -> None:  # type: ignore[no-untyped-def]
     if q.ndim != 4:
         raise ValueError(
             f"argument 'query' must be [batch, seq, heads, head_dim], got {tuple(q.shape)}"
@@ -194,6 +201,11 @@ def check_attention(q, k, v) -> None:  # type: ignore[no-untyped-def]
             f"argument 'key' has {k.shape[2]} kv heads, which must divide the {q.shape[2]} "
             "query heads of 'query'"
         )
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(
+            f"argument 'sinks' must be [{q.shape[2]}] (the query heads of 'query'), "
+            f"got {tuple(sinks.shape)}"
+        )
 
 
 def attention(
@@ -205,14 +217,15 @@ def attention(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    sinks=None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
     interpret: bool = False,
 ):  # type: ignore[no-untyped-def]
-    """``topg::attention`` on dense batches: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
-    -> [B, Sq, Hq, D]. ``block_q`` / ``block_k``: positive multiples of 8 (default 128);
-    a sequence shorter than a block uses one whole-length block."""
-    check_attention(q, k, v)
+    """``topg::attention`` on dense batches: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D],
+    sinks None or [Hq] -> [B, Sq, Hq, D]. ``block_q`` / ``block_k``: positive multiples
+    of 8 (default 128); a sequence shorter than a block uses one whole-length block."""
+    check_attention(q, k, v, sinks)
     if q.shape[1] == 0:
         return jnp.zeros(q.shape, q.dtype)
     if k.shape[1] == 0:  # nothing to see
@@ -221,6 +234,7 @@ def attention(
         jnp.swapaxes(q, 1, 2),
         jnp.swapaxes(k, 1, 2),
         jnp.swapaxes(v, 1, 2),
+        sinks,
         causal=causal,
         scale=scale,
         window_left=window_left,

@@ -14,7 +14,8 @@ cannot raise.
 
 Semantics as ``torch_topg.reference.paged_attention``: the query is the last of
 ``seq_lens[s]`` tokens and sees all of them (window: the last ``window_left + 1``);
-``seq_lens[s] == 0`` outputs zeros.
+``seq_lens[s] == 0`` outputs zeros. Attention sinks (``sinks [Hq]`` float32, a logit per
+query head with no value) join the softmax at the last step, from the running max and sum.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._common import cdiv, compiler_params, div, vmem
+from ._common import cdiv, compiler_params, div, normalise, vmem
 
 #: Pages per grid step. 128 tokens per step keeps the MXU's kv dimension full for the
 #: common page size 16 (8 pages) and amortises the ~0.35 us per-step overhead; the
@@ -49,7 +50,11 @@ def _page_range(n, *, page_size: int, window_left: int):  # type: ignore[no-unty
     return first, last
 
 
-def _paged_kernel(bt_ref, sl_ref, q_ref, *refs, scale, softcap, window_left, page_size, pps, hkv):  # type: ignore[no-untyped-def]
+def _paged_kernel(
+    bt_ref, sl_ref, q_ref, *refs, scale, softcap, window_left, page_size, pps, hkv, with_sinks
+):  # type: ignore[no-untyped-def]
+    sink_ref = refs[0] if with_sinks else None  # [Hkv, G, 1]
+    refs = refs[1:] if with_sinks else refs
     k_refs, v_refs = refs[:pps], refs[pps : 2 * pps]
     o_ref, m_sc, l_sc, acc_sc = refs[2 * pps :]
     s_idx, step = pl.program_id(0), pl.program_id(1)
@@ -97,8 +102,8 @@ def _paged_kernel(bt_ref, sl_ref, q_ref, *refs, scale, softcap, window_left, pag
 
     @pl.when(step == pl.num_programs(1) - 1)
     def _finish():  # type: ignore[no-untyped-def]
-        total = l_sc[...]
-        out = jnp.where(total > 0, acc_sc[...] / jnp.where(total > 0, total, 1.0), 0.0)
+        sink = None if sink_ref is None else sink_ref[...]
+        out = normalise(acc_sc[...], l_sc[...], m_sc[...], sink)
         o_ref[0] = out.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
 
@@ -118,12 +123,16 @@ def paged_attention_call(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    with_sinks: bool = False,
     interpret: bool = False,
 ):  # type: ignore[no-untyped-def]
     """One ``pallas_call`` (the form torch_xla lowers): block_tables [N, max_pages] and
-    seq_lens [N] (int32, scalar-prefetched), query [N, Hq, D], then ``caches``: the key
-    cache ``pages_per_step`` times followed by the value cache as often (one operand per
-    page a step reads; the same array, no copy). -> [N, Hq, D]."""
+    seq_lens [N] (int32, scalar-prefetched), query [N, Hq, D], then ``caches``: with
+    ``with_sinks`` first the sinks (float32 [Hq]), then the key cache ``pages_per_step``
+    times followed by the value cache as often (one operand per page a step reads; the
+    same array, no copy). -> [N, Hq, D]."""
+    sinks = caches[0] if with_sinks else None
+    caches = caches[1:] if with_sinks else caches
     pps = len(caches) // 2
     n_seqs, hq, d = query.shape
     key_cache = caches[0]
@@ -147,12 +156,17 @@ def paged_attention_call(
         page_size=page_size,
         pps=pps,
         hkv=hkv,
+        with_sinks=with_sinks,
     )
     group = hq // hkv
+    operands, sink_specs = list(caches), []
+    if with_sinks:  # [Hkv, G, 1], the layout of the running max: one block, every head
+        operands.insert(0, sinks.astype(jnp.float32).reshape(hkv, group, 1))
+        sink_specs.append(pl.BlockSpec((hkv, group, 1), lambda s, step, bt, sl: (0, 0, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(n_seqs, steps),
-        in_specs=[q_spec] + [page_spec(p) for p in range(pps)] * 2,
+        in_specs=[q_spec, *sink_specs] + [page_spec(p) for p in range(pps)] * 2,
         out_specs=q_spec,
         scratch_shapes=[
             vmem((hkv, group, 1), jnp.float32),
@@ -166,7 +180,7 @@ def paged_attention_call(
         out_shape=jax.ShapeDtypeStruct(query.shape, query.dtype),
         compiler_params=compiler_params("parallel", "arbitrary"),
         interpret=interpret,
-    )(block_tables, seq_lens, query, *caches)
+    )(block_tables, seq_lens, query, *operands)
 
 
 def paged_attention_kernel(
@@ -179,19 +193,24 @@ def paged_attention_kernel(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    sinks=None,
     pages_per_step: int | None = None,
     interpret: bool = False,
 ):  # type: ignore[no-untyped-def]
     """query [N, Hq, D], caches [num_blocks, page_size, Hkv, D], block_tables
-    [N, max_pages] int32, seq_lens [N] int32 -> [N, Hq, D]."""
+    [N, max_pages] int32, seq_lens [N] int32, sinks None or float32 [Hq] -> [N, Hq, D]."""
     pps = resolve_pages_per_step(pages_per_step, key_cache.shape[1], block_tables.shape[1])
+    first = [] if sinks is None else [sinks]
     return paged_attention_call(
-        block_tables, seq_lens, query, *([key_cache] * pps), *([value_cache] * pps),
-        scale=scale, window_left=window_left, softcap=softcap, interpret=interpret,
+        block_tables, seq_lens, query, *first, *([key_cache] * pps), *([value_cache] * pps),
+        scale=scale, window_left=window_left, softcap=softcap, with_sinks=sinks is not None,
+        interpret=interpret,
     )  # fmt: skip
 
 
-def check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens) -> None:  # type: ignore[no-untyped-def]
+def check_paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, sinks=None
+) -> None:  # type: ignore[no-untyped-def]
     if query.ndim != 3:
         raise ValueError(
             f"argument 'query' must be [num_seqs, heads, head_dim], got {tuple(query.shape)}"
@@ -220,6 +239,11 @@ def check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
         raise ValueError(
             f"argument 'seq_lens' must be [{query.shape[0]}], got {tuple(seq_lens.shape)}"
         )
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(
+            f"argument 'sinks' must be [{query.shape[1]}] (the query heads of 'query'), "
+            f"got {tuple(sinks.shape)}"
+        )
 
 
 def paged_attention(
@@ -232,16 +256,18 @@ def paged_attention(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    sinks=None,
     pages_per_step: int | None = None,
     interpret: bool = False,
 ):  # type: ignore[no-untyped-def]
     """``topg::paged_attention``: query [N, Hq, D] (one decode token per sequence),
     caches [num_blocks, page_size, Hkv, D], block_tables [N, max_pages] and seq_lens [N]
-    (int32; int64 is narrowed) -> [N, Hq, D] in the query's dtype.
+    (int32; int64 is narrowed), sinks None or float32 [Hq] -> [N, Hq, D] in the query's
+    dtype.
 
     ``pages_per_step`` (default ``max(1, min(8, 128 // page_size))``): pages each grid
     step reads; need not divide ``max_pages``."""
-    check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+    check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, sinks)
     return paged_attention_kernel(
         query,
         key_cache,
@@ -251,6 +277,7 @@ def paged_attention(
         scale=scale,
         window_left=window_left,
         softcap=softcap,
+        sinks=sinks,
         pages_per_step=pages_per_step,
         interpret=interpret,
     )

@@ -167,6 +167,8 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     empty = torch.empty(0, dtype=dtype)
     for i, layer in enumerate(layers):
         at, mlp = layer.self_attn, layer.mlp
+        if isinstance(getattr(at, "sinks", None), torch.Tensor):  # the plan has no sink term
+            raise Unsupported(f"layers.{i}.self_attn.sinks (attention sinks)")
         extra = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
         found = sorted(n for n, _ in layer.named_children() if n in extra) + sorted(
             n for n, _ in at.named_children() if n in extra

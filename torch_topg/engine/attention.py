@@ -9,7 +9,8 @@ attention function). The function writes the new K/V into the layer's paged cach
 (``topg::reshape_and_cache`` at ``slot_mapping``) and attends over the cache in place
 (``topg::paged_attention`` with ``cu_seqlens_q``: several causal queries per sequence).
 No mask is built: the name is not in transformers' mask interface, so mask creation
-exits early, and causality / sliding windows come from the positions.
+exits early, and causality / sliding windows come from the positions. Attention sinks
+(transformers' ``s_aux``, GPT-OSS) go to the kernel as ``sinks`` in float32.
 
 Metadata (keyword arguments of the model call, all tensors so that a compiled step
 takes them as graph inputs, never as constants):
@@ -54,8 +55,6 @@ def paged_attention_forward(
             "attn_implementation='topg_paged' runs only inside torch_topg.Engine (the "
             "model was called without the engine's paged-cache metadata)"
         )
-    if kwargs.get("s_aux") is not None:  # refused at load (families.py); never ignored
-        raise NotImplementedError("topg_paged attention has no attention-sink term (s_aux)")
     n = 4 if caches[0].dtype == torch.int8 else 2  # tensors per layer
     k_cache, v_cache, *scales = caches[n * module.layer_idx : n * module.layer_idx + n]
     ks, vs = scales or (None, None)
@@ -66,6 +65,10 @@ def paged_attention_forward(
     reshape_and_cache(k, v, k_cache, v_cache, slots, key_scale=ks, value_scale=vs)
     # transformers' sliding_window W: a query at i sees keys j > i - W.
     window = sliding_window - 1 if sliding_window else -1
+    # Attention sinks (transformers passes them as s_aux): one logit per query head.
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     out = paged_attention(
         q,
         k_cache,
@@ -78,6 +81,7 @@ def paged_attention_forward(
         softcap=float(softcap) if softcap else 0.0,
         key_scale=ks,
         value_scale=vs,
+        sinks=sinks,
     )
     return out.unsqueeze(0), None
 

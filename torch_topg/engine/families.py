@@ -3,9 +3,11 @@
 The engine runs a model's own transformers code with its attention routed to the paged
 cache (:mod:`torch_topg.engine.attention`), so any decoder-only causal LM whose attention
 layers call transformers' attention interface runs, whatever its family: GQA, per-layer
-sliding windows mixed with global layers, QK-norm, logit softcapping, partial rotary,
-layers without rotary, post-norms, multipliers, MoE blocks and tied embeddings are all
-the model's code around the attention call. What the engine cannot run is refused
+sliding windows mixed with global layers, QK-norm, logit softcapping, attention sinks
+(transformers' ``s_aux``, passed to the kernel as ``sinks``), partial rotary, layers
+without rotary, post-norms, multipliers, MoE blocks and tied embeddings are all the
+model's code around the attention call (MoE experts that ``topg::fused_moe`` does not
+cover run their own transformers code). What the engine cannot run is refused
 before any weight loads, by :func:`check_supported`, naming the feature:
 
 * an encoder-decoder model, or a config with no causal LM class in transformers;
@@ -14,8 +16,6 @@ before any weight loads, by :func:`check_supported`, naming the feature:
 * layers that are not attention layers (``layer_types`` other than ``full_attention`` /
   ``sliding_attention``: linear attention, Mamba, ...), chunked attention, KV shared
   across layers;
-* attention sinks (a learned per-head logit in the softmax, GPT-OSS): the paged
-  attention kernel has no sink term yet;
 * attention modules without ``layer_idx`` (the paged cache is indexed by it).
 
 The module probes run on the model itself (``from_model``) or on a copy built on the
@@ -80,8 +80,8 @@ def check_config(config: Any) -> None:
 
 
 def check_modules(model: torch.nn.Module) -> None:
-    """The features only the modules show: attention sinks and each attention module's
-    ``layer_idx`` (transformers names its attention classes ``...Attention``)."""
+    """The features only the modules show: each attention module's ``layer_idx``
+    (transformers names its attention classes ``...Attention``)."""
     attention = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     if not attention:
         raise UnsupportedModel(
@@ -89,8 +89,6 @@ def check_modules(model: torch.nn.Module) -> None:
             f"{type(model).__name__} has no module class named ...Attention",
         )
     for name, mod in attention:
-        if isinstance(getattr(mod, "sinks", None), torch.Tensor):
-            raise UnsupportedModel("attention sinks", f"{name}.sinks (a learned per-head softmax logit)")  # fmt: skip
         if getattr(mod, "layer_idx", None) is None:
             raise UnsupportedModel("attention modules without layer_idx", f"{name} has none")  # fmt: skip
 

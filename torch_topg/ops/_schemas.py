@@ -13,6 +13,8 @@ Layout conventions (see ``docs/ops.md`` for the full semantics):
 * the paged KV cache is ``[num_blocks, block_size, kv_heads, head_dim]``, in the
   query's dtype or int8 with float32 scales ``[num_blocks, block_size, kv_heads]``
   (``key_scale`` / ``value_scale``, one per token and kv head);
+* attention ``sinks``: float32 ``[query_heads]``, one learned logit per query head that
+  joins the softmax with no value (GPT-OSS); None = no sink;
 * ``Tensor(a!)`` marks an argument the op writes in place.
 """
 
@@ -38,13 +40,13 @@ SCHEMAS: dict[str, str] = {
         "attention(Tensor query, Tensor key, Tensor value, *, Tensor? cu_seqlens_q=None, "
         "Tensor? cu_seqlens_k=None, bool causal=False, float? scale=None, "
         "int window_left=-1, float softcap=0.0, Tensor? mask=None, int? max_seqlen_q=None, "
-        "int? max_seqlen_k=None) -> Tensor"
+        "int? max_seqlen_k=None, Tensor? sinks=None) -> Tensor"
     ),
     "paged_attention": (
         "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, *, Tensor? cu_seqlens_q=None, "
         "float? scale=None, int window_left=-1, float softcap=0.0, Tensor? key_scale=None, "
-        "Tensor? value_scale=None) -> Tensor"
+        "Tensor? value_scale=None, Tensor? sinks=None) -> Tensor"
     ),
     "reshape_and_cache": (
         "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "

@@ -28,6 +28,7 @@ def attention(
     mask: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill attention (FlashAttention semantics), dense or ragged.
 
@@ -57,6 +58,12 @@ def attention(
             an error where the offsets are read (CPU, reference, CUDA with
             ``torch_topg.index_checks()``); otherwise the rows past it are left
             uninitialised. CUDA-graph capture of ragged attention needs them.
+        sinks: None, or contiguous float32 ``[Hq]`` on the query's device: attention
+            sinks (GPT-OSS). Query head ``h``'s softmax gets one more logit, ``sinks[h]``,
+            with no value: ``out = sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) +
+            e^(sinks[h] - M))``, ``M = max(max_j s_j, sinks[h])``, where ``s_j`` are the
+            visible keys' scores after scale, softcap and mask (the sink itself is not
+            soft-capped). The weights then sum to less than one.
 
     Returns:
         Contiguous ``[B, Sq, Hq, D]`` (dense) or ``[Tq, Hq, D]`` (ragged) in the dtype of
@@ -77,6 +84,7 @@ def attention(
         mask=mask,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        sinks=sinks,
     )
 
 
@@ -93,6 +101,7 @@ def paged_attention(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over a paged KV cache (vLLM layout), read in place.
 
@@ -123,6 +132,8 @@ def paged_attention(
         key_scale, value_scale: with int8 caches (and only then), contiguous float32
             ``[num_blocks, block_size, Hkv]``: cached token ``t``'s kv head ``h`` holds
             ``cache[.., t, h, :] * scale[.., t, h]`` (``reference.dequantize_kv``).
+        sinks: None, or contiguous float32 ``[Hq]``: one learned logit per query head in
+            the softmax, with no value (as in :func:`attention`).
 
     Returns:
         The shape of ``query`` in its dtype; zeros for a query that sees no key
@@ -146,6 +157,7 @@ def paged_attention(
         softcap=softcap,
         key_scale=key_scale,
         value_scale=value_scale,
+        sinks=sinks,
     )
 
 
@@ -256,6 +268,14 @@ def _check_scales(
             a.size(d, key_cache.shape[d], "the shape of 'key_cache'")
 
 
+def _check_sinks(op: str, sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """``sinks``: None, or contiguous float32 ``[Hq]`` on the query's device."""
+    if sinks is None:
+        return
+    a = Arg(op, "sinks", sinks).dim(1).dtype([torch.float32]).same_device(query, "query")
+    a.size(0, query.shape[-2], "the query heads of 'query'").contiguous()
+
+
 def _check_cu_seqlens(name: str, cu: torch.Tensor, query: torch.Tensor, batch) -> None:
     a = Arg("attention", name, cu).dim(1).dtype([torch.int32]).same_device(query, "query")
     if batch is not None:
@@ -276,6 +296,7 @@ def _check_attention(
     mask: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     op = "attention"
     ragged = cu_seqlens_q is not None
@@ -283,6 +304,7 @@ def _check_attention(
     _check_qkv(op, query, key, value, 3 if ragged else 4)
     check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
     check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap:g}")
+    _check_sinks(op, sinks, query)
     if ragged:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query, None)
         n = cu_seqlens_q.shape[0]
@@ -341,6 +363,7 @@ def _check_paged_attention(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     op = "paged_attention"
     Arg(op, "query", query).dim(3)
@@ -366,6 +389,7 @@ def _check_paged_attention(
     check_op(window_left >= -1, op, f"window_left must be >= -1, got {window_left}")
     check_op(softcap >= 0, op, f"softcap must be >= 0, got {softcap:g}")
     _check_scales(op, key_cache, key_scale, value_scale)
+    _check_sinks(op, sinks, query)
 
 
 def _check_reshape_and_cache(

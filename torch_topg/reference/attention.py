@@ -33,9 +33,13 @@ def _attend_one(
     window_left: int,
     softcap: float,
     mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence. q: [Sq, Hq, D], k/v: [Sk, Hkv, D], mask: broadcastable to
-    [Hq, Sq, Sk] or None. Returns fp32 [Sq, Hq, D]."""
+    [Hq, Sq, Sk] or None, sinks: [Hq] or None. Returns fp32 [Sq, Hq, D].
+
+    With ``sinks``, head h's softmax has one more logit, ``sinks[h]``, whose value is
+    zero: the max M takes it in and the denominator gets ``exp(sinks[h] - M)``."""
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -54,10 +58,16 @@ def _attend_one(
         else:
             s = s + mask.float()
     # Softmax where a row with no visible key gives zeros instead of NaN.
-    m = s.amax(-1, keepdim=True)
+    m = s.amax(-1, keepdim=True)  # [Hq, Sq, 1]
+    sink = None if sinks is None else sinks.float().view(hq, 1, 1).expand(hq, sq, 1)
+    if sink is not None:  # a row that sees no key outputs zeros, whatever its sink
+        sink = torch.where(m == float("-inf"), float("-inf"), sink)
+        m = torch.maximum(m, sink)
     m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     e = torch.exp(s - m)
     total = e.sum(-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - m)
     p = e / torch.where(total == 0, torch.ones_like(total), total)
     return torch.einsum("hqk,khd->qhd", p, v)
 
@@ -76,6 +86,7 @@ def attention(
     mask: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if cu_seqlens_q is None:  # dense [B, S, H, D]
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -93,6 +104,7 @@ def attention(
                 window_left,
                 softcap,
                 None if full_mask is None else full_mask[b],
+                sinks,
             ).to(query.dtype)
         return out
     cu_q = cu_seqlens_q.tolist()
@@ -105,7 +117,15 @@ def attention(
     for b in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         out[q0:q1] = _attend_one(
-            query[q0:q1], key[k0:k1], value[k0:k1], causal, scale, window_left, softcap, None
+            query[q0:q1],
+            key[k0:k1],
+            value[k0:k1],
+            causal,
+            scale,
+            window_left,
+            softcap,
+            None,
+            sinks,
         ).to(query.dtype)
     return out
 
@@ -146,6 +166,7 @@ def paged_attention(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     max_blocks = block_tables.shape[1]
@@ -185,9 +206,9 @@ def paged_attention(
             v = dequantize_kv(v, value_scale[blocks].flatten(0, 1)[:n])
         # The queries are the last q1 - q0 tokens: query i sees keys 0 .. n - (q1 - q0) + i
         # (bottom-right aligned causal).
-        out[q0:q1] = _attend_one(query[q0:q1], k, v, True, scale, window_left, softcap, None).to(
-            query.dtype
-        )
+        out[q0:q1] = _attend_one(
+            query[q0:q1], k, v, True, scale, window_left, softcap, None, sinks
+        ).to(query.dtype)
     return out
 
 

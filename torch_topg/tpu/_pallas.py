@@ -76,6 +76,7 @@ def attention(
     scale: float | None = None,
     window_left: int = -1,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     **unused: Any,
 ) -> torch.Tensor:
     k = kernels("attention")
@@ -83,8 +84,9 @@ def attention(
         return torch.zeros_like(query, memory_format=torch.contiguous_format)
     # [B, S, H, D] -> the kernel's [B, H, S, D]
     q, kk, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+    tensors = [q, kk, v] if sinks is None else [q, kk, v, sinks]
     (out,) = be.call(
-        k.attention_kernel, [q, kk, v], [(q.shape, query.dtype)],
+        k.attention_kernel, tensors, [(q.shape, query.dtype)],
         causal=bool(causal), scale=None if scale is None else float(scale),
         window_left=int(window_left), softcap=float(softcap),
         block_q=k.BLOCK_Q, block_k=k.BLOCK_K,
@@ -106,6 +108,7 @@ def paged_attention(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     assert cu_seqlens_q is None, "unsupported() sends ragged calls to the reference"
     assert key_scale is None, "unsupported() sends int8 caches to the reference"
@@ -117,13 +120,14 @@ def paged_attention(
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
         query.contiguous(),
+        *([] if sinks is None else [sinks]),
         *([key_cache] * pps),  # one operand per page of a step (no copy)
         *([value_cache] * pps),
     ]
     (out,) = be.call(
         k.paged_attention_call, tensors, [(query.shape, query.dtype)],
         scale=None if scale is None else float(scale),
-        window_left=int(window_left), softcap=float(softcap),
+        window_left=int(window_left), softcap=float(softcap), with_sinks=sinks is not None,
     )  # fmt: skip
     return out
 

@@ -675,6 +675,7 @@ def supports(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> str | None:
     """None when :func:`paged_attention` can take this call, else a short reason.
 
@@ -685,6 +686,8 @@ def supports(
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(t, torch.Tensor):
             return f"'{name}' is not a Tensor"
+    if sinks is not None:
+        return "attention sinks (the Triton kernels have no sink term)"
     dev = query.device
     if dev.type == "cpu":
         if not INTERPRETED:
@@ -723,6 +726,7 @@ def paged_attention(
     softcap: float = 0.0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     config: Mapping[str, Any] | None = None,
     check_indices: bool | None = None,
 ) -> torch.Tensor:
@@ -748,7 +752,7 @@ def paged_attention(
     reason = supports(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
         scale=scale, window_left=window_left, softcap=softcap, key_scale=key_scale,
-        value_scale=value_scale,
+        value_scale=value_scale, sinks=sinks,
     )  # fmt: skip
     if reason is not None:
         _fail(f"the Triton kernel cannot take this call: {reason}")

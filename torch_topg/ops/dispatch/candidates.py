@@ -145,6 +145,8 @@ def _sdpa_static(name: str, q: torch.Tensor, k: torch.Tensor, kw: dict[str, Any]
         return "varlen (cu_seqlens)"
     if kw.get("softcap", 0.0) > 0:
         return "softcap"
+    if kw.get("sinks") is not None:
+        return "attention sinks (SDPA has no sink logit)"
     if kw.get("window_left", -1) >= 0:
         return "sliding window"
     if kw.get("mask") is not None:

@@ -20,7 +20,7 @@
   ========================  ====================================================================
 
 * the **features**, a tuple of everything else a candidate's ``supports`` reads (device,
-  causal, window, softcap, mask, varlen, activation, bias, capture state, ...), so that a
+  causal, window, softcap, sinks, mask, varlen, activation, bias, capture state, ...), so that a
   decision cached per (op, class, features) is right for every call with that key.
 
 Reading these is a few attribute reads: no device value is read, nothing synchronises.
@@ -76,6 +76,7 @@ def attention_class(
         None if mask is None else mask.dtype,
         batch == 0 or sq == 0 or sk == 0 or hq == 0 or d == 0,
         query.dim(),
+        kw.get("sinks") is not None,
     )
     return cls, features
 
@@ -103,6 +104,7 @@ def paged_attention_class(
         kw.get("window_left", -1) >= 0,
         kw.get("softcap", 0.0) > 0,
         query.shape[0] == 0,
+        kw.get("sinks") is not None,
     )
     return cls, features
 

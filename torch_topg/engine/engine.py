@@ -27,6 +27,7 @@ from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.options import runtime_names
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
+from torch_topg.engine.prompt_logprobs import rows_asked, split_rows
 from torch_topg.engine.proposer import Proposer
 from torch_topg.engine.sampling import (
     Sampler,
@@ -356,8 +357,9 @@ class Engine:
              s.seq.num_computed, s.num_new, s.seq.blocks)
             for s in out.scheduled
         ]  # fmt: skip
-        samples = [(1 + s.num_spec) * s.samples for s in out.scheduled]
-        return rows_of(self.runner.execute(self.runner.pack(items, samples)), samples)
+        samples = [rows_asked(s) for s in out.scheduled]
+        rows = rows_of(self.runner.execute(self.runner.pack(items, samples)), samples)
+        return [split_rows(s, r) for s, r in zip(out.scheduled, rows, strict=True)]
 
     def _run_isolated(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
         """The batched step raised: run each sequence alone; those that still raise fail
@@ -458,6 +460,9 @@ class Engine:
         text = seq.detok.pending(final=reason is not None)
         kept = [lp for lp in lps if lp is not None]
         d = Delta(req.request_id, seq.index, text, tokens, kept or None, reason)
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            d.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+            d.prompt_token_ids = req.prompt_token_ids
         if not req.finished:
             req.handle._push(d)
             return
@@ -475,6 +480,7 @@ class Engine:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[s.out for s in req.seqs],
             cached_prompt_tokens=req.cached_prompt_tokens,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     def _end_request(self, req: Request, reason: str) -> None:

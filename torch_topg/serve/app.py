@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from torch_topg.engine import Engine
 from torch_topg.serve import generation
 from torch_topg.serve.chat_template import ChatOptions, ChatRenderer
+from torch_topg.serve.embeddings import embeddings_body
 from torch_topg.serve.errors import APIError
 from torch_topg.serve.metrics import CONTENT_TYPE, ServerMetrics
 from torch_topg.serve.playground import PAGE
@@ -39,7 +40,7 @@ from torch_topg.serve.tools import (
 )
 
 _ENDPOINTS = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/tokenize", "/detokenize")  # fmt: skip
+              "/tokenize", "/detokenize", "/v1/embeddings")  # fmt: skip
 
 
 class ServerState:
@@ -91,6 +92,7 @@ def create_app(
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     chat: ChatOptions | None = None,
+    pooling: str = "last",
 ) -> FastAPI:
     """The server's app over ``engine`` (None: loading, see :class:`ServerState`).
 
@@ -98,6 +100,7 @@ def create_app(
     key or several; when given, every ``/v1`` request needs ``Authorization: Bearer <key>``
     with one of them (401 otherwise). ``allowed_origins``: browser origins allowed by CORS
     (``"*"``: any). ``chat``: the chat template and output parsers (:class:`ChatOptions`).
+    ``pooling``: how ``/v1/embeddings`` pools the hidden states (``"last"``, ``"mean"``).
     The app never shuts the engine down: its owner does.
     """
     app = FastAPI(title="torch_topg", docs_url=None, redoc_url=None, openapi_url=None)
@@ -182,6 +185,12 @@ def create_app(
     async def detokenize(request: Request) -> dict[str, Any]:
         """vLLM's: ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
         return detokenize_body(state.require_engine(), await _json(request), state.model_name)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        """OpenAI's embeddings: pooled final hidden states (``serve/embeddings.py``)."""
+        body = await _json(request)
+        return await embeddings_body(state.require_engine(), body, state.model_name, pooling)
 
     return app
 

@@ -209,9 +209,7 @@ class Engine:
         loop, so a request's compile never runs on the engine loop."""
         return self.constraints.compiler.compile(spec)
 
-    def embed(
-        self, inputs: Any, *, pooling: str = "last", normalize: bool = True
-    ) -> torch.Tensor:
+    def embed(self, inputs: Any, *, pooling: str = "last", normalize: bool = True) -> torch.Tensor:
         """Embeddings of prompts (a string, token ids, or a list of them): float32
         ``[N, hidden]``, the model's final hidden states pooled per prompt (``"last"``
         token or ``"mean"``), L2-normalised unless ``normalize=False``; no KV kept
@@ -298,7 +296,10 @@ class Engine:
         while True:
             with self._cv:
                 while not (
-                    self._inbox or self._aborts or self._closed_sessions or self._stopping
+                    self._inbox
+                    or self._aborts
+                    or self._closed_sessions
+                    or self._stopping
                     or self._jobs
                 ) and not (self.scheduler.has_work()):
                     self._cv.wait()

@@ -169,3 +169,13 @@ def test_echo_streamed_equals_whole(client) -> None:
 def test_bad_fields(client, body, param) -> None:
     r = client.post("/v1/completions", json={"prompt": "a", **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_one_chunk_on_the_model_graph() -> None:
+    """The whole prompt in one step (26 tokens: the graph, not the decode plan's steps
+    of at most 16 that the chunked engine above runs)."""
+    with chat_engine(max_num_batched_tokens=64) as eng:
+        out = eng.generate([IDS], max_new_tokens=2, temperature=0, prompt_logprobs=4)[0]
+        check(eng, IDS, out.prompt_logprobs, 4)
+        wait_idle(eng)
+        eng.pool.check_whole()

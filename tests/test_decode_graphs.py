@@ -88,8 +88,8 @@ def test_moved_weights_are_captured_again():
 
 def test_engine_on_cuda_would_use_graphs_and_cpu_the_plan():
     from torch_topg.engine.config import EngineConfig
-    from torch_topg.engine.engine import _decode_plan_wanted
     from torch_topg.engine.options import EngineArgs
+    from torch_topg.engine.setup import decode_plan_wanted as _decode_plan_wanted
 
     def config(device: str) -> EngineConfig:
         return EngineConfig(EngineArgs(), torch.device(device), torch.float32, 64, 512, 8)

@@ -321,7 +321,7 @@ def test_chat_logprobs(client) -> None:
         ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
         ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias", "outside"),
         ("/v1/completions", {"min_tokens": -1}, "min_tokens", ">= 0"),
-        ("/v1/completions", {"echo": True}, "echo", "not supported"),
+        ("/v1/completions", {"suffix": "x"}, "suffix", "not supported"),
         ("/v1/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "logprobs=true"),
         ("/v1/completions", {"max_tokens": -1}, "max_tokens", ">= 1"),

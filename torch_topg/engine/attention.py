@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from torch_topg.ops.attention import paged_attention, reshape_and_cache
+from torch_topg.ops.attention import attention, paged_attention, reshape_and_cache
 
 ATTN_IMPLEMENTATION = "topg_paged"
 
@@ -50,6 +50,9 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, Hq, T, D]`` -> ``[1, T, Hq, D]``."""
     caches = kwargs.get("topg_kv_caches")
+    if caches is None and kwargs.get("topg_dense_cu_seqlens") is not None:
+        return _dense_forward(module, query, key, value, scaling, softcap, sliding_window,
+                              **kwargs)  # fmt: skip
     if caches is None:
         raise RuntimeError(
             "attn_implementation='topg_paged' runs only inside torch_topg.Engine (the "
@@ -83,6 +86,32 @@ def paged_attention_forward(
         value_scale=vs,
         sinks=sinks,
     )
+    return out.unsqueeze(0), None
+
+
+def _dense_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
+    sliding_window: int | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """No cache (embeddings, ``embed.py``): ragged causal attention over the packed
+    prompts (``topg_dense_cu_seqlens``: int32 ``[S + 1]``; ``topg_max_seqlen``)."""
+    cu = kwargs["topg_dense_cu_seqlens"]
+    longest = kwargs.get("topg_max_seqlen")
+    sinks = kwargs.get("s_aux")
+    out = attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        cu_seqlens_q=cu, causal=True, scale=scaling,
+        window_left=sliding_window - 1 if sliding_window else -1,
+        softcap=float(softcap) if softcap else 0.0,
+        max_seqlen_q=longest, max_seqlen_k=longest,
+        sinks=sinks.float().contiguous() if sinks is not None else None,
+    )  # fmt: skip
     return out.unsqueeze(0), None
 
 

@@ -13,8 +13,9 @@ import itertools
 import random
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.options import runtime_names
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
+from torch_topg.engine.prompt_logprobs import rows_asked, split_rows
 from torch_topg.engine.proposer import Proposer
 from torch_topg.engine.sampling import (
     Sampler,
@@ -40,6 +42,8 @@ from torch_topg.engine.sampling import (
 )
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
+from torch_topg.engine.setup import cache_salt, decode_plan_wanted, logits_width
+from torch_topg.engine.stats import EngineStats
 from torch_topg.engine.structured import GrammarCompiler, Structured
 from torch_topg.engine.structured_step import Constraints
 from torch_topg.modes import batch_invariant_mode
@@ -78,7 +82,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         args = config.args
-        plan = _decode_plan_wanted(config)
+        plan = decode_plan_wanted(config)
         self.runner = runner or ModelRunner(
             model,
             num_blocks=config.num_blocks,
@@ -94,7 +98,7 @@ class Engine:
         self.kv = KVCacheManager(
             self.pool,
             enabled=args.prefix_caching,
-            salt=_cache_salt(model, self.runner.kv_caches, args.block_size),
+            salt=cache_salt(model, self.runner.kv_caches, args.block_size),
             host_blocks=config.host_kv_blocks,
             disk_folder=config.disk_kv_path,
             disk_blocks=config.disk_kv_blocks,
@@ -112,7 +116,7 @@ class Engine:
             self.proposer = Speculator(config.speculative, self.runner,
                                        max_model_len=config.max_model_len, compile=args.compile)  # fmt: skip
         self._eos = eos_ids(model, tokenizer)
-        self.constraints = Constraints(GrammarCompiler(tokenizer, _logits_width(model), self._eos))
+        self.constraints = Constraints(GrammarCompiler(tokenizer, logits_width(model), self._eos))
         self._rng = random.Random(args.seed)
         self._ids = itertools.count()
         self._on_shutdown = [*(on_shutdown or []), self.kv.close]
@@ -121,10 +125,11 @@ class Engine:
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self._closed_sessions: list[str] = []
+        self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []  # run between steps
         self._stopping = False
         self._queued = 0  # requests submitted and not yet admitted to a step
         self._requests: dict[str, Request] = {}  # loop thread only
-        self._stats = _Stats()
+        self._stats = EngineStats()
         if args.deterministic:
             self._on_shutdown.append(batch_invariant_mode())
         t0 = time.perf_counter()
@@ -204,6 +209,34 @@ class Engine:
         loop, so a request's compile never runs on the engine loop."""
         return self.constraints.compiler.compile(spec)
 
+    def embed(self, inputs: Any, *, pooling: str = "last", normalize: bool = True) -> torch.Tensor:
+        """Embeddings of prompts (a string, token ids, or a list of them): float32
+        ``[N, hidden]``, the model's final hidden states pooled per prompt (``"last"``
+        token or ``"mean"``), L2-normalised unless ``normalize=False``; no KV kept
+        (``embed.py``). Runs on the engine loop between steps: generation pauses while it
+        runs."""
+        from torch_topg.engine.embed import POOLINGS, embed
+
+        if pooling not in POOLINGS:
+            raise ParameterError("pooling", f"expected one of {POOLINGS}, got {pooling!r}")
+        if self.config.args.tp_size > 1:
+            raise ParameterError("embed", "embeddings are not implemented with tp_size > 1")
+        vocab = self.model.config.get_text_config().vocab_size
+        ids = [tokenize(x, self.tokenizer, vocab)[1] for x in split_inputs(inputs)]
+        limit = self.config.max_model_len
+        for i, x in enumerate(ids):
+            if len(x) > limit:
+                raise ParameterError("input", f"input {i}: {len(x)} tokens, the context is {limit}")
+        budget = self.config.max_num_batched_tokens
+        fut: Future[torch.Tensor] = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("Engine: embed after shutdown()")
+            self._jobs.append((lambda: embed(self.model, ids, pooling=pooling,
+                               normalize=normalize, max_batch_tokens=budget), fut))  # fmt: skip
+            self._cv.notify_all()
+        return fut.result()
+
     def generate(
         self, inputs: Any, *, session_id: str | None = None, **sampling: Any
     ) -> list[RequestOutput]:
@@ -263,7 +296,11 @@ class Engine:
         while True:
             with self._cv:
                 while not (
-                    self._inbox or self._aborts or self._closed_sessions or self._stopping
+                    self._inbox
+                    or self._aborts
+                    or self._closed_sessions
+                    or self._stopping
+                    or self._jobs
                 ) and not (self.scheduler.has_work()):
                     self._cv.wait()
                 if self._stopping:
@@ -275,6 +312,13 @@ class Engine:
                     self._inbox.clear()
                     self._aborts.clear()
                 closed, self._closed_sessions = self._closed_sessions, []
+                jobs, self._jobs = self._jobs, []
+            for fn, fut in jobs:  # the model is the loop's: other uses run here
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # the caller gets it
+                        fut.set_exception(e)
             for sid in closed:
                 self.kv.close_session(sid)
             for req in new:
@@ -356,8 +400,9 @@ class Engine:
              s.seq.num_computed, s.num_new, s.seq.blocks)
             for s in out.scheduled
         ]  # fmt: skip
-        samples = [(1 + s.num_spec) * s.samples for s in out.scheduled]
-        return rows_of(self.runner.execute(self.runner.pack(items, samples)), samples)
+        samples = [rows_asked(s) for s in out.scheduled]
+        rows = rows_of(self.runner.execute(self.runner.pack(items, samples)), samples)
+        return [split_rows(s, r) for s, r in zip(out.scheduled, rows, strict=True)]
 
     def _run_isolated(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
         """The batched step raised: run each sequence alone; those that still raise fail
@@ -458,6 +503,9 @@ class Engine:
         text = seq.detok.pending(final=reason is not None)
         kept = [lp for lp in lps if lp is not None]
         d = Delta(req.request_id, seq.index, text, tokens, kept or None, reason)
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            d.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+            d.prompt_token_ids = req.prompt_token_ids
         if not req.finished:
             req.handle._push(d)
             return
@@ -475,6 +523,7 @@ class Engine:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[s.out for s in req.seqs],
             cached_prompt_tokens=req.cached_prompt_tokens,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     def _end_request(self, req: Request, reason: str) -> None:
@@ -533,49 +582,3 @@ class Engine:
                 "while_serving": self.runner.compilations - self._compiles_at_ready,
             },
         }
-
-
-class _Stats:
-    def __init__(self) -> None:
-        self.requests: Counter[str] = Counter(submitted=0, finished=0, aborted=0, failed=0)
-        self.tokens: Counter[str] = Counter(generated=0, computed=0)
-        self.steps = 0
-        self.tokens_per_step = 0
-        self.batch_sizes: Counter[int] = Counter()
-        self.time: Counter[str] = Counter(schedule_s=0.0, model_s=0.0, sample_s=0.0)
-
-    def count_step(self, out: SchedulerOutput) -> None:
-        self.steps += 1
-        self.batch_sizes[len(out.scheduled)] += 1
-        self.tokens_per_step += out.num_tokens
-        self.tokens["computed"] += out.num_tokens
-
-
-def _decode_plan_wanted(config: EngineConfig) -> bool | str:
-    """True, or why decode batches stay on the compiled graph (docs/decode-step.md)."""
-    args = config.args
-    if not args.decode_plan:
-        return "decode_plan=False"
-    if args.prefetch_depth > 0:
-        return "prefetch_depth > 0: offloaded layers stream their weights on the compiled graph"
-    if args.tp_size > 1:
-        return "tp_size > 1: each rank runs its shard on the compiled graph"
-    if args.deterministic:
-        return "deterministic=True: batch-invariant kernels run on the compiled graph"
-    if config.device.type not in ("cpu", "cuda"):
-        return f"device {config.device.type}: no decode plan (CPU) or CUDA graphs for it"
-    return True
-
-
-def _logits_width(model: torch.nn.Module) -> int:
-    """Columns of the model's logits (its ``lm_head``; may exceed the tokenizer's vocabulary)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    width = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
-    return int(width or model.config.get_text_config().vocab_size)
-
-
-def _cache_salt(model: torch.nn.Module, caches: list[torch.Tensor], block_size: int) -> bytes:
-    """What besides the tokens fixes a KV block's contents (the prefix hashes' root)."""
-    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-    layout = [(tuple(t.shape[1:]), str(t.dtype)) for t in caches]
-    return repr((name, id(model), block_size, layout)).encode()

@@ -17,6 +17,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None  # prompt logprobs: the token's rank in its row (1: the likeliest)
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     cached_prompt_tokens: int = 0
     error: BaseException | None = None
+    # prompt_logprobs: one entry per prompt token, the first None (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -92,6 +95,10 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # set on the sample's last delta
     usage: dict[str, Any] | None = None  # set on the request's last delta
+    # prompt_logprobs: set on the request's first delta (RequestOutput.prompt_logprobs),
+    # with the prompt's token ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class RequestAborted(Exception):

@@ -43,6 +43,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None  # None: the engine draws one
     logprobs: int | None = None  # None: none; k: the sampled token's and the top-k's
+    # None: none; k: each prompt token's log-probability given the tokens before it, and
+    # the top-k alternatives at its position (vLLM's); the first token has none
+    prompt_logprobs: int | None = None
     speculative: bool = True  # False: no speculative proposals for this request
     # added to the logits (after the penalties), token id -> bias in [-100, 100]: OpenAI's
     # logit_bias; -100 all but bans a token, 100 all but forces it
@@ -114,7 +117,7 @@ class SamplingParams:
         for name in ("n", "top_k"):
             if not _is_int(getattr(self, name)):
                 raise bad(name, "an int")
-        for name in ("max_new_tokens", "max_length", "seed", "logprobs"):
+        for name in ("max_new_tokens", "max_length", "seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not _is_int(getattr(self, name)):
                 raise bad(name, "an int or None")
         for name in (
@@ -149,6 +152,8 @@ class SamplingParams:
             raise bad("max_length", ">= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"in [0, {MAX_LOGPROBS}] or None")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of them")
         if not isinstance(self.stop_token_ids, list) or not all(

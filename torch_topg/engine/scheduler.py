@@ -29,6 +29,7 @@ from typing import Any
 
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.kv_cache import KVCacheManager
+from torch_topg.engine.prompt_logprobs import wants_prompt_rows
 from torch_topg.engine.sequence import Sequence, Status
 
 
@@ -219,7 +220,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not seq.blocks and seq.num_computed == 0 and seq.kv_load is None:
+            fresh = not seq.blocks and seq.num_computed == 0 and seq.kv_load is None
+            if fresh and not wants_prompt_rows(seq):  # prompt logprobs: the whole prompt
                 self.cache.match(seq)
             if not self.cache.load_done(seq):
                 break  # its cached prefix is being copied up from a lower tier

@@ -113,8 +113,13 @@ class Request:
     error: BaseException | None = None
     grammar: Any = None  # structured outputs: the compiled grammar (structured.py)
     forked: bool = False  # n > 1: the other samples have started from the first one
+    # prompt_logprobs: filled by the prefill (prompt_logprobs.py); sent with the first delta
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         # Sample i's key: the request seed for sample 0, a distinct odd-step offset after.
         self.seqs = [
             Sequence(self, i, (self.seed + i * 0x9E3779B97F4A7C15) % 2**64)

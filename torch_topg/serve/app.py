@@ -24,12 +24,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from torch_topg.engine import Engine
 from torch_topg.serve import generation
 from torch_topg.serve.chat_template import ChatOptions, ChatRenderer
+from torch_topg.serve.embeddings import embeddings_body
 from torch_topg.serve.errors import APIError
 from torch_topg.serve.metrics import CONTENT_TYPE, ServerMetrics
 from torch_topg.serve.playground import PAGE
 from torch_topg.serve.protocol import GenerationRequest, parse_chat, parse_completion
 from torch_topg.serve.responses import Response as Body
 from torch_topg.serve.responses import TokenText
+from torch_topg.serve.responses_api import ResponseObject, events, rename, to_chat
 from torch_topg.serve.tokenize import detokenize_body, tokenize_body
 from torch_topg.serve.tools import (
     ForcedToolParser,
@@ -39,7 +41,7 @@ from torch_topg.serve.tools import (
 )
 
 _ENDPOINTS = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/tokenize", "/detokenize")  # fmt: skip
+              "/tokenize", "/detokenize", "/v1/embeddings", "/v1/responses")  # fmt: skip
 
 
 class ServerState:
@@ -91,6 +93,7 @@ def create_app(
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     chat: ChatOptions | None = None,
+    pooling: str = "last",
 ) -> FastAPI:
     """The server's app over ``engine`` (None: loading, see :class:`ServerState`).
 
@@ -98,6 +101,7 @@ def create_app(
     key or several; when given, every ``/v1`` request needs ``Authorization: Bearer <key>``
     with one of them (401 otherwise). ``allowed_origins``: browser origins allowed by CORS
     (``"*"``: any). ``chat``: the chat template and output parsers (:class:`ChatOptions`).
+    ``pooling``: how ``/v1/embeddings`` pools the hidden states (``"last"``, ``"mean"``).
     The app never shuts the engine down: its owner does.
     """
     app = FastAPI(title="torch_topg", docs_url=None, redoc_url=None, openapi_url=None)
@@ -182,6 +186,38 @@ def create_app(
     async def detokenize(request: Request) -> dict[str, Any]:
         """vLLM's: ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
         return detokenize_body(state.require_engine(), await _json(request), state.model_name)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        """OpenAI's Responses API, stateless, run as a chat completion
+        (``serve/responses_api.py``)."""
+        start = generation.now()
+        body = await _json(request)
+        eng = state.require_engine()
+        try:
+            req = parse_chat(to_chat(body), state.model_name, eng.config.max_model_len)
+            _prepare_chat(state, req)
+            await generation.compile_constraint(eng, req)
+            handles = generation.submit(eng, req)
+        except APIError as e:
+            raise rename(e) from None
+        out, chat = ResponseObject(body, state.model_name), Body("chat", state.model_name)
+        if req.stream:
+            chunks = generation.stream(chat, req, handles, state.text, state.metrics, start)
+            return StreamingResponse(
+                events(out, chunks), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                background=BackgroundTask(generation.abort_unfinished, handles),
+            )  # fmt: skip
+        whole = await generation.complete(chat, req, handles, state.text, state.metrics,
+                                          request.is_disconnected, start)  # fmt: skip
+        return out.from_chat(whole)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        """OpenAI's embeddings: pooled final hidden states (``serve/embeddings.py``)."""
+        body = await _json(request)
+        return await embeddings_body(state.require_engine(), body, state.model_name, pooling)
 
     return app
 

@@ -57,6 +57,13 @@ def parser() -> argparse.ArgumentParser:
                    "chat template and the model type)")  # fmt: skip
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think> reasoning into reasoning_content (default: none)")  # fmt: skip
+    p.add_argument(
+        "--pooling",
+        default="last",
+        choices=("last", "mean"),
+        help="how /v1/embeddings pools the final hidden states: the last token's "
+        "(decoder embedding models' convention) or their mean; L2-normalised",
+    )
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     add_cli_args(p)  # one flag per engine option (torch_topg/engine/options.py)
@@ -110,7 +117,8 @@ def serve_main(argv: list[str]) -> int:
         print(e, file=sys.stderr)
         return 2
     app = create_app(None, served_name(args), api_key=keys,
-                     allowed_origins=args.allowed_origins or (), chat=chat)  # fmt: skip
+                     allowed_origins=args.allowed_origins or (), chat=chat,
+                     pooling=args.pooling)  # fmt: skip
     state = app.state.topg
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from torch_topg.engine import Delta, Engine, QueueFull, RequestHandle, RequestOutput
+from torch_topg.serve.echo import StreamEcho, echo_text, prompt_parts, with_echo
 from torch_topg.serve.errors import APIError, from_engine_error
 from torch_topg.serve.metrics import ServerMetrics
 from torch_topg.serve.protocol import GenerationRequest
@@ -117,18 +118,25 @@ async def complete(
     metrics.observe(outputs, start)
     choices = []
     for p, out in enumerate(outputs):
+        prefix = echo_text(req, p, text)
         for sample in out.outputs:
             lp = None
             if req.logprobs is not None:
-                lp = _logprobs(resp, sample.logprobs or [], text, req.logprobs)
+                lp = _logprobs(resp, sample.logprobs or [], text, req.logprobs, len(prefix))
+                lp = with_echo(req, prefix, out.prompt_token_ids, out.prompt_logprobs, lp, text)
             index, reason = p * req.n + sample.index, sample.finish_reason
             if req.output is None:
-                choices.append(resp.choice(index, sample.text, reason, lp))
+                choices.append(resp.choice(index, prefix + sample.text, reason, lp))
+                if resp.kind == "text":
+                    prompt_parts(req, choices[-1], out.prompt_logprobs, text)
                 continue
             msg = req.output.message(sample.text)
             reason = finish_reason(reason, bool(msg.get("tool_calls")))
             choices.append(resp.choice(index, sample.text, reason, lp, message=msg))
-    return resp.body(choices, usage(outputs))
+    body = resp.body(choices, usage(outputs))
+    if resp.kind == "chat" and req.prompt_logprobs is not None:  # vLLM's: one prompt
+        prompt_parts(req, body, outputs[0].prompt_logprobs, text)
+    return body
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -192,6 +200,7 @@ async def stream(
     usages: list[dict[str, Any]] = []
     finished = False
     parsers = _ChoiceParsers(resp, req.output, choices) if req.output is not None else None
+    echo = StreamEcho(req, text)
     try:
         if resp.kind == "chat":
             for c in range(choices):
@@ -199,19 +208,25 @@ async def stream(
         async for p, d in _merge(handles):
             if d.usage is not None:
                 usages.append(d.usage)
+            echo.seen(p, d.prompt_token_ids, d.prompt_logprobs)
             if not (d.text or d.logprobs or d.finish_reason):
                 continue
             c = p * req.n + d.index
-            lp = None
+            lp, extra = None, {}
+            if echo.active and c not in echo.started:
+                offsets[c] = echo.offset(p)
             if req.logprobs is not None and d.logprobs:
                 lp = _logprobs(resp, d.logprobs, text, req.logprobs, offsets[c])
                 offsets[c] += sum(len(text(t.token_id)) for t in d.logprobs)
+            if echo.active and resp.kind == "text":
+                d.text, lp, extra = echo.first(p, c, d.text, lp)
             if parsers is not None:
                 for chunk in parsers.chunks(c, d.text, d.finish_reason, lp):
                     yield resp.chunk([chunk], None, inc)
                 continue
             content = d.text if (d.text or resp.kind != "chat") else None
-            yield resp.chunk([resp.chunk_choice(c, content, d.finish_reason, lp)], None, inc)
+            chunk = resp.chunk_choice(c, content, d.finish_reason, lp)
+            yield resp.chunk([{**chunk, **extra}], None, inc)
         finished = True
         metrics.observe([h.result() for h in handles], start)
         if inc:

@@ -41,10 +41,11 @@ _SAMPLING = (
 )
 _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "logprobs", "user", "session_id",
+    "prompt_logprobs",
     *_SAMPLING, *STRUCTURED_FIELDS,
 }  # fmt: skip
 MAX_SESSION_ID = 256  # characters
-COMPLETION_FIELDS = frozenset(_COMMON | {"prompt"})
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo"})
 CHAT_FIELDS = frozenset(_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template", "chat_template_kwargs",
@@ -55,7 +56,6 @@ UNSUPPORTED: dict[str, str] = {
     "functions": _FUNCTIONS,
     "function_call": _FUNCTIONS,
     "best_of": "best_of (ranking several samples) is not implemented; use n",
-    "echo": "echoing the prompt is not implemented",
     "suffix": "fill-in-the-middle (suffix) is not implemented",
     "audio": "audio output is not implemented (text models only)",
     "modalities": "only text output is implemented",
@@ -94,6 +94,8 @@ class GenerationRequest:
     session_id: str | None = None  # the engine's session (KV kept for the conversation)
     chat: ChatInput | None = None  # chat: what the server renders into ``inputs``
     output: Any = None  # chat: how choices are parsed (app.OutputSpec), None: plain text
+    echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
+    prompt_logprobs: int | None = None  # vLLM's: alternatives per prompt token; None: none
 
 
 def _is_int(v: Any) -> bool:
@@ -218,11 +220,31 @@ def parse_completion(body: Any, served: str) -> GenerationRequest:
         )
     if lp is not None:
         sampling["logprobs"] = lp
+    echo = fields.get("echo", False)
+    if not isinstance(echo, bool):
+        raise APIError(f"echo must be a bool, got {echo!r:.40}", param="echo")
+    plp = _prompt_logprobs(fields, sampling)
+    if echo and lp is not None:  # the echoed prompt's tokens carry logprobs too
+        sampling["prompt_logprobs"] = max(lp, plp or 0)
     return GenerationRequest(
         inputs, sampling, stream, usage, lp, _n(fields),
         renames={"max_new_tokens": name, **renames},
-        session_id=_session_id(fields),
+        session_id=_session_id(fields), echo=echo, prompt_logprobs=plp,
     )  # fmt: skip
+
+
+def _prompt_logprobs(fields: dict[str, Any], sampling: dict[str, Any]) -> int | None:
+    """vLLM's ``prompt_logprobs``: an int in [0, 20] (alternatives per prompt token)."""
+    plp = fields.get("prompt_logprobs")
+    if plp is None:
+        return None
+    if not _is_int(plp) or not 0 <= plp <= MAX_TOP_LOGPROBS:
+        raise APIError(
+            f"prompt_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {plp!r:.40}",
+            param="prompt_logprobs",
+        )
+    sampling["prompt_logprobs"] = plp
+    return plp
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -282,7 +304,16 @@ def parse_chat(body: Any, served: str, max_model_len: int) -> GenerationRequest:
         renames={"max_new_tokens": name, "prompt": "messages", "max_length": "messages",
                  "logprobs": "top_logprobs", **renames},
         session_id=_session_id(fields), chat=chat,
+        prompt_logprobs=_chat_prompt_logprobs(fields, sampling, stream),
     )  # fmt: skip
+
+
+def _chat_prompt_logprobs(fields: dict[str, Any], sampling: dict[str, Any], stream: bool) -> Any:
+    """Chat's ``prompt_logprobs``: returned in the whole response only (vLLM's)."""
+    if stream and fields.get("prompt_logprobs") is not None:
+        raise APIError("prompt_logprobs is returned with stream=false only on chat "
+                       "completions", param="prompt_logprobs")  # fmt: skip
+    return _prompt_logprobs(fields, sampling)
 
 
 def _session_id(fields: dict[str, Any]) -> str | None:

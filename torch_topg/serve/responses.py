@@ -51,6 +51,12 @@ class TokenText:
                 self._cache[token_id] = s
         return s
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of a token id list (a prompt given as ids, echoed)."""
+        if self._tok is None:
+            return "".join(self(t) for t in ids)
+        return self._tok.decode(ids, skip_special_tokens=False)
+
     def bytes(self, token_id: int) -> list[int]:
         s = self(token_id)
         if "\ufffd" in s and self._tok is not None:
@@ -113,6 +119,54 @@ def completion_logprobs(
         "top_logprobs": [_top_by_text(t, text, k) if k else None for t in lps],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(
+    lps: list[TokenLogprob | None] | None, text: TokenText, k: int
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id (a
+    string): {"logprob", "rank", "decoded_token"}}`` holding the prompt token and its
+    position's top-``k`` alternatives (ranks 1..k)."""
+    if lps is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for t in lps:
+        if t is None:
+            out.append(None)
+            continue
+        entry = {
+            str(a): {"logprob": _finite(v), "rank": r, "decoded_token": text(a)}
+            for r, (a, v) in enumerate(list(t.top.items())[:k], start=1)
+        }
+        entry[str(t.token_id)] = {"logprob": _finite(t.logprob), "rank": t.rank,
+                                  "decoded_token": text(t.token_id)}  # fmt: skip
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(
+    ids: list[int], lps: list[TokenLogprob | None], text: TokenText, k: int
+) -> dict[str, Any]:
+    """The legacy completion ``logprobs`` of an echoed prompt (token ``ids``, their
+    prompt logprobs ``lps``): its tokens from offset 0, the first with null logprobs
+    (nothing comes before it), as OpenAI's ``echo``."""
+    tokens, offsets, values, tops = [], [], [], []
+    offset = 0
+    for tid, t in zip(ids, lps, strict=True):
+        tokens.append(text(tid))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+        values.append(None if t is None else _finite(t.logprob))
+        tops.append(None if t is None or not k else _top_by_text(t, text, k))
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two legacy ``logprobs`` objects as one (the echoed prompt's, then the choice's)."""
+    if then is None:
+        return first
+    return {key: first[key] + then[key] for key in first}
 
 
 def _top_by_text(t: TokenLogprob, text: TokenText, k: int) -> dict[str, float]:

@@ -27,7 +27,8 @@ from torch_topg.bench import Stopwatch
 from torch_topg.bench.memory import peak_rss_mb, rss_mb
 
 #: gguf_for's targets: llama-quantize's type names.
-GGUF_KINDS = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+GGUF_KINDS = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M",
+              "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}  # fmt: skip
 
 
 def gguf_for(dtype: str, quantize: Path) -> Path:

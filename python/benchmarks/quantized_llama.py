@@ -28,6 +28,10 @@ from torch_topg.bench.timing import summarize, timed
 
 #: Formats compared, in order: the shipped file first.
 LLAMA_FORMATS = ("q4_1", "q8_0", "q4_0")
+#: The K-quant files (llama-quantize's mixes; SmolLM2's 576-wide rows are not a multiple
+#: of 256, so most of their tensors fall back to q5_0 / q5_1 / q8_0, which load
+#: de-quantised where torch_topg has no packed format), for perplexity.
+K_FORMATS = ("q4_k_m", "q5_k_m", "q6_k")
 
 
 def gguf_file(fmt: str, llama: dict) -> Path:
@@ -218,7 +222,7 @@ def topg_ppl(model, ids: list[int], chunks: int) -> float:
 
 #: Perplexity files: the float files (the shipped weights de-quantised by llama-quantize;
 #: the engine runs them in fp32 / bf16) and the quantised ones.
-PPL_FORMATS = ("fp32", "bf16", *LLAMA_FORMATS)
+PPL_FORMATS = ("fp32", "bf16", *LLAMA_FORMATS, *K_FORMATS)
 
 
 def perplexities(llama: dict, text: Path, chunks: int, formats=PPL_FORMATS) -> list[dict]:
@@ -227,8 +231,7 @@ def perplexities(llama: dict, text: Path, chunks: int, formats=PPL_FORMATS) -> l
     fp32 activations, then int8."""
     import torch
 
-    from torch_topg.engine.loading import load_config
-    from torch_topg.quant.gguf_direct import load_packed
+    from torch_topg.engine.loading import load_gguf_packed
 
     rows = []
     for fmt in formats:
@@ -236,11 +239,11 @@ def perplexities(llama: dict, text: Path, chunks: int, formats=PPL_FORMATS) -> l
         ids = llama_ids(llama, path, text)
         n = min(chunks, len(ids) // PPL_CTX)
         ref, cmd = llama_ppl(llama, path, text, n)
-        config, _ = load_config(path)
         row = {"format": fmt, "chunks": n, "llama": ref, "llama_cmd": cmd, "int8": None}
         dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
-        for act in (False, True) if fmt in LLAMA_FORMATS else (False,):
-            model = load_packed(path, config, dtype, int8_activations=act)
+        for act in (False, True) if fmt in (*LLAMA_FORMATS, *K_FORMATS) else (False,):
+            q = {"method": "gguf", "int8_activations": act}
+            model = load_gguf_packed(path, dtype, q)[0]
             row["int8" if act else "fp32"] = topg_ppl(model, ids, n)
         line = f"{fmt}: perplexity llama.cpp {ref:.4f}, topg {row['fp32']:.4f} ({_vs(row, 'fp32')})"
         if row["int8"] is not None:

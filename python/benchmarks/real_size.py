@@ -164,8 +164,11 @@ def run_format(shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: 
         "format": fmt,
         "unit": "ms/token",
         "figures": {k: v.to_dict() for k, v in figures.items()},
-        "ratios": {f"{k} / llama.cpp": v.scaled(1 / lc).to_dict() for k, v in figures.items()
-                   if k != "llama.cpp"},  # fmt: skip
+        "ratios": {
+            f"{k} / llama.cpp": v.scaled(1 / lc).to_dict()
+            for k, v in figures.items()
+            if k != "llama.cpp"
+        },
         "read_limit_ms": limit_ms,
         "read_share": {k: limit_ms / v.median for k, v in figures.items()},
         "tensors": kinds,

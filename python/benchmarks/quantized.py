@@ -93,9 +93,10 @@ def vs_llama(args) -> None:
     llama = ensure_llama_cpp()
     ppl = []
     if args.llama_ppl:
-        from quantized_llama import perplexities, ppl_table
+        from quantized_llama import PPL_FORMATS, perplexities, ppl_table
 
-        ppl = perplexities(llama, eval_text(), args.llama_ppl)
+        formats = args.ppl_formats.split(",") if args.ppl_formats else PPL_FORMATS
+        ppl = perplexities(llama, eval_text(), args.llama_ppl, formats)
     rows = side_by_side(llama, args.repeats) if args.llama else []
     notes = [f"- command: `python python/benchmarks/quantized.py {' '.join(sys.argv[1:])}`",
              f"- date {date}; 2 threads; SmolLM2-135M-Instruct; read bandwidth "
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--llama", action="store_true", help="decode / prefill against llama.cpp")
     ap.add_argument("--llama-ppl", type=int, default=0, metavar="CHUNKS",
                     help="perplexity against llama-perplexity on CHUNKS chunks of 512")  # fmt: skip
+    ap.add_argument("--ppl-formats", default="", help="comma-separated (default: all)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="bench_results")
     ap.add_argument("--md", default=None)

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 # (u32 element type, u64 count, elements).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
-_FORMAT = 1  # this cache's layout; part of the digest
+_FORMAT = 1  # this cache's layout; part of the digest (raise it when a conversion built
+# here, gguf_arch / gguf_tokenizer, changes what it makes)
 
 
 class _Truncated(ValueError):
@@ -146,8 +147,23 @@ def _cache_root() -> Path:
 
 
 def _convert(folder: Path, name: str) -> tuple[Any, Any]:
+    """(config, tokenizer) of ``folder / name``: built from its metadata here for the
+    architectures transformers' GGUF reader does not read (``quant/gguf_arch.py``,
+    ``engine/gguf_tokenizer.py``), else as transformers converts them."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from torch_topg.engine.gguf_tokenizer import tokenizer_from_metadata
+    from torch_topg.quant.gguf_arch import config_from_metadata, file_architecture, read_metadata
+
+    try:
+        metadata, names = read_metadata(folder / name)
+    except ValueError as e:  # transformers' reader says what is wrong with the file
+        log.debug("GGUF metadata: %s", e)
+        metadata, names = {}, []
+    if file_architecture(metadata) is not None:
+        config = config_from_metadata(metadata, names)
+        config._name_or_path = str(folder)  # as transformers names a GGUF's config
+        return config, tokenizer_from_metadata(metadata)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     return config, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 

@@ -30,6 +30,7 @@ from torch_topg.engine.gguf_meta import config_and_tokenizer
 from torch_topg.engine.loading import load_gguf_packed
 from torch_topg.models import smollm2_available
 from torch_topg.quant import QuantizedExperts, QuantizedLinear
+from torch_topg.quant.gguf_arch import read_file
 from torch_topg.quant.gguf_direct import load_dequantized
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "benchmarks"))
@@ -138,8 +139,8 @@ def test_bf16_file_runs_as_transformers_on_the_folder(files, reference):
 
 
 def test_q8_0_file_runs_packed(files):
-    """``quantization="gguf"`` on the Q8_0 file: experts ``QuantizedExperts`` over the
-    file's bytes, projections and LM head ``QuantizedLinear``, router and norms float;
+    """The loader's reader gives gguf-py's tensors. ``quantization="gguf"`` on the Q8_0
+    file: experts ``QuantizedExperts`` over the file's bytes, projections and LM head ``QuantizedLinear``, router and norms float;
     logits and greedy tokens (alone and batched) of the file's de-quantised weights, whose
     values are gguf-py's de-quantisation of the file."""
     q8 = files[2]
@@ -147,6 +148,12 @@ def test_q8_0_file_runs_packed(files):
     dense = load_dequantized(q8, config, torch.float32)
     assert dense is not None and not any(isinstance(m, QuantizedExperts) for m in dense.modules())
     tensors = {t.name: t for t in gguf.GGUFReader(str(q8)).tensors}
+    _, ours = read_file(q8)  # the loader's reader: gguf-py's tensors, memory-mapped
+    assert [t.name for t in ours] == list(tensors)
+    for t in ours:
+        want = tensors[t.name]
+        assert t.tensor_type == want.tensor_type and list(t.shape) == [*reversed(want.shape.tolist())]  # fmt: skip
+        np.testing.assert_array_equal(t.data, want.data)
     down = tensors["blk.1.ffn_down_exps.weight"]
     np.testing.assert_array_equal(
         dense.model.layers[1].mlp.experts.down_proj.detach().numpy(),
@@ -184,7 +191,7 @@ def test_q4_k_m_file_loads_with_unpacked_formats(files, caplog):
     path = _quantize(bf16, "Q4_K_M", converter, folder)
     if path is None:
         pytest.skip(f"llama-quantize is not built ({binaries()['llama-quantize']})")
-    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    kinds = {t.name: t.tensor_type.name for t in read_file(path)[1]}
     assert "Q5_0" in kinds.values() and "Q8_0" in kinds.values()
     with caplog.at_level(logging.INFO, logger="torch_topg.quant.gguf_direct"):
         model, _ = load_gguf_packed(path, torch.float32, "gguf")

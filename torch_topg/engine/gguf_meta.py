@@ -32,8 +32,7 @@ log = logging.getLogger(__name__)
 # (u32 element type, u64 count, elements).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
-_FORMAT = 1  # this cache's layout; part of the digest (raise it when a conversion built
-# here, gguf_arch / gguf_tokenizer, changes what it makes)
+_FORMAT = 1  # this cache's layout; part of the digest
 
 
 class _Truncated(ValueError):

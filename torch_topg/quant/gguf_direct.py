@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,7 @@ import torch
 
 from torch_topg.formats import BY_GGUF_TYPE, dequantize
 from torch_topg.quant.experts import QuantizedExperts, experts_activation, experts_problem
-from torch_topg.quant.gguf_arch import configured_here
+from torch_topg.quant.gguf_arch import FileTensor, configured_here, read_file
 from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear, embedding_scale
 
 log = logging.getLogger(__name__)
@@ -122,26 +123,27 @@ def _target(name: str, arch: str | None = None) -> str | None:
     return None
 
 
-def mixtral_config(fields: Any, config: Any) -> Any:
-    """A ``MixtralConfig`` for a Mixtral-type file (its reader's ``fields``: architecture
-    ``llama`` with ``llama.expert_count`` > 0), which transformers' GGUF reader turns into
-    a dense ``LlamaConfig``; ``config`` itself for any other file."""
+def mixtral_config(metadata: Mapping[str, Any], config: Any) -> Any:
+    """A ``MixtralConfig`` for a Mixtral-type file (its ``metadata`` as
+    :func:`~torch_topg.quant.gguf_arch.read_metadata` gives it: architecture ``llama``
+    with ``llama.expert_count`` > 0), which transformers' GGUF reader turns into a dense
+    ``LlamaConfig``; ``config`` itself for any other file."""
     from transformers import MixtralConfig
 
     if getattr(config, "model_type", None) != "llama":
         return config
-    experts = fields.get("llama.expert_count")
-    if experts is None or int(experts.parts[-1][0]) == 0:
+    experts = metadata.get("llama.expert_count")
+    if experts is None or int(experts) == 0:
         return config
-    used = fields.get("llama.expert_used_count")
+    used = metadata.get("llama.expert_used_count")
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
             "rms_norm_eps", "rope_parameters", "rope_theta", "tie_word_embeddings",
             "bos_token_id", "eos_token_id", "pad_token_id", "head_dim")  # fmt: skip
     kw = {k: getattr(config, k) for k in keep if getattr(config, k, None) is not None}
-    kw["num_local_experts"] = int(experts.parts[-1][0])
+    kw["num_local_experts"] = int(experts)
     if used is not None:
-        kw["num_experts_per_tok"] = int(used.parts[-1][0])
+        kw["num_experts_per_tok"] = int(used)
     return MixtralConfig(**kw)
 
 
@@ -204,7 +206,7 @@ def load_packed(
     config: Any,
     dtype: torch.dtype,
     int8_activations: bool = False,
-    reader: Any = None,
+    file: tuple[dict[str, Any], list[FileTensor]] | None = None,
     strict: bool = False,
 ) -> torch.nn.Module | None:
     """The causal LM of ``config`` (loaded from the same file) with the file's tensors:
@@ -212,8 +214,8 @@ def load_packed(
     without a packed kernel here, de-quantised); None if the file's architecture is not
     one of :data:`ARCHITECTURES` or a tensor has no place in the model (``strict``:
     raise ValueError saying which, instead). ``int8_activations``: for the linears other
-    than the LM head. ``reader``: the file's ``gguf.GGUFReader`` if the caller has one
-    (parsing a file's tokenizer takes seconds)."""
+    than the LM head. ``file``: the file's :func:`~torch_topg.quant.gguf_arch.read_file`
+    if the caller has it."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -222,17 +224,16 @@ def load_packed(
             raise ValueError(f"{os.fspath(path)}: {why}")
         log.debug("GGUF %s not built packed: %s", os.fspath(path), why)
 
-    reader = reader if reader is not None else gguf.GGUFReader(path)
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
+    metadata, tensors = file if file is not None else read_file(path)
+    arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         return refuse(f"architecture {arch!r} is not among {sorted(ARCHITECTURES)}")
-    config = mixtral_config(reader.fields, config)  # a Mixtral file reads as a dense Llama
+    config = mixtral_config(metadata, config)  # a Mixtral file reads as a dense Llama
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key, attr in _MOE_SIZES.items():
-        field = reader.fields.get(f"{arch}.{key}")
-        if field is not None and hasattr(text, attr):
-            setattr(text, attr, int(field.parts[-1][0]))
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and hasattr(text, attr):
+            setattr(text, attr, int(value))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     heads = {"attn_q": text.num_attention_heads,
@@ -241,14 +242,14 @@ def load_packed(
     floats: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, tuple[torch.Tensor, str | None]]] = {}  # path -> part
     unpacked: list[str] = []  # tensors de-quantised for want of a packed format
-    for t in reader.tensors:
+    for t in tensors:
         target = _target(t.name, arch)
         if target is None:
             return refuse(f"tensor {t.name} has no place in {type(model).__name__}")
         data = np.array(t.data)
         fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
         value: Any = None
-        shape = [int(s) for s in reversed(t.shape)]  # GGUF lists the innermost first
+        shape = list(t.shape)
         if fmt is None:  # float, or a block format without a kernel here: de-quantised
             if t.tensor_type.name not in ("F32", "F16", "BF16"):
                 unpacked.append(f"{t.name} ({t.tensor_type.name.lower()})")
@@ -367,16 +368,15 @@ def load_dequantized(
     values, as transformers gives them for the files it reads. None for every other file
     (the caller loads it through transformers). Raises ValueError naming a tensor that
     cannot be placed, rather than returning a model with missing weights."""
-    import gguf
     from transformers import AutoModelForCausalLM
 
     configured = configured_here(config)
     if not configured and getattr(config, "model_type", None) != "llama":
         return None  # (the file is not parsed again)
-    reader = gguf.GGUFReader(path)
-    if not configured and mixtral_config(reader.fields, config) is config:
+    file = read_file(path)
+    if not configured and mixtral_config(file[0], config) is config:
         return None
-    packed = load_packed(path, config, dtype, reader=reader, strict=True)
+    packed = load_packed(path, config, dtype, file=file, strict=True)
     assert packed is not None  # strict: raised otherwise
     state, config = _float_state(packed, dtype), packed.config
     del packed  # the packed bytes: not needed beside the float tensors

@@ -7,9 +7,8 @@ the engine builds both from the file's metadata (``torch_topg/quant/gguf_arch.py
 ``torch_topg/engine/gguf_tokenizer.py``) and the model from its tensors
 (``torch_topg/quant/gguf_direct.py``): the BF16 file gives transformers' greedy tokens on
 the safetensors folder it was made from; a Q8_0 file runs packed (``QuantizedExperts``,
-``fused_moe_q``) and matches its de-quantised weights; a Q4_K_M file of these widths
-(too narrow for K-quants, so llama-quantize writes Q5_0, which has no packed kernel here)
-loads with those tensors de-quantised."""
+``fused_moe_q``) and matches its de-quantised weights; so does a Q4_K_M file (Q4_K, Q6_K),
+with two tensors in Q5_0, which has no packed kernel here, de-quantised."""
 
 from __future__ import annotations
 
@@ -39,21 +38,26 @@ from llama_cpp_build import binaries, llama_cpp_sources
 pytestmark = pytest.mark.skipif(smollm2_available() is not None, reason=str(smollm2_available()))
 
 #: OLMoE-1B-7B's shape, shrunk (the real vocabulary: SmolLM2's tokenizer padded to it).
-SHAPE = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+#: Rows of 256 hold whole K-quant blocks: narrower ones llama-quantize writes as Q5_0 /
+#: Q8_0 in a Q4_K_M file, so there would be no Q4_K to run.
+SHAPE = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, num_experts=4, num_experts_per_tok=2)  # fmt: skip
 GREEDY = dict(temperature=0, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 200, 255, 17, 42], [3000, 40000, 7, 8], list(range(11, 24))]
 
 
-def _quantize(bf16: Path, kind: str, converter: Path, folder: Path) -> Path | None:
-    """``bf16`` quantised to ``kind`` by llama-quantize; without it, Q8_0 by the converter
-    and None for other kinds."""
+def _quantize(bf16: Path, kind: str, converter: Path, folder: Path, *overrides: str) -> Path | None:
+    """``bf16`` quantised to ``kind`` by llama-quantize (``overrides``: its
+    ``--tensor-type name=type`` arguments); without it, Q8_0 by the converter and None
+    for other kinds."""
     from torch_topg.bench.real_size import convert_to_gguf
 
     out = bf16.with_name(f"olmoe-{kind}.gguf")
     tool = binaries()["llama-quantize"]
     if tool.exists():
-        r = subprocess.run([str(tool), str(bf16), str(out), kind], capture_output=True, text=True)
+        args = [a for o in overrides for a in ("--tensor-type", o)]
+        cmd = [str(tool), *args, str(bf16), str(out), kind]
+        r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, (r.stdout + r.stderr)[-1500:]
         return out
     if kind == "Q8_0":
@@ -157,7 +161,9 @@ def test_q8_0_file_runs_packed(files):
     down = tensors["blk.1.ffn_down_exps.weight"]
     np.testing.assert_array_equal(
         dense.model.layers[1].mlp.experts.down_proj.detach().numpy(),
-        gguf.quants.dequantize(down.data, down.tensor_type).reshape(4, 64, 32),
+        gguf.quants.dequantize(down.data, down.tensor_type).reshape(
+            4, SHAPE["hidden_size"], SHAPE["intermediate_size"]
+        ),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -169,7 +175,7 @@ def test_q8_0_file_runs_packed(files):
         assert isinstance(getattr(layer.self_attn, proj), QuantizedLinear), proj
     assert isinstance(packed.lm_head, QuantizedLinear)
     assert layer.mlp.gate.weight.dtype == torch.float32
-    assert layer.self_attn.q_norm.weight.shape == (64,)  # the whole projection's width
+    assert layer.self_attn.q_norm.weight.shape == (SHAPE["hidden_size"],)  # all heads' width
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, dense(ids).logits, atol=1e-4, rtol=1e-4)
@@ -182,30 +188,36 @@ def test_q8_0_file_runs_packed(files):
     assert batch == want
 
 
-def test_q4_k_m_file_loads_with_unpacked_formats(files, caplog):
-    """llama-quantize's Q4_K_M of these widths (64 and 32: no 256-block fits) holds Q5_0,
-    which no packed kernel here runs, and Q8_0: the file loads, the Q5_0 tensors
-    de-quantised (one log line names them), the Q8_0 ones packed, experts whose parts mix
-    the two de-quantised; its logits are those of the de-quantised file."""
+def test_q4_k_m_file_runs_packed_where_it_can(files, caplog):
+    """llama-quantize's Q4_K_M (Q4_K; Q6_K for the LM head and some V / down rows) with
+    layer 0's ``attn_q`` and ``ffn_down_exps`` forced to Q5_0 (what llama-quantize writes
+    where a row holds no whole K-quant block; no packed kernel here): the Q4_K / Q6_K
+    tensors run packed, layer 1's experts as Q4_K gate / up with their down rows' own
+    format; the Q5_0 ones are de-quantised, as are layer 0's experts (Q4_K and Q5_0 parts
+    make no one ``QuantizedExperts``), one log line naming them; the logits are those of
+    the file de-quantised."""
     folder, bf16, _, converter = files
-    path = _quantize(bf16, "Q4_K_M", converter, folder)
+    forced = (r"blk\.0\.attn_q=q5_0", r"blk\.0\.ffn_down_exps=q5_0")
+    path = _quantize(bf16, "Q4_K_M", converter, folder, *forced)
     if path is None:
         pytest.skip(f"llama-quantize is not built ({binaries()['llama-quantize']})")
-    kinds = {t.name: t.tensor_type.name for t in read_file(path)[1]}
-    assert "Q5_0" in kinds.values() and "Q8_0" in kinds.values()
+    kinds = {t.name: t.tensor_type.name.lower() for t in read_file(path)[1]}
+    assert kinds["blk.0.attn_q.weight"] == kinds["blk.0.ffn_down_exps.weight"] == "q5_0"
+    assert kinds["blk.1.ffn_gate_exps.weight"] == kinds["token_embd.weight"] == "q4_k"
+    assert kinds["output.weight"] == "q6_k"
     with caplog.at_level(logging.INFO, logger="torch_topg.quant.gguf_direct"):
         model, _ = load_gguf_packed(path, torch.float32, "gguf")
     line = next(r.getMessage() for r in caplog.records if "de-quantised" in r.getMessage())
     listed = {item.split(" (")[0] for item in line.split("here: ", 1)[1].split(", ")}
-    assert {n for n, k in kinds.items() if k == "Q5_0"} <= listed
-    assert not {n for n, k in kinds.items() if k == "Q8_0"} & listed
-    for i in range(2):  # a layer's experts: packed only if gate, up and down are all Q8_0
-        parts = {kinds[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")}
-        experts = model.model.layers[i].mlp.experts
-        assert isinstance(experts, QuantizedExperts) == (parts == {"Q8_0"})
-        mixed = "Q8_0" in parts and parts != {"Q8_0"}  # its Q8_0 parts de-quantised too
-        assert (f"model.layers.{i}.mlp.experts" in listed) == mixed
-    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "q8_0"
+    assert listed == {"blk.0.attn_q.weight", "blk.0.ffn_down_exps.weight", "model.layers.0.mlp.experts"}  # fmt: skip
+    layers = model.model.layers
+    assert type(layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert not isinstance(layers[0].mlp.experts, QuantizedExperts)
+    q1, e1 = layers[1].self_attn.q_proj, layers[1].mlp.experts
+    assert isinstance(q1, QuantizedLinear) and q1.format == kinds["blk.1.attn_q.weight"]
+    assert isinstance(e1, QuantizedExperts) and e1.format == "q4_k"
+    assert e1.down_format == kinds["blk.1.ffn_down_exps.weight"]
+    assert model.lm_head.format == "q6_k" and model.model.embed_tokens.format == "q4_k"
     config, _ = config_and_tokenizer(path)
     dense = load_dequantized(path, config, torch.float32)
     ids = torch.tensor([PROMPTS[2]])

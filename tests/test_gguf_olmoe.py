@@ -129,6 +129,28 @@ def test_config_and_tokenizer_from_metadata(files, reference):
     assert again.to_dict() == config.to_dict() and tok2(texts[0]).input_ids == tok(texts[0]).input_ids  # fmt: skip
 
 
+def test_table_reads_what_the_file_states(files):
+    """Keys the converter leaves out for OLMoE but a file may state override the table's
+    defaults; a file missing a size, of an architecture without a table, or with another
+    tokenizer model is refused naming it; ``add_bos_token`` adds BOS."""
+    from torch_topg.engine.gguf_tokenizer import tokenizer_from_metadata
+    from torch_topg.quant.gguf_arch import config_from_metadata, read_metadata
+
+    meta, names = read_metadata(files[1])
+    stated = {**meta, "olmoe.expert_weights_norm": True, "olmoe.attention.clamp_kqv": 8.0}
+    config = config_from_metadata(stated, names)
+    assert config.norm_topk_prob is True and config.clip_qkv == 8.0
+    assert config_from_metadata(meta, [n for n in names if n != "output.weight"]).tie_word_embeddings  # fmt: skip
+    with pytest.raises(ValueError, match="states no"):
+        config_from_metadata({k: v for k, v in meta.items() if k != "olmoe.block_count"}, names)
+    with pytest.raises(ValueError, match="'nosucharch' has no config table"):
+        config_from_metadata({**meta, "general.architecture": "nosucharch"}, names)
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 'llama'"):
+        tokenizer_from_metadata({**meta, "tokenizer.ggml.model": "llama"})
+    tok = tokenizer_from_metadata({**meta, "tokenizer.ggml.add_bos_token": True})
+    assert tok("hi").input_ids[0] == meta["tokenizer.ggml.bos_token_id"]
+
+
 def test_bf16_file_runs_as_transformers_on_the_folder(files, reference):
     """The engine on the BF16 file (``quantization=None``) gives transformers' greedy
     tokens on the folder the file was made from, alone and batched."""

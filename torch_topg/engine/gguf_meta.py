@@ -3,8 +3,10 @@
 transformers builds a GGUF file's config and its tokenizer each from a full
 ``gguf.GGUFReader`` pass, which parses every metadata entry element by element: for a
 49,152-token vocabulary with its merges that is 6-8 s a pass on two cores, and
-``Engine.from_pretrained`` needs both (~14 s before a weight is read). Both are read
-off the file's header, its metadata entries and its tensor names (``tie_word_embeddings``
+``Engine.from_pretrained`` needs both (~14 s before a weight is read). (For the
+architectures transformers' reader refuses, ``olmoe`` among them, both are built from the
+metadata instead: ``torch_topg/quant/gguf_arch.py``, ``engine/gguf_tokenizer.py``; they
+are cached the same way.) Both are read off the file's header, its metadata entries and its tensor names (``tie_word_embeddings``
 is whether ``output.weight`` is among them), never off tensor data. So the digest here
 is SHA-256 over those bytes and the tensors' dimensions (found by a skip-parse of the
 file's start: 0.05 s), plus transformers' version; the converted config and tokenizer are
@@ -146,14 +148,32 @@ def _cache_root() -> Path:
 
 
 def _convert(folder: Path, name: str) -> tuple[Any, Any]:
-    import gguf
+    """(config, tokenizer) of ``folder / name``: built from its metadata here for the
+    architectures transformers' GGUF reader does not read (``quant/gguf_arch.py``,
+    ``engine/gguf_tokenizer.py``), else as transformers converts them."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from torch_topg.engine.gguf_tokenizer import tokenizer_from_metadata
+    from torch_topg.quant.gguf_arch import (
+        config_from_metadata,
+        file_architecture,
+        read_file,
+        read_metadata,
+    )
     from torch_topg.quant.gguf_rope import apply_rope_freqs
 
+    try:
+        metadata, names = read_metadata(folder / name)
+    except ValueError as e:  # transformers' reader says what is wrong with the file
+        log.debug("GGUF metadata: %s", e)
+        metadata, names = {}, []
+    if file_architecture(metadata) is not None:
+        config = config_from_metadata(metadata, names)
+        config._name_or_path = str(folder)  # as transformers names a GGUF's config
+        return config, tokenizer_from_metadata(metadata)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     # Llama 3's RoPE scaling is stored as a tensor transformers' reader drops
-    config = apply_rope_freqs(config, gguf.GGUFReader(folder / name))
+    config = apply_rope_freqs(config, read_file(folder / name)[1])
     return config, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
@@ -173,7 +193,8 @@ def _save(dest: Path, config: Any, tok: Any) -> None:
 
 
 def config_and_tokenizer(path: str | os.PathLike[str]) -> tuple[Any, Any]:
-    """(config, tokenizer) of the GGUF file ``path``, as transformers converts them: from
+    """(config, tokenizer) of the GGUF file ``path``, as transformers converts them (or as
+    :func:`_convert` builds them for an architecture transformers does not read): from
     the cache when a file with the same metadata was converted before, else converted
     and saved there (a cache that cannot be written is skipped, with a debug log)."""
     from transformers import AutoConfig, AutoTokenizer

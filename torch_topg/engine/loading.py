@@ -109,7 +109,7 @@ def load(
     folder, gguf = resolve(model)
     kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     config, tok = _config_tokenizer(folder, gguf)
-    if gguf:  # a Mixtral-type file, which transformers reads as a dense Llama
+    if gguf:  # a file transformers does not read (OLMoE) or misreads (Mixtral-type)
         from torch_topg.quant.gguf_direct import load_dequantized
 
         m = load_dequantized(folder / gguf, config, dtype)
@@ -129,6 +129,7 @@ def load_gguf_packed(
     else loaded de-quantised by transformers and matched row by row (gguf_model.py)."""
     from transformers import AutoModelForCausalLM
 
+    from torch_topg.quant.gguf_arch import configured_here
     from torch_topg.quant.gguf_direct import load_packed
     from torch_topg.quant.loading import apply_quantization, gguf_file, resolve_quantization
 
@@ -136,7 +137,8 @@ def load_gguf_packed(
     folder, name = resolve(path)
     config, tok = _config_tokenizer(folder, name)
     act = resolve_quantization(quantization)[1].get("int8_activations", False)
-    m = load_packed(path, config, dtype, int8_activations=act)
+    # a file configured from its metadata has no transformers path to fall back on
+    m = load_packed(path, config, dtype, int8_activations=act, strict=configured_here(config))
     if m is None:  # the file de-quantised by transformers (config and tokenizer kept)
         m = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, gguf_file=name, config=config

@@ -60,12 +60,13 @@ def llama3_rope_parameters(divisors: np.ndarray, theta: float, dim: int) -> dict
     return None
 
 
-def apply_rope_freqs(config: Any, reader: Any) -> Any:
-    """``config`` with llama3 RoPE scaling when the file (``gguf.GGUFReader``) holds
+def apply_rope_freqs(config: Any, tensors: Any) -> Any:
+    """``config`` with llama3 RoPE scaling when the file's tensors (objects with ``name``
+    and ``data``: ``gguf_arch.read_file``'s, or a ``gguf.GGUFReader``'s ``tensors``) hold
     ``rope_freqs.weight`` and its config has plain RoPE; unchanged otherwise. Raises
     ValueError when the divisors match no llama3 setting (the model would run with
     angles other than the file's)."""
-    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    t = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     if t is None:
         return config
     params = dict(getattr(config, "rope_parameters", None) or {})

@@ -17,7 +17,14 @@ gguf = pytest.importorskip("gguf")
 GGMLType = gguf.GGMLQuantizationType
 
 # Byte offsets of the half-precision scales inside one block, per GGUF format.
-HALF_AT = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+HALF_AT = {
+    "q8_0": (0,),
+    "q4_0": (0,),
+    "q4_1": (0, 2),
+    "q4_k": (0, 2),
+    "q5_k": (0, 2),
+    "q6_k": (208,),
+}
 
 
 def _bits(x: np.ndarray | torch.Tensor) -> np.ndarray:

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from torch_topg import _native, modes
-from torch_topg.ops._library import LIB
 from torch_topg.ops._registry import OPS
 from torch_topg.ops._schemas import DISPATCHED_ON_CUDA, cuda_kernel_op
 from torch_topg.ops.dispatch import table as tables
@@ -333,22 +332,31 @@ DEFAULT = Dispatcher()
 INSTALLED: set[str] = set()
 
 
+#: The library fragment the dispatch registers through: created here, so the dispatcher
+#: names this file as where the CUDA kernel of a dispatched op was registered
+#: (python/check_cuda_build.py checks it).
+_CUDA_LIB: torch.library.Library | None = None
+
+
 def install() -> list[str]:
     """Register the dispatch at the CUDA key of every ``DISPATCHED_ON_CUDA`` op whose
     topg CUDA kernel (``topg::_cuda_<op>``) the native library registered; returns the ops
     newly installed. Without those kernels (a CPU build, or no native library) nothing is
     registered and the CUDA key stays as it was: the reference fallback runs there, as
     before. CPU keys are never touched."""
+    global _CUDA_LIB
     done = []
     for op in DISPATCHED_ON_CUDA:
         if op in INSTALLED or not _native.has_kernel(cuda_kernel_op(op), "CUDA"):
             continue
+        if _CUDA_LIB is None:
+            _CUDA_LIB = torch.library.Library("topg", "IMPL")
 
         def kernel(*args: Any, _op: str = op, **kwargs: Any) -> Any:
             return DEFAULT.call(_op, args, kwargs)
 
         kernel.__name__ = f"{op}_cuda_dispatch"
-        LIB.impl(op, kernel, "CUDA")
+        _CUDA_LIB.impl(op, kernel, "CUDA")
         INSTALLED.add(op)
         done.append(op)
     return done

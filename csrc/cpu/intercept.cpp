@@ -66,7 +66,7 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                bool, std::optional<double>, int64_t, double,
                                const std::optional<at::Tensor>&, std::optional<int64_t>,
-                               std::optional<int64_t>);
+                               std::optional<int64_t>, const std::optional<at::Tensor>&);
 
 const c10::TypedOperatorHandle<AttentionFn>& topg_attention() {
   static const auto op =
@@ -127,7 +127,7 @@ at::Tensor sdpa_adapter(const at::Tensor& query, const at::Tensor& key, const at
   // attention returns too.
   const at::Tensor out = topg_attention().call(
       query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), std::nullopt, std::nullopt,
-      is_causal, scale, -1, 0.0, attn_mask, std::nullopt, std::nullopt);
+      is_causal, scale, -1, 0.0, attn_mask, std::nullopt, std::nullopt, std::nullopt);
   return out.transpose(1, 2);
 }
 

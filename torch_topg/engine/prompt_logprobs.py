@@ -31,8 +31,7 @@ if TYPE_CHECKING:
 
 def wants_prompt_rows(seq: Sequence) -> bool:
     """Whether ``seq`` still has prompt positions whose logprobs are not recorded."""
-    got = seq.request.prompt_logprobs
-    return got is not None and seq.index == 0 and len(got) < seq.prompt_len
+    return seq.wants_prompt_rows
 
 
 def _chunk_rows(s: ScheduledSeq) -> bool:

@@ -29,7 +29,6 @@ from typing import Any
 
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.kv_cache import KVCacheManager
-from torch_topg.engine.prompt_logprobs import wants_prompt_rows
 from torch_topg.engine.sequence import Sequence, Status
 
 
@@ -221,7 +220,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             fresh = not seq.blocks and seq.num_computed == 0 and seq.kv_load is None
-            if fresh and not wants_prompt_rows(seq):  # prompt logprobs: the whole prompt
+            if fresh and not seq.wants_prompt_rows:  # prompt logprobs: the whole prompt
                 self.cache.match(seq)
             if not self.cache.load_done(seq):
                 break  # its cached prefix is being copied up from a lower tier

@@ -76,6 +76,13 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Whether prompt positions whose logprobs are not recorded yet remain (the
+        request asked for ``prompt_logprobs``; only the first sample records them)."""
+        got = self.request.prompt_logprobs
+        return got is not None and self.index == 0 and len(got) < self.prompt_len
+
     def banned_ids(self, drafted: int = 0) -> list[int]:
         """The ids the next token may not be (``drafted`` tokens past the committed ones):
         the request's EOS and stop token ids while it is short of ``min_tokens``."""

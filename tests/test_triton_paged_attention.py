@@ -35,6 +35,9 @@ pytestmark = pytest.mark.native_independent  # calls no topg op (docs/build.md)
 
 if not ON_GPU and not tpa.INTERPRETED:
     # Imported earlier in this process without TRITON_INTERPRET: define the kernels again.
+    from torch_topg.triton_kernels import paged_attention_kernels
+
+    importlib.reload(paged_attention_kernels)
     tpa = importlib.reload(tpa)
 
 if ON_GPU and not torch.cuda.is_available():

@@ -166,7 +166,8 @@ def test_attention_opcheck():
 def test_sinks_reference_is_transformers_gpt_oss_attention(sliding_window):
     """The reference's sink term is the one transformers' GPT-OSS eager attention computes
     (the sink joins the softmax as a column and is dropped), and the kernel agrees."""
-    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
+
     torch.manual_seed(0)
     b, s, hq, hkv, d = 2, 11, 4, 2, 16
     q, k, v = (torch.randn(b, h, s, d) for h in (hq, hkv, hkv))  # [B, H, S, D]

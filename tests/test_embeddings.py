@@ -56,7 +56,8 @@ def test_embed_refuses_bad_arguments() -> None:
 
 
 # --- the server ---------------------------------------------------------------------------
-openai = pytest.importorskip("openai", reason="the openai client is not installed")
+import openai  # noqa: E402  (the test extra)
+
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 from fastapi.testclient import TestClient  # noqa: E402
 from test_serve_tools import serving  # noqa: E402

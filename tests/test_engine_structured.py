@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 from engine_utils import tiny, whole_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,9 +22,6 @@ from test_serve import SPECIALS, byte_tokenizer
 from torch_topg.engine import Engine
 from torch_topg.engine.errors import ParameterError
 from torch_topg.engine.structured import GrammarCompiler, Structured, allowed_mask, apply_bitmask
-
-xgr = pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the hf extra)")
-jsonschema = pytest.importorskip("jsonschema", reason="the test extra has jsonschema")
 
 GREEDY = dict(temperature=0)
 SCHEMA = {

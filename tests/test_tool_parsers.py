@@ -261,7 +261,8 @@ TOOLS = [
 
 
 def test_tool_call_schema_validates_calls() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
+
     required = tool_call_schema(TOOLS, "required")
     jsonschema.Draft202012Validator.check_schema(required)
     good = [

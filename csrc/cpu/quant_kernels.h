@@ -267,10 +267,12 @@ __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* row, in
 }
 
 #if TOPG_AVX2
-// q4_k / q5_k rows of nb super-blocks against fp32 x: fma32 per 32-run.
-template <Fmt F>
-inline void k45_dot(const uint8_t* row, int64_t nb, const float* x, __m256 acc[4]) {
-  constexpr int64_t bb = F == Fmt::q5_k ? 176 : 144;
+// The K-quants' 32-runs as fp32 weights are made from them: run(q, d, m, x0) for each run
+// of nb super-blocks (its codes q, weights q * d + m, its activations at x0), in order.
+// dot_row (fma32) and runs_fp32 (store32) consume the same runs, so they agree bitwise.
+template <Fmt F, typename Run>
+__attribute__((always_inline)) inline void k45_each(const uint8_t* row, int64_t nb, Run&& run) {
+  constexpr int64_t bb = F == Fmt::q5_k ? 176 : 144;  // q4_k / q5_k: u d sc_j - dmin m_j
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = row + bb * b;
     stream_ahead(p, bb);
@@ -280,10 +282,30 @@ inline void k45_dot(const uint8_t* row, int64_t nb, const float* x, __m256 acc[4
     for (int c = 0; c < 4; ++c) {
       __m256i lo, hi;
       k45_runs<F>(p, c, lo, hi);
-      fma32(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
-            x + 256 * b + 64 * c, acc);
-      fma32(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
-            _mm256_set1_ps(-dmin * float(mn[2 * c + 1])), x + 256 * b + 64 * c + 32, acc);
+      run(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
+          256 * b + 64 * c);
+      run(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
+          _mm256_set1_ps(-dmin * float(mn[2 * c + 1])), 256 * b + 64 * c + 32);
+    }
+  }
+}
+// q6_k: run(q - 32, d sc for codes 0..15, for 16..31, x0).
+template <typename Run>
+__attribute__((always_inline)) inline void q6k_each(const uint8_t* row, int64_t nb, Run&& run) {
+  const __m256i k32 = _mm256_set1_epi8(32);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + 210 * b;
+    stream_ahead(p, 210);
+    const float d = half_at(p + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int h = 0; h < 2; ++h) {
+      __m256i u[4];
+      q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
+      for (int r = 0; r < 4; ++r) {
+        const int j = 4 * h + r;
+        run(_mm256_sub_epi8(u[r], k32), _mm256_set1_ps(d * float(sc[2 * j])),
+            _mm256_set1_ps(d * float(sc[2 * j + 1])), 256 * b + 32 * j);
+      }
     }
   }
 }
@@ -357,31 +379,19 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
       for (; i < k; ++i) tail += float(int8_t(q[i])) * x[i];
       return (hsum4(acc) + tail) * s;
     }
-    case Fmt::q4_k:  // run j: u d sc_j - dmin m_j
-      k45_dot<Fmt::q4_k>(row, nb, x, acc);
+    case Fmt::q4_k:
+      k45_each<Fmt::q4_k>(
+          row, nb, [&](__m256i q, __m256 d, __m256 m, int64_t x0) { fma32(q, d, m, x + x0, acc); });
       return hsum4(acc);
     case Fmt::q5_k:
-      k45_dot<Fmt::q5_k>(row, nb, x, acc);
+      k45_each<Fmt::q5_k>(
+          row, nb, [&](__m256i q, __m256 d, __m256 m, int64_t x0) { fma32(q, d, m, x + x0, acc); });
       return hsum4(acc);
-    case Fmt::q6_k: {  // run j: (u - 32) d sc, sc per 16
-      const __m256i k32 = _mm256_set1_epi8(32);
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + 210 * b;
-        stream_ahead(p, 210);
-        const float d = half_at(p + 208);
-        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-        for (int h = 0; h < 2; ++h) {
-          __m256i u[4];
-          q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
-          for (int r = 0; r < 4; ++r) {
-            const int j = 4 * h + r;
-            fma32_16(_mm256_sub_epi8(u[r], k32), _mm256_set1_ps(d * float(sc[2 * j])),
-                     _mm256_set1_ps(d * float(sc[2 * j + 1])), x + 256 * b + 32 * j, acc);
-          }
-        }
-      }
+    case Fmt::q6_k:
+      q6k_each(row, nb, [&](__m256i q, __m256 lo, __m256 hi, int64_t x0) {
+        fma32_16(q, lo, hi, x + x0, acc);
+      });
       return hsum4(acc);
-    }
     default:
       break;
   }
@@ -495,48 +505,19 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
       return n;
     }
     case Fmt::q4_k:
-    case Fmt::q5_k: {
-      const bool q5 = f.fmt == Fmt::q5_k;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + f.block_bytes * b;
-        stream_ahead(p, f.block_bytes);
-        const float d = half_at(p), dmin = half_at(p + 2);
-        uint8_t sc[8], mn[8];
-        k_scales(p + 4, sc, mn);
-        for (int c = 0; c < 4; ++c) {
-          __m256i lo, hi;
-          if (q5)
-            k45_runs<Fmt::q5_k>(p, c, lo, hi);
-          else
-            k45_runs<Fmt::q4_k>(p, c, lo, hi);
-          put(lo, _mm256_set1_ps(d * float(sc[2 * c])), _mm256_set1_ps(-dmin * float(mn[2 * c])),
-              256 * b + 64 * c);
-          put(hi, _mm256_set1_ps(d * float(sc[2 * c + 1])),
-              _mm256_set1_ps(-dmin * float(mn[2 * c + 1])), 256 * b + 64 * c + 32);
-        }
-      }
+      k45_each<Fmt::q4_k>(row, nb,
+                          [&](__m256i q, __m256 d, __m256 m, int64_t x0) { put(q, d, m, x0); });
       return n;
-    }
-    case Fmt::q6_k: {
-      const __m256i k32 = _mm256_set1_epi8(32);
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + 210 * b;
-        stream_ahead(p, 210);
-        const float d = half_at(p + 208);
-        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-        for (int h = 0; h < 2; ++h) {
-          __m256i u[4];
-          q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
-          for (int r = 0; r < 4; ++r) {
-            const int j = 4 * h + r;
-            store32_16(_mm256_sub_epi8(u[r], k32), _mm256_set1_ps(d * float(sc[2 * j])),
-                       _mm256_set1_ps(d * float(sc[2 * j + 1])), wbuf + 32 * n);
-            xoff[n++] = 256 * b + 32 * j;
-          }
-        }
-      }
+    case Fmt::q5_k:
+      k45_each<Fmt::q5_k>(row, nb,
+                          [&](__m256i q, __m256 d, __m256 m, int64_t x0) { put(q, d, m, x0); });
       return n;
-    }
+    case Fmt::q6_k:
+      q6k_each(row, nb, [&](__m256i q, __m256 lo, __m256 hi, int64_t x0) {
+        store32_16(q, lo, hi, wbuf + 32 * n);
+        xoff[n++] = x0;
+      });
+      return n;
     default:
       return -1;
   }

@@ -213,8 +213,8 @@ def load_packed(
     quantised ones packed, the others in ``dtype`` (as are tensors in a block format
     without a packed kernel here, de-quantised); None if the file's architecture is not
     one of :data:`ARCHITECTURES` or a tensor has no place in the model (``strict``:
-    raise ValueError saying which, instead). ``int8_activations``: for the linears other
-    than the LM head. ``file``: the file's :func:`~torch_topg.quant.gguf_arch.read_file`
+    raise ValueError saying which, instead). ``int8_activations``: for every packed
+    linear, the LM head included (llama.cpp's semantics). ``file``: the file's :func:`~torch_topg.quant.gguf_arch.read_file`
     if the caller has it."""
     import gguf
     from transformers import AutoModelForCausalLM
@@ -298,13 +298,13 @@ def load_packed(
             new: torch.nn.Module = QuantizedEmbedding(rows, fmt, k, embedding_scale(old))
             new.dtype_ref = torch.empty(0, dtype=dtype)
             if head_tied:
-                head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype)
+                head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype,
+                                       int8_activations=int8_activations)  # fmt: skip
                 head.qweight = rows  # one buffer for both
                 _set(model, "lm_head", head)
         else:
-            act = int8_activations and name != "lm_head"
             new = QuantizedLinear(k, old.out_features, fmt, bias=old.bias is not None,
-                                  dtype=dtype, int8_activations=act)  # fmt: skip
+                                  dtype=dtype, int8_activations=int8_activations)  # fmt: skip
             new.qweight = rows
             if old.bias is not None:
                 bias = floats.pop(f"{name}.bias", None)

@@ -319,8 +319,9 @@ class EngineArgs:
     quantization: Any = option(
         None,
         "None (weights in `dtype`; a GGUF file de-quantised), `\"gguf\"` (a GGUF file's "
-        "quantised tensors run packed), `\"int8\"` / `\"int4\"` (linears quantised at "
-        "load), or `{\"method\": ..., \"int8_activations\": true, \"group_size\": 128}` "
+        "quantised tensors run packed, activations rounded to int8 as llama.cpp does), "
+        "`\"int8\"` / `\"int4\"` (linears quantised at load), or `{\"method\": ..., "
+        "\"int8_activations\": false, \"group_size\": 128}` "
         "([quantization.md](quantization.md)); a flag takes a name or JSON.",
         _quantization, parse=_parse_spec,
     )  # fmt: skip

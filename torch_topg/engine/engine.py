@@ -28,6 +28,7 @@ from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.options import runtime_names
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
+from torch_topg.engine.pipelined import PipelinedSteps
 from torch_topg.engine.prompt_logprobs import rows_asked, split_rows
 from torch_topg.engine.proposer import Proposer
 from torch_topg.engine.sampling import (
@@ -137,6 +138,8 @@ class Engine:
         self.proposer.warmup(args.max_batch_size, config.max_num_batched_tokens)
         self._stats.time["warmup_s"] = time.perf_counter() - t0
         self._compiles_at_ready = self.runner.compilations
+        depth = getattr(self.runner, "pipeline_depth", 1)  # micro-batches in flight
+        self._pipeline = PipelinedSteps(self, depth) if depth > 1 else None
         self._thread = threading.Thread(target=self._loop, name="topg-engine", daemon=True)
         self._thread.start()
 
@@ -219,8 +222,10 @@ class Engine:
 
         if pooling not in POOLINGS:
             raise ParameterError("pooling", f"expected one of {POOLINGS}, got {pooling!r}")
-        if self.config.args.tp_size > 1:
-            raise ParameterError("embed", "embeddings are not implemented with tp_size > 1")
+        if self.config.args.tp_size > 1 or self.config.args.nnodes > 1:
+            raise ParameterError(
+                "embed", "embeddings are not implemented with tp_size > 1 or nnodes > 1"
+            )
         vocab = self.model.config.get_text_config().vocab_size
         ids = [tokenize(x, self.tokenizer, vocab)[1] for x in split_inputs(inputs)]
         limit = self.config.max_model_len
@@ -336,7 +341,7 @@ class Engine:
                     self._end_request(self._requests[rid], "abort")
             if self.scheduler.has_work():
                 try:
-                    self._step()
+                    self._pipeline.step() if self._pipeline else self._step()
                 except Exception as e:  # a bug outside the model call: never a silent hang
                     self._fail_all(e)
 
@@ -376,6 +381,11 @@ class Engine:
             rows = self._run(out)
         except Exception:
             rows = self._run_isolated(out)
+        self._finish_step(out, rows, t1)
+
+    def _finish_step(self, out: SchedulerOutput, rows: list[Any], t1: float) -> None:
+        """After the model ran the step ``out`` (from ``t1``): sample, update, emit."""
+        st = self._stats
         t2 = time.perf_counter()
         st.time["model_s"] += t2 - t1
         self.scheduler.update(out)  # the scheduled tokens are in the cache
@@ -395,13 +405,22 @@ class Engine:
     def _run(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
         """One model call for the whole step: the logits row of each scheduled sequence
         that samples (None for the others; ``[1 + num_spec, V]`` for a verify step)."""
+        batch, samples = self._pack(out)
+        return self._rows(out, self.runner.execute(batch), samples)
+
+    def _pack(self, out: SchedulerOutput) -> tuple[Any, list[Any]]:
+        """The step's packed batch, and the rows each scheduled sequence samples."""
         items = [
             (s.seq.token_ids + s.seq.spec_tokens if s.num_spec else s.seq.token_ids,
              s.seq.num_computed, s.num_new, s.seq.blocks)
             for s in out.scheduled
         ]  # fmt: skip
         samples = [rows_asked(s) for s in out.scheduled]
-        rows = rows_of(self.runner.execute(self.runner.pack(items, samples)), samples)
+        return self.runner.pack(items, samples), samples
+
+    @staticmethod
+    def _rows(out: SchedulerOutput, logits: torch.Tensor, samples: list[Any]) -> list[Any]:
+        rows = rows_of(logits, samples)
         return [split_rows(s, r) for s, r in zip(out.scheduled, rows, strict=True)]
 
     def _run_isolated(self, out: SchedulerOutput) -> list[torch.Tensor | None]:

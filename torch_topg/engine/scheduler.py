@@ -19,6 +19,12 @@ a token budget (``max_num_batched_tokens``) and a sequence limit (``max_batch_si
    from the first sample's prompt, within ``max_batch_size``.
 
 Requests join and leave at every step; memory never grows past the pool.
+
+With pipeline parallelism several steps (micro-batches) are in flight at once
+(``engine/pipelined.py``): their sequences are :attr:`Scheduler.busy` until the step's
+tokens are sampled, and :meth:`Scheduler.schedule` leaves them alone (never schedules nor
+preempts them) and takes at most ``max_seqs`` sequences, so the running ones spread over
+the micro-batches.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        #: sequences of steps still in flight (pipeline parallel): not scheduled again,
+        #: never preempted, until their step's tokens are sampled
+        self.busy: set[Sequence] = set()
 
     # --- queue -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -196,17 +205,25 @@ class Scheduler:
         return len(tokens), None
 
     # --- the step ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step: at most ``max_seqs`` sequences (default: as many as the budget
+        and ``max_batch_size`` allow), none of them :attr:`busy`."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        limit = max_seqs or len(self.running) + len(self.waiting)
+        busy = self.busy
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[i]
+            if seq in busy:
+                i += 1
+                continue
             n = min(seq.remaining + seq.num_spec, budget)
             if n > seq.remaining and not self._grow(seq, n):
                 n = min(seq.remaining, budget)  # no blocks to speculate: a plain decode
             while not self._grow(seq, n):
-                victim = self.running[-1]
+                # the newest sequence not in flight (seq itself at worst)
+                victim = next(s for s in reversed(self.running) if s not in busy)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -217,7 +234,12 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_batch_size
+            and len(out.scheduled) < limit
+        ):
             seq = self.waiting[0]
             fresh = not seq.blocks and seq.num_computed == 0 and seq.kv_load is None
             if fresh and not seq.wants_prompt_rows:  # prompt logprobs: the whole prompt

@@ -14,6 +14,8 @@ def decode_plan_wanted(config: EngineConfig) -> bool | str:
         return "decode_plan=False"
     if args.prefetch_depth > 0:
         return "prefetch_depth > 0: offloaded layers stream their weights on the compiled graph"
+    if args.nnodes > 1:
+        return "nnodes > 1: each node runs its pipeline stage on the compiled graph"
     if args.tp_size > 1:
         return "tp_size > 1: each rank runs its shard on the compiled graph"
     if args.deterministic:

@@ -97,6 +97,8 @@ def served_name(args: argparse.Namespace) -> str:
 
 def serve_main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if (args.nnodes or 1) > 1 and (args.node_rank or 0) > 0:
+        return headless_main(args)
     try:
         import uvicorn
     except ImportError:
@@ -159,6 +161,28 @@ def serve_main(argv: list[str]) -> int:
         if state.engine is not None:
             state.engine.shutdown()
     return code
+
+
+def headless_main(args: argparse.Namespace) -> int:
+    """A node > 0 of a multi-node engine (``--nnodes N --node-rank R``): no HTTP server;
+    it runs its pipeline stage until node 0's engine shuts down (docs/cluster.md)."""
+    from torch_topg.engine import Engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    log.info("node %d of %d: joining %s:%s", args.node_rank, args.nnodes,
+             args.master_addr or "127.0.0.1", args.master_port or 29500)  # fmt: skip
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        Engine.from_pretrained(args.model, **from_cli_args(args))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:
+        log.error("node %d failed: %s", args.node_rank, e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log.info("node %d: node 0's engine stopped", args.node_rank)
+    return 0
 
 
 def _interrupt(signum: int, frame: Any) -> None:

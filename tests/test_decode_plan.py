@@ -404,7 +404,11 @@ def test_bad_inputs_get_clear_errors():
     bt = b.block_tables.clone()
     bt[0, 0] = r.num_blocks
     run(3, bt, r"block_tables\[0, 0\]")
-    with pytest.raises(RuntimeError, match="expected 3 weight tensors|weight tensors, got"):
+    with pytest.raises(RuntimeError, match="expected 24 weight tensors, got 0"):
+        torch.classes.topg.DecodePlan(
+            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1, 0, 0], [1e-6, 1.0], "paged"
+        )
+    with pytest.raises(RuntimeError, match=r"expected 3 per-layer dims \(window, top_k, flags\)"):
         torch.classes.topg.DecodePlan(
             [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0], "paged"
         )

@@ -6,13 +6,16 @@ Python, no dispatcher, one team of threads for the whole step (docs/decode-step.
 Prefill chunks, speculative verify steps and anything :func:`lower` refuses stay on the
 compiled graph, and the reason is kept (``engine.stats()["decode_plan"]``).
 
-What the plan computes is the Llama decoder: token embedding; per layer RMSNorm, q / k /
-v projections (optional biases; Qwen3's per-head q / k RMSNorm), neox rotary from the model's own rotary module, paged
-attention (GQA, optional sliding window), o projection, residual, RMSNorm, SiLU-gated
-MLP, residual; final RMSNorm and the LM head. :func:`lower` checks a model is exactly
-that, module by module, and otherwise says what differs. Projections, the LM head and
-the embedding may be quantised (``torch_topg.quantize``, ``quantization="gguf"``): the
-plan multiplies packed rows with ``linear_q``'s kernel (fp32 activations).
+What the plan computes is the pre-norm decoder: token embedding; per layer RMSNorm, q / k
+/ v projections (optional biases; QK-norm per head or over the whole projection), neox
+rotary from the model's own rotary module, paged attention (GQA, optional sliding
+window), o projection, residual, RMSNorm, a SiLU-gated MLP or a sparse MoE block
+(:mod:`torch_topg.compile.decode_plan_moe`), residual; final RMSNorm and the LM head.
+:func:`lower` probes a model (configuration features, modules, the router's measured
+semantics; no list of families) and otherwise says what differs. Projections, experts,
+the LM head and the embedding may be quantised (``torch_topg.quantize``,
+``quantization="gguf"``): the plan multiplies packed rows with ``linear_q``'s and
+``fused_moe_q``'s kernels.
 
 It lives below the engine because two callers lower models: the engine's model runner
 and the compile backend's static-cache decode (:mod:`torch_topg.compile.static_plan`).

@@ -27,7 +27,7 @@ from torch_topg.engine.batch import PackedBatch
 from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
 from torch_topg.utils import hugepages
 
-#: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.cpp kMaxTokens).
+#: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.h kMaxTokens).
 PLAN_MAX_TOKENS = 16
 
 

@@ -27,7 +27,7 @@ from torch_topg.engine.batch import PackedBatch
 from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
 from torch_topg.utils import hugepages
 
-#: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.cpp kMaxTokens).
+#: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.h kMaxTokens).
 PLAN_MAX_TOKENS = 16
 
 
@@ -95,6 +95,12 @@ class ModelRunner:
         self.plan_steps = 0
         self._step = model_step
         if compile:
+            # The experts substitution (compile/experts.py) must be in place before dynamo
+            # traces the first step: importing torch_topg.compile installs it only for the
+            # transformers modules already imported then, and the model's are by now.
+            from torch_topg.compile import experts
+
+            experts.install()
             # A code object of its own: dynamo's cache (and its size limit) is per code
             # object, so engines in one process never share or evict each other's graphs.
             self._step = torch.compile(_fresh_copy(model_step), backend=self._counting_backend())

@@ -136,3 +136,21 @@ def test_metrics_under_vllm_names(client) -> None:
     for ours, theirs in pairs:
         assert values[theirs] == values[ours], (ours, theirs)
     assert values['vllm:generation_tokens_total{model_name="tiny-llama"}'] >= 3
+
+
+def test_priority_field(client, engine, monkeypatch) -> None:
+    """vLLM's ``priority``: handed to ``Engine.submit``; on an engine serving in arrival
+    order a non-zero one is a 400 naming it (vLLM's answer), as is a non-int."""
+    req = {"prompt": "hi", "max_tokens": 2, **GREEDY}
+    r = client.post("/v1/completions", json={**req, "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "scheduling_policy='priority'" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": "high"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    seen = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda x, **kw: seen.append(kw) or submit(x, **kw))
+    assert client.post("/v1/completions", json={**req, "priority": 0}).status_code == 200
+    assert seen[-1]["priority"] == 0
+    wait_idle(engine)

@@ -297,6 +297,10 @@ def _prepare_chat(state: ServerState, req: GenerationRequest) -> None:
             parser = ForcedToolParser()
         else:
             parser = renderer.parser_for(chat.template)
+            if parser is not None and parser.needs_special_tokens:
+                # its markers are special tokens ([TOOL_CALLS], <|python_tag|>): the
+                # text must keep them for the parser to see the call (vLLM does so too)
+                req.sampling["skip_special_tokens"] = False
     if parser is not None or renderer.reasoning is not None:
         max_calls = spec.max_calls if spec is not None else None
         req.output = OutputSpec(parser, renderer.reasoning, prompt, max_calls)

@@ -108,7 +108,8 @@ class Engine:
         )
         self.kv.bind(self.runner.kv_caches)
         self.scheduler = Scheduler(self.pool, args.max_batch_size, config.max_num_batched_tokens,
-                                   cache=self.kv, max_model_len=config.max_model_len)  # fmt: skip
+                                   cache=self.kv, max_model_len=config.max_model_len,
+                                   policy=args.scheduling_policy)  # fmt: skip
         self.sampler = Sampler()
         self.proposer = Proposer()  # no proposals: the plain step
         if config.speculative is not None:
@@ -162,17 +163,25 @@ class Engine:
 
     # --- the way in --------------------------------------------------------------------
     def submit(
-        self, input: Any, *, session_id: str | None = None, **sampling: Any
+        self, input: Any, *, session_id: str | None = None, priority: int = 0, **sampling: Any
     ) -> RequestHandle:
         """Queue one request; returns its handle at once (iterate it for deltas).
 
         ``session_id`` (any string, e.g. a conversation id) marks the request's KV blocks
         as the session's: they are kept in preference to others while the session is
-        active (see ``session_ttl`` and :meth:`close_session`)."""
+        active (see ``session_ttl`` and :meth:`close_session`). ``priority`` (an int,
+        lower is served first; vLLM's) needs ``scheduling_policy="priority"``."""
         if session_id is not None and not isinstance(session_id, str):
             raise ParameterError(
                 "session_id", f"expected a string, got {type(session_id).__name__}"
             )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ParameterError("priority", f"expected an int, got {priority!r:.40}")
+        if priority != 0 and self.config.args.scheduling_policy != "priority":
+            raise ParameterError(
+                "priority", f"priority={priority} needs scheduling_policy='priority' "
+                "(the engine serves in arrival order)",
+            )  # fmt: skip
         params = SamplingParams.from_kwargs(**sampling)
         vocab = self.model.config.get_text_config().vocab_size
         prompt, ids = tokenize(input, self.tokenizer, vocab)
@@ -189,7 +198,7 @@ class Engine:
             request_id=rid, prompt=prompt, prompt_token_ids=ids, params=params,
             max_tokens=max_tokens, eos_ids=frozenset() if params.ignore_eos else self._eos,
             tokenizer=self.tokenizer, handle=handle, seed=seed, session_id=session_id,
-            grammar=grammar,
+            grammar=grammar, priority=priority,
         )  # fmt: skip
         with self._cv:
             if self._stopping:
@@ -389,13 +398,14 @@ class Engine:
         t2 = time.perf_counter()
         st.time["model_s"] += t2 - t1
         self.scheduler.update(out)  # the scheduled tokens are in the cache
+        st.count_step(out)  # before the requests it ends are handed back: their caller
+        # reads stats() that include their last step
         sampled = [(s.seq, r) for s, r in zip(out.scheduled, rows, strict=True) if r is not None]
         if sampled:
             self._sample(self._fork(sampled))
         self.scheduler.commit([s.seq for s in out.scheduled])
         st.time["sample_s"] += time.perf_counter() - t2
         self.proposer.observe_step(out, time.perf_counter() - t1)
-        st.count_step(out)
         with self._cv:
             self._queued = len(self._inbox) + sum(
                 1 for r in self._requests.values()

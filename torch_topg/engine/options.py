@@ -149,6 +149,15 @@ def _kv_cache_dtype(name: str, v: Any) -> str:
     return v
 
 
+def _choice(choices: tuple[str, ...]) -> Check:
+    def check(name: str, v: Any) -> str:
+        if v not in choices:
+            raise ParameterError(name, f"expected one of {list(choices)}, got {v!r}")
+        return v
+
+    return check
+
+
 def _path(name: str, v: Any) -> str | None:
     if v is None:
         return None
@@ -336,6 +345,14 @@ class EngineArgs:
     disk_kv_memory: int | str | None = option(
         None, "the disk tier's size: bytes or a percentage of the folder's free space.",
         _memory(90), shown="10% of the free space", parse=_parse_memory,
+    )  # fmt: skip
+    scheduling_policy: str = option(
+        "fcfs",
+        "`\"fcfs\"`: requests are served in arrival order; `\"priority\"`: by each request's "
+        "`priority` (lower first, then arrival), preempting lower priorities for a waiting "
+        "higher one and parking their KV in the host tier instead of recomputing it "
+        "([scheduling.md](scheduling.md)).",
+        _choice(("fcfs", "priority")), parse=str,
     )  # fmt: skip
     session_ttl: float = option(
         600.0,

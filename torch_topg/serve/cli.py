@@ -59,11 +59,21 @@ def parser() -> argparse.ArgumentParser:
                    help="split <think> reasoning into reasoning_content (default: none)")  # fmt: skip
     p.add_argument(
         "--pooling",
-        default="last",
+        default=None,
         choices=("last", "mean"),
         help="how /v1/embeddings pools the final hidden states: the last token's "
-        "(decoder embedding models' convention) or their mean; L2-normalised",
+        "(decoder embedding models' convention) or their mean; L2-normalised (default: "
+        "an embedding model's own, else last)",
     )
+    p.add_argument(
+        "--task", default="auto", choices=("auto", "generate", "embed"),
+        help="embed: serve --model as an embedding model (/v1/embeddings only; "
+        "Qwen3-Embedding's shape: last-token pooling, L2-normalised); auto: embed when the "
+        "folder is a sentence-transformers model or its architectures have no head "
+        "(docs/serve-api.md)",
+    )  # fmt: skip
+    p.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                   help="vLLM's spelling of --task: pooling = embed")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     add_cli_args(p)  # one flag per engine option (torch_topg/engine/options.py)
@@ -84,6 +94,40 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
     parsers' names; ValueError for a template that cannot be read."""
     template = load_chat_template(args.chat_template) if args.chat_template else None
     return ChatOptions(template, args.tool_call_parser, args.reasoning_parser)
+
+
+# the engine options an embedding model uses; the others (KV cache, sampling,
+# speculation) mean nothing without generation and are refused by name
+EMBED_OPTIONS = ("device", "dtype", "max_model_len", "max_num_batched_tokens")
+
+
+def task_of(args: argparse.Namespace) -> str:
+    """``"embed"`` or ``"generate"``: ``--task`` / ``--runner`` as given, else detected
+    from the model's files (``is_embedding_model``). ValueError for a contradiction or
+    an engine option an embedding model has no use for."""
+    from torch_topg.engine.embedding_model import is_embedding_model
+    from torch_topg.engine.loading import resolve
+
+    given = {"embed": "embed", "pooling": "embed", "generate": "generate"}
+    asked = {given[v] for v in (args.task, args.runner) if v != "auto"}
+    if len(asked) > 1:
+        raise ValueError(f"--task {args.task} and --runner {args.runner} contradict each other")
+    if asked:
+        task = asked.pop()
+    else:
+        try:
+            folder, gguf = resolve(args.model)
+        except ValueError:  # the load reports it (after the HTTP server is up: exit 1)
+            folder, gguf = None, None
+        embed = folder is not None and gguf is None and is_embedding_model(folder)
+        task = "embed" if embed else "generate"
+    if task == "embed":
+        extra = sorted(set(from_cli_args(args)) - set(EMBED_OPTIONS))
+        if extra:
+            flags = ", ".join("--" + n.replace("_", "-") for n in extra)
+            raise ValueError(f"{flags}: not used by an embedding model (--task embed); "
+                             f"it takes only {', '.join(EMBED_OPTIONS)}")  # fmt: skip
+    return task
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -115,6 +159,7 @@ def serve_main(argv: list[str]) -> int:
         return 2
     try:
         chat = chat_options(args)
+        task = task_of(args)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
@@ -145,7 +190,14 @@ def serve_main(argv: list[str]) -> int:
             return 1
         try:
             log.info("loading %s ...", args.model or DEFAULT_NAME)
-            state.set_engine(Engine.from_pretrained(args.model, **from_cli_args(args)))
+            if task == "embed":
+                from torch_topg.engine.embedding_model import EmbeddingModel
+
+                state.set_embedder(
+                    EmbeddingModel.from_pretrained(args.model, **from_cli_args(args))
+                )
+            else:
+                state.set_engine(Engine.from_pretrained(args.model, **from_cli_args(args)))
             log.info("ready: serving %s on http://%s:%d", state.model_name, args.host, args.port)
         except Exception as e:
             log.error("loading the model failed: %s", e)

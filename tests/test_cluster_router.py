@@ -1,0 +1,124 @@
+"""The router's core (torch_topg.cluster.router) without Ray: session stickiness, the
+longest cached prefix, the load threshold, dead and removed replicas, KV events applied
+once and in order, and the prompt hashes equal to the ones an engine computes."""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import prompts, tiny, wait_idle
+
+from torch_topg.cluster.router import NoReplica, PrefixRouter, block_hashes
+from torch_topg.engine import Engine
+from torch_topg.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+
+def H(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def stored(hashes: list[bytes], medium: str = "GPU") -> KVEventBatch:
+    return KVEventBatch(0.0, [BlockStored(hashes, None, [], 4, None, medium)])
+
+
+def router(n: int = 2, **kw) -> PrefixRouter:
+    r = PrefixRouter(**kw)
+    r.set_replicas([f"r{i}" for i in range(n)])
+    return r
+
+
+def test_session_stays_on_its_replica() -> None:
+    r = router(3)
+    first = r.decide([], "chat-1")
+    assert first.reason == "least_load"
+    r.routed(first.replica, "chat-1")
+    r.done(first.replica)
+    for _ in range(5):  # other traffic does not move it
+        d = r.decide([], "chat-1")
+        assert (d.replica, d.reason) == (first.replica, "session")
+        r.routed(d.replica, "chat-1")
+        other = r.decide([], None)  # a turn of another conversation, at the same time
+        r.routed(other.replica)
+        r.done(d.replica)
+        r.done(other.replica)
+    assert r.decide([], "chat-2").reason == "least_load"
+
+
+def test_longest_prefix_wins() -> None:
+    r = router(3)
+    r.apply_events("r0", 0, 1, stored([H(1), H(2)]))
+    r.apply_events("r1", 0, 1, stored([H(1), H(2), H(3)]))
+    r.apply_events("r2", 0, 1, stored([H(9)]))
+    d = r.decide([H(1), H(2), H(3), H(4)])
+    assert (d.replica, d.reason, d.prefix_blocks) == ("r1", "prefix", 3)
+    assert r.decide([H(1), H(2)]).replica in ("r0", "r1")
+    # a prefix must start at the first block: r2's block 9 in the middle does not count
+    assert r.decide([H(5), H(9)]).reason == "least_load"
+    # removed from one medium but kept in another: still held
+    r.apply_events("r1", 1, 2, KVEventBatch(0.0, [BlockStored([H(3)], None, [], 4, None, "DISK"),
+                                                  BlockRemoved([H(3)], "GPU")]))  # fmt: skip
+    assert r.decide([H(1), H(2), H(3)]).replica == "r1"
+    r.apply_events("r1", 2, 3, KVEventBatch(0.0, [BlockRemoved([H(3)], "DISK")]))
+    assert r.decide([H(1), H(2), H(3)]).prefix_blocks == 2
+
+
+def test_load_threshold_overrides_prefix_and_session() -> None:
+    r = router(2, load_ratio=2.0)
+    r.apply_events("r0", 0, 1, stored([H(1), H(2)]))
+    for _ in range(2):  # r0: 2 in flight, r1 idle (counts as 1): 2 <= 2x1, still r0
+        r.routed("r0", "s")
+    assert r.decide([H(1)], "s").reason == "session"
+    assert r.decide([H(1)]).replica == "r0"
+    r.routed("r0")  # 3 > 2 x max(0, 1): over the threshold
+    d = r.decide([H(1), H(2)], "s")
+    assert (d.replica, d.reason) == ("r1", "least_load")
+    for _ in range(2):
+        r.routed("r1")  # r1: 2, r0: 3 <= 2 x 2: r0 is back under
+    assert r.decide([H(1)]).replica == "r0"
+    r.done("r0")
+    with pytest.raises(ValueError, match="load_ratio"):
+        PrefixRouter(load_ratio=0.5)
+
+
+def test_dead_and_removed_replicas() -> None:
+    r = router(2)
+    r.apply_events("r0", 0, 1, stored([H(1)]))
+    r.routed("r0", "s")
+    r.mark_dead("r0")
+    d = r.decide([H(1)], "s")
+    assert d.replica == "r1" and d.reason == "least_load"
+    assert H(1) not in r.index  # a replacement starts cold
+    r.apply_events("r0", 1, 2, stored([H(2)]))  # late events of the dead one: ignored
+    assert H(2) not in r.index
+    r.set_replicas(["r1", "r2"])  # r0 replaced by r2
+    assert sorted(r.replicas) == ["r1", "r2"]
+    r.mark_dead("r1")
+    r.mark_dead("r2")
+    with pytest.raises(NoReplica):
+        r.decide([], None)
+
+
+def test_events_applied_once_in_order() -> None:
+    r = router(1)
+    batch1 = stored([H(1)])
+    both = KVEventBatch(0.0, [*batch1.events, BlockRemoved([H(1)], "GPU")])
+    r.apply_events("r0", 0, 2, both)  # events 0 and 1
+    r.apply_events("r0", 0, 1, batch1)  # an older, overlapping batch arriving late: skipped
+    assert H(1) not in r.index and r.cursors() == {"r0": 2}
+    r.apply_events("r0", 1, 3, KVEventBatch(0.0, [BlockRemoved([H(1)], "GPU"),
+                                                  *stored([H(7)]).events]))  # fmt: skip
+    assert H(7) in r.index and r.cursors()["r0"] == 3
+    r.apply_events("r0", 50, 52, KVEventBatch(0.0, [AllBlocksCleared(), *stored([H(8)]).events]))
+    assert H(7) not in r.index and H(8) in r.index
+
+
+def test_prompt_hashes_equal_the_engines() -> None:
+    """The router hashes a prompt as the engine does: its KV events name the same blocks."""
+    model = tiny("llama-tiny")
+    with Engine.from_model(model, None, block_size=4, compile=False, kv_events=True) as eng:
+        (p,) = prompts(3, [4 * 5], vocab=200)
+        eng.generate(p, max_new_tokens=1, temperature=0)
+        wait_idle(eng)
+        _, batch = eng.kv.events.since(0)
+        announced = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    mine = block_hashes(eng.kv.root, p, 4)
+    assert len(mine) == 4 and announced[: len(mine)] == mine

@@ -250,10 +250,14 @@ class PrefixRouter:
             return {
                 "load_ratio": self.load_ratio,
                 "replicas": {
-                    r: {"inflight": s.inflight, "alive": s.alive, "blocks": len(s.held),
-                        "sessions": sum(1 for v in self.sessions.values() if v == r)}
+                    r: {
+                        "inflight": s.inflight,
+                        "alive": s.alive,
+                        "blocks": len(s.held),
+                        "sessions": sum(1 for v in self.sessions.values() if v == r),
+                    }
                     for r, s in self.replicas.items()
-                },  # fmt: skip
+                },
                 "indexed_blocks": len(self.index),
                 "sessions": len(self.sessions),
                 "decisions": dict(self.decisions),

@@ -262,3 +262,20 @@ class PrefixRouter:
                 "sessions": len(self.sessions),
                 "decisions": dict(self.decisions),
             }
+
+
+_CORES: dict[str, PrefixRouter] = {}
+_CORES_LOCK = threading.Lock()
+
+
+def core_for(app: str, load_ratio: float | None = None) -> PrefixRouter:
+    """The routing core of Serve application ``app`` in this process (made on first use;
+    ``load_ratio`` applies when it is made): the ingress and Serve's request router of
+    that application's handle share it."""
+    with _CORES_LOCK:
+        core = _CORES.get(app)
+        if core is None:
+            core = _CORES[app] = PrefixRouter(load_ratio=load_ratio or LOAD_RATIO)
+        elif load_ratio is not None:
+            core.load_ratio = float(load_ratio)
+        return core

@@ -62,7 +62,7 @@ def test_longest_prefix_wins() -> None:
 
 
 def test_load_threshold_overrides_prefix_and_session() -> None:
-    r = router(2, load_ratio=2.0)
+    r = router(2, load_ratio=2.0, load_floor=1)
     r.apply_events("r0", 0, 1, stored([H(1), H(2)]))
     for _ in range(2):  # r0: 2 in flight, r1 idle (counts as 1): 2 <= 2x1, still r0
         r.routed("r0", "s")
@@ -77,6 +77,28 @@ def test_load_threshold_overrides_prefix_and_session() -> None:
     r.done("r0")
     with pytest.raises(ValueError, match="load_ratio"):
         PrefixRouter(load_ratio=0.5)
+    with pytest.raises(ValueError, match="load_floor"):
+        PrefixRouter(load_floor=0)
+    with pytest.raises(ValueError, match="min_prefix_share"):
+        PrefixRouter(min_prefix_share=1.5)
+
+
+def test_load_floor_keeps_a_burst_together() -> None:
+    r = router(2, load_ratio=2.0, load_floor=4)
+    for _ in range(8):  # 8 <= 2 x max(0, 4): the session stays
+        r.routed("r0", "s")
+    assert r.decide([], "s").reason == "session"
+    r.routed("r0")  # 9 > 8
+    assert r.decide([], "s").replica == "r1"
+
+
+def test_short_shared_prefix_does_not_pile_up() -> None:
+    """A cached prefix under min_prefix_share of the prompt routes by load instead."""
+    r = router(2, min_prefix_share=0.5)
+    r.apply_events("r0", 0, 1, stored([H(1)]))
+    r.routed("r0")  # r0 busier
+    assert r.decide([H(1), H(2), H(3)]).reason == "least_load"  # 1 of 3 blocks
+    assert r.decide([H(1), H(2)]).reason == "prefix"  # 1 of 2: the share is met
 
 
 def test_dead_and_removed_replicas() -> None:

@@ -50,7 +50,7 @@ def cluster():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     spec = ClusterSpec(
         EngineSpec(factory=tiny_chat_engine, served_name="tiny-llama", threads=1),
-        replicas=2, cpus_per_replica=0.5, drain_timeout_s=30,
+        replicas=2, cpus_per_replica=0.5, drain_timeout_s=8,
         router=RouterOptions(tokenizer=tiny_tokenizer),
     )  # fmt: skip
     deploy(spec)

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch_topg.cluster.ingress import RouterOptions
 from torch_topg.cluster.replica import EngineSpec
+from torch_topg.cluster.router import PrefixRouter
 
 log = logging.getLogger("torch_topg.cluster")
 
@@ -48,8 +49,8 @@ class ClusterSpec:
             or self.replicas < 1
         ):
             raise ValueError(f"replicas: expected an int >= 1, got {self.replicas!r}")
-        if not self.router.load_ratio >= 1.0:
-            raise ValueError(f"load_ratio: expected a number >= 1, got {self.router.load_ratio!r}")
+        r = self.router
+        PrefixRouter().configure(r.load_ratio, r.load_floor, r.min_prefix_share)  # the checks
 
 
 def build_app(spec: ClusterSpec) -> Any:
@@ -150,7 +151,8 @@ def cluster_main(
     spec = ClusterSpec(
         EngineSpec(model=model, options=engine_options, served_name=served, app_options=app_options),
         replicas=args.replicas, app_name=args.app_name,
-        router=RouterOptions(load_ratio=args.route_load_ratio, tokenizer=tokenizer,
+        router=RouterOptions(load_ratio=args.route_load_ratio, load_floor=args.route_load_floor,
+                             min_prefix_share=args.route_min_prefix_share, tokenizer=tokenizer,
                              chat_template=getattr(chat, "template", None)),
         cpus_per_replica=args.replica_cpus, gpus_per_replica=args.replica_gpus,
     )  # fmt: skip

@@ -49,7 +49,9 @@ class ReplicaFailed(Exception):
 
 @dataclass
 class RouterOptions:
-    load_ratio: float = 2.0
+    load_ratio: float = 2.0  # router.py: the thresholds
+    load_floor: int = 4
+    min_prefix_share: float = 0.5
     max_attempts: int = 3
     stall_timeout_s: float = 120.0
     tokenizer: Callable[[], Any] | None = None  # -> (tokenizer, vocab size); None: no prefix keys
@@ -63,7 +65,8 @@ class ClusterIngress:
         self.engines = engines
         self.opts = options
         app = serve.get_replica_context().app_name
-        self.core = core_for(app, options.load_ratio)
+        thresholds = (options.load_ratio, options.load_floor, options.min_prefix_share)
+        self.core = core_for(app, thresholds)
         self.tokenizer, self.vocab = options.tokenizer() if options.tokenizer else (None, 0)
         self.renderer: Any = None
         self.info: dict[str, Any] | None = None  # root, block size, context (from a replica)

@@ -14,12 +14,18 @@ The rule (:meth:`PrefixRouter.decide`), in order:
 
 1. the session's replica, if it lives and is not over the load threshold;
 2. the replica holding the longest cached prefix of the request's blocks (ties: the
-   least loaded), if it is not over the load threshold;
+   least loaded), if that prefix is at least ``min_prefix_share`` (0.5) of the
+   request's blocks and the replica is not over the load threshold;
 3. the least loaded replica (ties: the one chosen least recently).
 
 *Over the load threshold*: more requests in flight than ``load_ratio`` (2.0) times the
-least loaded replica's, an idle replica counting as one (``load_ratio * max(min, 1)``),
-so that one request in flight on an otherwise idle cluster does not move a session.
+least loaded replica's, counted as at least ``load_floor`` (4):
+``inflight > load_ratio * max(least, load_floor)``, so that the first requests of a
+burst on an idle cluster do not scatter sessions that a batch would take at no cost.
+
+``min_prefix_share``: a prefix shorter than this share of the prompt (a chat template's
+first tokens, a short system prompt under a long question) is not worth piling every new
+conversation onto the one replica that has it; they are spread by load instead.
 
 The decision walks the request's block hashes once (one dict lookup per block, stopping
 at the first block no candidate holds): its cost does not grow with the number of
@@ -37,6 +43,8 @@ from torch_topg.engine.kv_cache import chain_hash
 from torch_topg.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 LOAD_RATIO = 2.0
+LOAD_FLOOR = 4
+MIN_PREFIX_SHARE = 0.5
 MAX_SESSIONS = 100_000
 
 
@@ -77,10 +85,14 @@ class PrefixRouter:
 
     Thread-safe: the decision and the updates take one lock (they are short)."""
 
-    def __init__(self, load_ratio: float = LOAD_RATIO, max_sessions: int = MAX_SESSIONS) -> None:
-        if not load_ratio >= 1.0:
-            raise ValueError(f"load_ratio: expected a number >= 1, got {load_ratio!r}")
-        self.load_ratio = float(load_ratio)
+    def __init__(
+        self,
+        load_ratio: float = LOAD_RATIO,
+        load_floor: int = LOAD_FLOOR,
+        min_prefix_share: float = MIN_PREFIX_SHARE,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
+        self.configure(load_ratio, load_floor, min_prefix_share)
         self.max_sessions = max_sessions
         self.replicas: dict[str, _Replica] = {}
         self.index: dict[bytes, set[str]] = {}  # hash -> replicas holding it (any medium)
@@ -88,6 +100,24 @@ class PrefixRouter:
         self.decisions: dict[str, int] = {"session": 0, "prefix": 0, "least_load": 0}
         self._tick = 0
         self._lock = threading.Lock()
+
+    def configure(self, load_ratio: float, load_floor: int, min_prefix_share: float) -> None:
+        """The thresholds (module docstring), each checked."""
+        if (
+            isinstance(load_ratio, bool)
+            or not isinstance(load_ratio, int | float)
+            or not load_ratio >= 1.0
+        ):
+            raise ValueError(f"load_ratio: expected a number >= 1, got {load_ratio!r}")
+        if isinstance(load_floor, bool) or not isinstance(load_floor, int) or load_floor < 1:
+            raise ValueError(f"load_floor: expected an int >= 1, got {load_floor!r}")
+        if not isinstance(min_prefix_share, int | float) or not 0.0 <= min_prefix_share <= 1.0:
+            raise ValueError(
+                f"min_prefix_share: expected a number in [0, 1], got {min_prefix_share!r}"
+            )
+        self.load_ratio = float(load_ratio)
+        self.load_floor = load_floor
+        self.min_prefix_share = float(min_prefix_share)
 
     # --- membership --------------------------------------------------------------------
     def add_replica(self, replica: str) -> None:
@@ -213,7 +243,7 @@ class PrefixRouter:
             if not pool:
                 raise NoReplica("no live replica to route to")
             least = min(reps[r].inflight for r in pool)
-            limit = self.load_ratio * max(least, 1)
+            limit = self.load_ratio * max(least, self.load_floor)
             ok = set(r for r in pool if reps[r].inflight <= limit)
             sticky = self.sessions.get(session) if session is not None else None
             if sticky in ok:
@@ -228,7 +258,7 @@ class PrefixRouter:
                 if not nxt:
                     break
                 holders, depth = nxt, depth + 1
-            if depth:
+            if depth and depth >= self.min_prefix_share * len(hashes):
                 best = [r for r in holders if r in ok]
                 if best:
                     return self._chose(self._least(best), "prefix", depth)
@@ -249,6 +279,8 @@ class PrefixRouter:
         with self._lock:
             return {
                 "load_ratio": self.load_ratio,
+                "load_floor": self.load_floor,
+                "min_prefix_share": self.min_prefix_share,
                 "replicas": {
                     r: {
                         "inflight": s.inflight,
@@ -268,14 +300,14 @@ _CORES: dict[str, PrefixRouter] = {}
 _CORES_LOCK = threading.Lock()
 
 
-def core_for(app: str, load_ratio: float | None = None) -> PrefixRouter:
+def core_for(app: str, thresholds: tuple[float, int, float] | None = None) -> PrefixRouter:
     """The routing core of Serve application ``app`` in this process (made on first use;
-    ``load_ratio`` applies when it is made): the ingress and Serve's request router of
-    that application's handle share it."""
+    ``thresholds``: ``(load_ratio, load_floor, min_prefix_share)``): the ingress and
+    Serve's request router of that application's handle share it."""
     with _CORES_LOCK:
         core = _CORES.get(app)
         if core is None:
-            core = _CORES[app] = PrefixRouter(load_ratio=load_ratio or LOAD_RATIO)
-        elif load_ratio is not None:
-            core.load_ratio = float(load_ratio)
+            core = _CORES[app] = PrefixRouter()
+        if thresholds is not None:
+            core.configure(*thresholds)
         return core

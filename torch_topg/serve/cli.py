@@ -76,7 +76,11 @@ def parser() -> argparse.ArgumentParser:
                    "started with `ray start` on this machine, else a local instance)")  # fmt: skip
     g.add_argument("--route-load-ratio", type=float, default=2.0,
                    help="skip a session's or prefix's replica with more requests in flight "
-                   "than this times the least loaded one's (an idle one counts as 1)")  # fmt: skip
+                   "than this times the least loaded one's (counted as at least --route-load-floor)")  # fmt: skip
+    g.add_argument("--route-load-floor", type=int, default=4,
+                   help="the least loaded replica's requests in flight count as at least this")  # fmt: skip
+    g.add_argument("--route-min-prefix-share", type=float, default=0.5,
+                   help="route by cached prefix only when it covers this share of the prompt")  # fmt: skip
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
     g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica")
     g.add_argument("--app-name", default="topg", help="the Serve application's name")

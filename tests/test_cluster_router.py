@@ -144,3 +144,50 @@ def test_prompt_hashes_equal_the_engines() -> None:
         announced = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
     mine = block_hashes(eng.kv.root, p, 4)
     assert len(mine) == 4 and announced[: len(mine)] == mine
+
+
+def test_cli_flags_and_bad_values() -> None:
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from torch_topg.cluster.deploy import ClusterSpec, serve_cluster
+    from torch_topg.cluster.replica import EngineSpec, RouterOptions
+    from torch_topg.serve.cli import parser
+
+    args = parser().parse_args(["--replicas", "3", "--route-load-ratio", "1.5",
+                                "--route-load-floor", "2", "--route-min-prefix-share", "0.25"])  # fmt: skip
+    assert (args.replicas, args.route_load_ratio, args.route_load_floor) == (3, 1.5, 2)
+    assert args.route_min_prefix_share == 0.25 and parser().parse_args([]).replicas is None
+    assert serve_cluster(["--replicas", "0"]) == 2  # refused before Ray is touched
+    with pytest.raises(ValueError, match="replicas: expected an int >= 1, got 0"):
+        ClusterSpec(EngineSpec(), replicas=0)
+    with pytest.raises(ValueError, match="load_ratio"):
+        ClusterSpec(EngineSpec(), router=RouterOptions(load_ratio=0.9))
+
+
+def test_metrics_merge_adds_replicas_up() -> None:
+    """The cluster's /metrics against the replicas' own texts (prometheus-client's)."""
+    pytest.importorskip("prometheus_client", reason="the serve extra is not installed")
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from torch_topg.cluster.metrics import merge_metrics
+
+    texts = []
+    for tokens, usage, waits in ((5, 0.2, [0.01, 0.3]), (7, 0.6, [2.0])):
+        reg = CollectorRegistry()
+        Counter("topg_generation_tokens", "t", registry=reg).inc(tokens)
+        Gauge("topg_kv_cache_usage", "u", registry=reg).set(usage)
+        Gauge("topg_num_requests_running", "r", registry=reg).set(tokens)
+        h = Histogram("topg_ttft_seconds", "h", buckets=(0.1, 1.0), registry=reg)
+        for w in waits:
+            h.observe(w)
+        texts.append(generate_latest(reg).decode())
+    merged = merge_metrics(texts).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(merged) for s in f.samples}  # fmt: skip
+    assert got[("topg_generation_tokens_total", ())] == 12
+    assert got[("topg_num_requests_running", ())] == 12  # a count: the cluster's total
+    assert got[("topg_kv_cache_usage", ())] == pytest.approx(0.4)  # a fraction: the mean
+    assert got[("topg_ttft_seconds_bucket", (("le", "0.1"),))] == 1
+    assert got[("topg_ttft_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert got[("topg_ttft_seconds_sum", ())] == pytest.approx(2.31)
+    assert not any(name.endswith("_created") for name, _ in got)

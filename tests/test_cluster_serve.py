@@ -26,8 +26,7 @@ requests = pytest.importorskip("requests")
 from cluster_utils import tiny_chat_engine, tiny_tokenizer  # noqa: E402
 
 from torch_topg.cluster.deploy import ClusterSpec, deploy, scale  # noqa: E402
-from torch_topg.cluster.ingress import RouterOptions  # noqa: E402
-from torch_topg.cluster.replica import EngineSpec  # noqa: E402
+from torch_topg.cluster.replica import EngineSpec, RouterOptions  # noqa: E402
 
 TESTS = Path(__file__).parent
 GREEDY = {"temperature": 0, "ignore_eos": True}

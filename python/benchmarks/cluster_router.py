@@ -118,8 +118,7 @@ def bench_serving(requests_n: int, turns: int) -> dict[str, float]:
     from ray import serve
 
     from torch_topg.cluster.deploy import ClusterSpec, deploy
-    from torch_topg.cluster.ingress import RouterOptions
-    from torch_topg.cluster.replica import EngineSpec
+    from torch_topg.cluster.replica import EngineSpec, RouterOptions
 
     out: dict[str, float] = {}
     prompts = [[{"role": "user", "content": f"question number {i}: what is {i} + {i}?"}]
@@ -159,7 +158,7 @@ def bench_serving(requests_n: int, turns: int) -> dict[str, float]:
 def conversations(url: str, turns: int, mode: str, requests) -> dict[str, float]:
     from concurrent.futures import ThreadPoolExecutor
 
-    convs = {f"{mode}-{i}": [{"role": "system", "content": f"You help user {i}."},
+    convs = {f"{mode}-{i}": [{"role": "system", "content": f"You help user {i} ({mode})."},
                              {"role": "user", "content": f"Hello, I am user {i}."}]
              for i in range(32)}  # fmt: skip
     home: dict[str, str] = {}

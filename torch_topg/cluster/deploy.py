@@ -24,8 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_topg.cluster.ingress import RouterOptions
-from torch_topg.cluster.replica import EngineSpec
+from torch_topg.cluster.replica import EngineSpec, RouterOptions
 from torch_topg.cluster.router import PrefixRouter
 
 log = logging.getLogger("torch_topg.cluster")

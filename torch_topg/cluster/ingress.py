@@ -24,8 +24,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -34,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from torch_topg.cluster.metrics import merge_metrics, router_metrics
-from torch_topg.cluster.replica import Route
+from torch_topg.cluster.replica import Route, RouterOptions
 from torch_topg.cluster.router import block_hashes, core_for
 from torch_topg.engine.kv_events import decode
 
@@ -45,17 +44,6 @@ class ReplicaFailed(Exception):
     def __init__(self, replica: str | None, reason: str) -> None:
         super().__init__(f"replica {replica or '?'} failed: {reason}")
         self.replica, self.reason = replica, reason
-
-
-@dataclass
-class RouterOptions:
-    load_ratio: float = 2.0  # router.py: the thresholds
-    load_floor: int = 4
-    min_prefix_share: float = 0.5
-    max_attempts: int = 3
-    stall_timeout_s: float = 120.0
-    tokenizer: Callable[[], Any] | None = None  # -> (tokenizer, vocab size); None: no prefix keys
-    chat_template: str | None = None
 
 
 class ClusterIngress:
@@ -158,9 +146,12 @@ class ClusterIngress:
         except (asyncio.TimeoutError, RayError):
             pass
 
-    async def _next(self, gen: Any, route: Route) -> Any:
+    async def _next(self, gen: Any, route: Route, stall: bool = True) -> Any:
+        """The replica's next message; ``stall``: fail after ``stall_timeout_s`` of silence
+        (not while a non-streamed answer is generated: it arrives whole, at the end)."""
         try:
-            return await asyncio.wait_for(gen.__anext__(), timeout=self.opts.stall_timeout_s)
+            timeout = self.opts.stall_timeout_s if stall else None
+            return await asyncio.wait_for(gen.__anext__(), timeout=timeout)
         except StopAsyncIteration:
             raise
         except asyncio.TimeoutError:
@@ -189,7 +180,7 @@ class ClusterIngress:
         chunks: list[bytes] = []
         while True:
             try:
-                msg = await self._next(gen, route)
+                msg = await self._next(gen, route, stall=stream)
             except StopAsyncIteration:
                 break
             if msg[0] == "tail":
@@ -204,8 +195,18 @@ class ClusterIngress:
                                  headers=headers)  # fmt: skip
 
     async def _relay(self, gen: Any, route: Route, first: list[bytes]) -> AsyncIterator[bytes]:
-        for c in first:
-            yield c
+        ended = False
+        try:
+            for c in first:
+                yield c
+            async for chunk in self._chunks(gen, route):
+                yield chunk
+            ended = True
+        finally:
+            if not ended:  # the client went away: cancel the call, the replica aborts
+                gen.cancel()
+
+    async def _chunks(self, gen: Any, route: Route) -> AsyncIterator[bytes]:
         while True:
             try:
                 msg = await self._next(gen, route)

@@ -37,6 +37,19 @@ class Route:
 
 
 @dataclass
+class RouterOptions:
+    """The ingress's settings (ingress.py; the thresholds: router.py)."""
+
+    load_ratio: float = 2.0  # router.py: the thresholds
+    load_floor: int = 4
+    min_prefix_share: float = 0.5
+    max_attempts: int = 3
+    stall_timeout_s: float = 120.0
+    tokenizer: Callable[[], Any] | None = None  # -> (tokenizer, vocab size); None: no prefix keys
+    chat_template: str | None = None
+
+
+@dataclass
 class EngineSpec:
     """How a replica builds its engine and app: ``factory()`` (any picklable callable
     returning an Engine, e.g. for tests) or ``Engine.from_pretrained(model, **options)``;

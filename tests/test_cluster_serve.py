@@ -204,12 +204,18 @@ def _check_ended(results: list) -> tuple[int, int]:
 
 def test_scaling_up_and_down_keeps_serving(cluster) -> None:
     url, spec = cluster["url"], cluster["spec"]
+    before = _state(url)
     cluster["spec"] = spec = scale(spec, 3)
-    _wait_live(url, 3)
+    st = _wait_live(url, 3)
+    # a scale, not a redeployment: the two replicas and the router (its sessions) stay
+    assert (
+        set(before["replicas"]) < set(st["replicas"]) and st["sessions"] == before["sessions"] > 0
+    )
     results: list = [None] * 6
     started = threading.Event()
-    threads = _stream_all(url, 6, 48, results, started, [])
+    threads = _stream_all(url, 6, 400, results, started, [])
     started.wait(TIMEOUT)
+    assert any(r is None for r in results)  # streams in flight on every replica (least load)
     cluster["spec"] = scale(spec, 2)  # one replica drains: its streams finish
     for t in threads:
         t.join(TIMEOUT)

@@ -162,27 +162,33 @@ def conversations(url: str, turns: int, mode: str, requests) -> dict[str, float]
                              {"role": "user", "content": f"Hello, I am user {i}."}]
              for i in range(32)}  # fmt: skip
     home: dict[str, str] = {}
-    same = later = cached = prompt = 0
+    last: dict[str, str] = {}
+    same = stayed = sticky = later = cached = prompt = 0
 
-    def send(sid: str) -> tuple[dict, str]:
+    def send(sid: str) -> tuple[dict, str, str]:
         body = {"model": "tiny-llama", "messages": convs[sid], "max_tokens": 8,
                 "temperature": 0, "ignore_eos": True, "session_id": sid}  # fmt: skip
         r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-        return r.json(), r.headers["x-topg-replica"]
+        return r.json(), r.headers["x-topg-replica"], r.headers["x-topg-route"]
 
     with ThreadPoolExecutor(32 if mode == "concurrent" else 1) as pool:
         for turn in range(turns):
-            for sid, (js, rep) in zip(convs, pool.map(send, list(convs)), strict=True):
+            for sid, (js, rep, why) in zip(convs, pool.map(send, list(convs)), strict=True):
                 if turn:
                     later += 1
                     same += home[sid] == rep
+                    stayed += last[sid] == rep
+                    sticky += why == "session"
                     cached += js["usage"]["prompt_tokens_details"]["cached_tokens"]
                     prompt += js["usage"]["prompt_tokens"]
                 home.setdefault(sid, rep)
+                last[sid] = rep
                 convs[sid] += [js["choices"][0]["message"],
                                {"role": "user", "content": f"turn {turn}, go on"}]  # fmt: skip
-    return {"session_hit_rate": same / later, "later_turn_kv_hit_rate": cached / prompt,
-            "replicas_used": len(set(home.values()))}  # fmt: skip
+    split = sorted(list(home.values()).count(r) for r in set(home.values()))
+    return {"on_first_turns_replica": same / later, "on_previous_turns_replica": stayed / later,
+            "routed_by_session": sticky / later, "later_turn_kv_hit_rate": cached / prompt,
+            "first_turn_split": split}  # fmt: skip
 
 
 def main() -> None:

@@ -83,17 +83,51 @@ def deploy(spec: ClusterSpec, *, blocking: bool = False) -> Any:
     returns the ingress's handle."""
     from ray import serve
 
-    return serve.run(build_app(spec), name=spec.app_name, route_prefix="/", blocking=blocking)
+    # external_scaler_enabled: the number of replicas can then change alone (scale());
+    # running serve.run again would be a new version: a rolling restart of every replica
+    # and of the router (its sessions and prefix index lost)
+    return serve.run(build_app(spec), name=spec.app_name, route_prefix="/", blocking=blocking,
+                     external_scaler_enabled=True)  # fmt: skip
 
 
-def scale(spec: ClusterSpec, replicas: int) -> ClusterSpec:
-    """The same application with ``replicas`` engines: Serve adds replicas, or drains and
-    stops the ones it removes; the others keep serving."""
+def scale(spec: ClusterSpec, replicas: int, timeout: float = 600.0) -> ClusterSpec:
+    """``replicas`` engines for the running application of ``spec``: Serve starts new
+    ones, or drains and stops the ones it removes; the others and the router keep
+    serving. Returns when the deployment has exactly ``replicas`` running replicas.
+
+    Through the Serve controller's external-scaling call (``update_deployment_replicas``,
+    what Serve's REST scaling endpoint calls; no public Python wrapper in Ray 2.60)."""
     from dataclasses import replace
 
-    new = replace(spec, replicas=replicas)
-    deploy(new)
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    new = replace(spec, replicas=replicas)  # checks the number
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    target = DeploymentID(name="engine", app_name=spec.app_name)
+    ray.get(controller.update_deployment_replicas.remote(target, replicas))
+    wait_for_replicas(spec.app_name, replicas, timeout)
     return new
+
+
+def wait_for_replicas(app: str, replicas: int, timeout: float) -> None:
+    """Until the ``engine`` deployment of ``app`` has ``replicas`` running replicas and
+    no other (starting, stopping); a TimeoutError naming the states otherwise."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    states: dict[Any, int] = {}
+    while time.monotonic() < deadline:
+        states = serve.status().applications[app].deployments["engine"].replica_states
+        named = {str(getattr(s, "value", s)): n for s, n in states.items()}
+        present = sum(n for s, n in named.items() if s != "STOPPED")
+        if named.get("RUNNING", 0) == replicas and present == replicas:
+            return
+        time.sleep(0.25)
+    raise TimeoutError(
+        f"deployment 'engine' of {app!r}: {replicas} replicas not reached in {timeout:g} s; now {states}"
+    )
 
 
 # --- the command line ----------------------------------------------------------------
@@ -155,6 +189,11 @@ def cluster_main(
                              chat_template=getattr(chat, "template", None)),
         cpus_per_replica=args.replica_cpus, gpus_per_replica=args.replica_gpus,
     )  # fmt: skip
+    if not local and args.app_name in serve.status().applications:  # running: scale it
+        log.info("%s is running: scaling it to %d replicas (other flags are not applied; "
+                 "`serve shutdown` first to redeploy)", args.app_name, args.replicas)  # fmt: skip
+        scale(spec, args.replicas)
+        return 0
     serve.start(http_options={"host": args.host, "port": args.port})
     deploy(spec)
     log.info("serving %s: %d replicas on http://%s:%d", served, args.replicas, args.host, args.port)

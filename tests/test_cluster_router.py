@@ -1,15 +1,16 @@
 """The router's core (torch_topg.cluster.router) without Ray: session stickiness, the
 longest cached prefix, the load threshold, dead and removed replicas, KV events applied
-once and in order, and the prompt hashes equal to the ones an engine computes."""
+once and in order; the command line's flags and the metrics merge. No engine runs here
+(the prompt hashes against an engine's: test_cluster_shared_disk.py)."""
 
 from __future__ import annotations
 
 import pytest
-from engine_utils import prompts, tiny, wait_idle
 
-from torch_topg.cluster.router import NoReplica, PrefixRouter, block_hashes
-from torch_topg.engine import Engine
+from torch_topg.cluster.router import NoReplica, PrefixRouter
 from torch_topg.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+pytestmark = pytest.mark.native_independent  # no topg op: run in the native lane only
 
 
 def H(i: int) -> bytes:
@@ -131,19 +132,6 @@ def test_events_applied_once_in_order() -> None:
     assert H(7) in r.index and r.cursors()["r0"] == 3
     r.apply_events("r0", 50, 52, KVEventBatch(0.0, [AllBlocksCleared(), *stored([H(8)]).events]))
     assert H(7) not in r.index and H(8) in r.index
-
-
-def test_prompt_hashes_equal_the_engines() -> None:
-    """The router hashes a prompt as the engine does: its KV events name the same blocks."""
-    model = tiny("llama-tiny")
-    with Engine.from_model(model, None, block_size=4, compile=False, kv_events=True) as eng:
-        (p,) = prompts(3, [4 * 5], vocab=200)
-        eng.generate(p, max_new_tokens=1, temperature=0)
-        wait_idle(eng)
-        _, batch = eng.kv.events.since(0)
-        announced = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
-    mine = block_hashes(eng.kv.root, p, 4)
-    assert len(mine) == 4 and announced[: len(mine)] == mine
 
 
 def test_cli_flags_and_bad_values() -> None:

@@ -2,7 +2,7 @@
 KV events (vLLM's format) the router reads: two engines on one folder, the second finds
 the first's prefix and answers as an engine that computed it; the folder's cap evicts
 least recently used files; writes are atomic; the events name exactly what each tier
-holds."""
+holds, and the router hashes a prompt as the engine does."""
 
 from __future__ import annotations
 
@@ -180,3 +180,18 @@ def test_event_log_wire_format_and_overflow() -> None:
     assert from_wire(to_wire(KVEventBatch(1.5, [], 3))).data_parallel_rank == 3
     with pytest.raises(ValueError, match="unknown or malformed"):
         from_wire([0.0, [["Nope"]]])
+
+
+def test_prompt_hashes_equal_the_engines() -> None:
+    """The router hashes a prompt as the engine does: its KV events name the same blocks."""
+    from torch_topg.cluster.router import block_hashes
+
+    model = tiny("llama-tiny")
+    with Engine.from_model(model, None, block_size=4, compile=False, kv_events=True) as eng:
+        (p,) = prompts(3, [4 * 5], vocab=200)
+        eng.generate(p, max_new_tokens=1, temperature=0)
+        wait_idle(eng)
+        _, batch = eng.kv.events.since(0)
+        announced = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    mine = block_hashes(eng.kv.root, p, 4)
+    assert len(mine) == 4 and announced[: len(mine)] == mine

@@ -159,6 +159,24 @@ def test_metrics_add_up_over_replicas(cluster) -> None:
     assert "topg_router_decisions_total" in after
 
 
+def test_client_leaving_a_stream_aborts_it_on_the_replica(cluster) -> None:
+    url = cluster["url"]
+    name = 'topg_request_finished_total{finish_reason="abort"}'
+
+    def aborted() -> float:
+        return _metric(requests.get(f"{url}/metrics", timeout=TIMEOUT).text, name)
+
+    before = aborted()
+    body = {"model": "tiny-llama", "prompt": "a long story", "max_tokens": 3000, "stream": True,
+            **GREEDY}  # fmt: skip
+    with requests.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT, stream=True) as r:
+        next(r.iter_lines())  # the stream is under way; then the client goes
+    deadline = time.monotonic() + TIMEOUT
+    while aborted() < before + 1:  # the replica's engine aborted it (not ran to 3000)
+        assert time.monotonic() < deadline, "the replica never aborted the request"
+        time.sleep(0.2)
+
+
 def _stream_all(
     url: str, n: int, max_tokens: int, results: list, started: threading.Event, first: list
 ) -> list:

@@ -11,6 +11,12 @@ import gguf
 
 from torch_topg.models.hf import gguf_path
 
+#: ``quantization="gguf"`` with fp32 activations: the packed model computes the file's
+#: de-quantised weights exactly (up to summation order), so tests compare it with the float
+#: model holding them. The default (int8 activations, llama.cpp's rounding) is tested
+#: against its own reference in tests/test_quant_gguf.py and tests/test_quant_linear.py.
+GGUF_FP32_ACT = {"method": "gguf", "int8_activations": False}
+
 
 @functools.cache
 def _smollm2_tokenizer_fields() -> tuple[tuple, ...]:

@@ -21,7 +21,7 @@ def bad_linear_q(g: Gen, other: str) -> list[BadInput]:
     known = ", ".join(f"'{f}'" for f in FORMATS)
     return [
         BadInput("int input", (x.int(), w, "q8_0"), match=_arg("input", FLOAT)),
-        BadInput("unknown format", (x, w, "q5_0"), match=re.escape(f"format 'q5_0' is not one of {known}")),
+        BadInput("unknown format", (x, w, "q2_k"), match=re.escape(f"format 'q2_k' is not one of {known}")),
         BadInput("K not a multiple of the block", (g.randn(3, 40), packed_weight(g, "int4_g32", 8, 40), "q4_1"), match=_arg("input", "a last dimension that is a multiple of 32 (the block of q4_1)")),
         BadInput("weight dtype", (x, w.view(torch.int8), "q8_0"), match=_arg("weight", "dtype uint8")),
         BadInput("weight device", (x, w.to(other), "q8_0"), match=_arg("weight", f"device {dev} (the device of 'input')"), crashes_native=CRASH_DEVICE),
@@ -72,7 +72,7 @@ def bad_fused_moe_q(g: Gen, other: str) -> list[BadInput]:
     a = (wgu, wd, tw, ids)
     return [
         BadInput("int hidden", (x.int(), *a, "q8_0"), match=_arg(hs, FLOAT)),
-        BadInput("unknown format", (x, *a, "q5_0"), match=re.escape(f"format 'q5_0' is not one of {known}")),
+        BadInput("unknown format", (x, *a, "q2_k"), match=re.escape(f"format 'q2_k' is not one of {known}")),
         BadInput("unknown down format", (x, *a, "q8_0"), {"down_format": "f16"}, match=re.escape(f"format 'f16' is not one of {known}")),
         BadInput("hidden not a multiple of the block", (g.randn(4, 40), *a, "q8_0"), match=re.escape("the hidden size 40 is not a multiple of 32 (the block of q8_0)")),
         BadInput("float w_gate_up", (x, g.randn(3, 64, 64), wd, tw, ids, "q8_0"), match=_arg("w_gate_up", "dtype uint8")),

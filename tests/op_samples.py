@@ -351,6 +351,8 @@ def _linear_q(g: Gen) -> list[Sample]:
         ("q8_0", 64),
         ("q4_0", 96),
         ("q4_1", 64),
+        ("q5_0", 96),
+        ("q5_1", 64),
         ("q4_k", 256),
         ("q5_k", 512),
         ("q6_k", 256),
@@ -404,7 +406,8 @@ def _embedding_q(g: Gen) -> list[Sample]:
         ids = g.randint(13, 3, 5)
         out.append(Sample(f"{dt} {fmt}", (ids, w, fmt, d, dt), dtype=dt))
         out.append(Sample(f"{dt} {fmt} int32 ids", (ids[0].int(), w, fmt, d, dt), dtype=dt))
-    for fmt, d in [("q4_0", 32), ("q4_1", 64), ("q4_k", 256), ("int8", 45), ("int4_g32", 40)]:
+    for fmt, d in [("q4_0", 32), ("q4_1", 64), ("q5_0", 64), ("q5_1", 32), ("q4_k", 256),
+                   ("int8", 45), ("int4_g32", 40)]:  # fmt: skip
         w = packed_weight(g, fmt, 7, d)
         out.append(Sample(f"float32 {fmt}", (g.randint(7, 4), w, fmt, d, F32)))
     return out

@@ -74,7 +74,7 @@ def test_cuda_embedding_q_bit_exact(fmt):
 
 @requires_cuda_kernel("fused_moe_q")
 @pytest.mark.parametrize(
-    "fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", "int4_g64"]
+    "fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "int8", "int4_g64"]
 )
 @given(
     tokens=st.sampled_from([1, 5, 64, 65, 150]),

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from engine_utils import hf_greedy
+from gguf_files import GGUF_FP32_ACT
 
 from torch_topg.engine import Engine
 from torch_topg.engine.gguf_meta import config_and_tokenizer
@@ -189,7 +190,7 @@ def test_q8_0_file_runs_packed(files):
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        packed, _ = load_gguf_packed(q8, torch.float32, "gguf")
+        packed, _ = load_gguf_packed(q8, torch.float32, GGUF_FP32_ACT)
     layer = packed.model.layers[1]
     assert isinstance(layer.mlp.experts, QuantizedExperts) and layer.mlp.experts.format == "q8_0"
     np.testing.assert_array_equal(layer.mlp.experts.qdown.numpy(), np.asarray(down.data))
@@ -202,7 +203,7 @@ def test_q8_0_file_runs_packed(files):
     with torch.no_grad():
         torch.testing.assert_close(packed(ids).logits, dense(ids).logits, atol=1e-4, rtol=1e-4)
     want = [hf_greedy(dense, p, 8) for p in PROMPTS]
-    with Engine.from_pretrained(q8, quantization="gguf", max_model_len=128) as eng:
+    with Engine.from_pretrained(q8, quantization=GGUF_FP32_ACT, max_model_len=128) as eng:
         assert isinstance(eng.model.model.layers[0].mlp.experts, QuantizedExperts)
         alone = eng.generate([PROMPTS[0]], max_new_tokens=8, **GREEDY)[0].token_ids
         batch = [o.token_ids for o in eng.generate(PROMPTS, max_new_tokens=8, **GREEDY)]
@@ -212,28 +213,30 @@ def test_q8_0_file_runs_packed(files):
 
 def test_q4_k_m_file_runs_packed_where_it_can(files, caplog):
     """llama-quantize's Q4_K_M (Q4_K; Q6_K for the LM head and some V / down rows) with
-    layer 0's ``attn_q`` and ``ffn_down_exps`` forced to Q5_0 (what llama-quantize writes
-    where a row holds no whole K-quant block; no packed kernel here): the Q4_K / Q6_K
-    tensors run packed, layer 1's experts as Q4_K gate / up with their down rows' own
-    format; the Q5_0 ones are de-quantised, as are layer 0's experts (Q4_K and Q5_0 parts
-    make no one ``QuantizedExperts``), one log line naming them; the logits are those of
-    the file de-quantised."""
+    layer 0's ``attn_q`` forced to Q5_0 (what llama-quantize writes where a row holds no
+    whole K-quant block) and its ``ffn_down_exps`` to IQ4_NL (no packed kernel here): the
+    Q4_K / Q6_K / Q5_0 tensors run packed, layer 1's experts as Q4_K gate / up with their
+    down rows' own format; the IQ4_NL one is de-quantised, as are layer 0's experts (Q4_K
+    and IQ4_NL parts make no one ``QuantizedExperts``), one log line naming them; the
+    logits are those of the file de-quantised."""
     folder, bf16, _, converter = files
-    forced = (r"blk\.0\.attn_q=q5_0", r"blk\.0\.ffn_down_exps=q5_0")
+    forced = (r"blk\.0\.attn_q=q5_0", r"blk\.0\.ffn_down_exps=iq4_nl")
     path = _quantize(bf16, "Q4_K_M", converter, folder, *forced)
     if path is None:
         pytest.skip(f"llama-quantize is not built ({binaries()['llama-quantize']})")
     kinds = {t.name: t.tensor_type.name.lower() for t in read_file(path)[1]}
-    assert kinds["blk.0.attn_q.weight"] == kinds["blk.0.ffn_down_exps.weight"] == "q5_0"
+    assert kinds["blk.0.attn_q.weight"] == "q5_0"
+    assert kinds["blk.0.ffn_down_exps.weight"] == "iq4_nl"
     assert kinds["blk.1.ffn_gate_exps.weight"] == kinds["token_embd.weight"] == "q4_k"
     assert kinds["output.weight"] == "q6_k"
     with caplog.at_level(logging.INFO, logger="torch_topg.quant.gguf_direct"):
-        model, _ = load_gguf_packed(path, torch.float32, "gguf")
+        model, _ = load_gguf_packed(path, torch.float32, GGUF_FP32_ACT)
     line = next(r.getMessage() for r in caplog.records if "de-quantised" in r.getMessage())
     listed = {item.split(" (")[0] for item in line.split("here: ", 1)[1].split(", ")}
-    assert listed == {"blk.0.attn_q.weight", "blk.0.ffn_down_exps.weight", "model.layers.0.mlp.experts"}  # fmt: skip
+    assert listed == {"blk.0.ffn_down_exps.weight", "model.layers.0.mlp.experts"}
     layers = model.model.layers
-    assert type(layers[0].self_attn.q_proj) is torch.nn.Linear
+    q0 = layers[0].self_attn.q_proj
+    assert isinstance(q0, QuantizedLinear) and q0.format == "q5_0"
     assert not isinstance(layers[0].mlp.experts, QuantizedExperts)
     q1, e1 = layers[1].self_attn.q_proj, layers[1].mlp.experts
     assert isinstance(q1, QuantizedLinear) and q1.format == kinds["blk.1.attn_q.weight"]

@@ -38,6 +38,7 @@ class FakeSeq:
         self.num_committed_blocks = 0
         self.num_computed = 0
         self.kv_load = None
+        self.parked = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,8 @@ HALF_AT = {
     "q8_0": (0,),
     "q4_0": (0,),
     "q4_1": (0, 2),
+    "q5_0": (0,),
+    "q5_1": (0, 2),
     "q4_k": (0, 2),
     "q5_k": (0, 2),
     "q6_k": (208,),
@@ -59,7 +61,7 @@ def test_random_blocks_cover_subnormal_and_negative_scales():
     assert (d < 0).any() and (np.abs(d) < 2**-14).any() and np.isfinite(d).all()
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 @given(
     seed=st.integers(0, 2**32 - 1),
     rows=st.integers(1, 6),
@@ -140,8 +142,8 @@ def test_int8_row_layout():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="unknown weight format 'q5_0'; known: q8_0, "):
-        dequantize(torch.zeros(1, 34, dtype=torch.uint8), "q5_0")
+    with pytest.raises(ValueError, match="unknown weight format 'q2_k'; known: q8_0, "):
+        dequantize(torch.zeros(1, 34, dtype=torch.uint8), "q2_k")
     with pytest.raises(ValueError, match="rows of 35 bytes do not hold 32 weights in q8_0"):
         dequantize(torch.zeros(1, 35, dtype=torch.uint8), "q8_0", 32)
     with pytest.raises(ValueError, match="K = 40 must be a multiple of 32"):

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from engine_utils import hf_greedy, prompts, tiny
+from gguf_files import GGUF_FP32_ACT
 
 import torch_topg
 from torch_topg.engine import Engine
@@ -85,7 +86,7 @@ def test_engine_gguf_greedy_equals_float_engine():
     question = [{"role": "user", "content": "What is the capital of France?"}]
     with Engine.from_pretrained(seed=0, compile=False) as eng:
         want = eng.generate(question, max_new_tokens=12, **GREEDY)[0]
-    with Engine.from_pretrained(quantization="gguf", seed=0, compile=False) as eng:
+    with Engine.from_pretrained(quantization=GGUF_FP32_ACT, seed=0, compile=False) as eng:
         assert isinstance(eng.model.model.layers[3].mlp.down_proj, QuantizedLinear)
         got = eng.generate(question, max_new_tokens=12, **GREEDY)[0]
     assert "Paris" in got.text, got.text

@@ -12,7 +12,7 @@ import warnings
 import gguf
 import pytest
 import torch
-from gguf_files import close_file, open_file
+from gguf_files import GGUF_FP32_ACT, close_file, open_file
 
 from torch_topg.engine.loading import load_gguf_packed
 from torch_topg.models import build_model
@@ -73,7 +73,7 @@ def test_gemma2_gguf_loads_packed(gemma2_file):
     path, model = gemma2_file
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        packed, tok = load_gguf_packed(path, torch.float32, "gguf")
+        packed, tok = load_gguf_packed(path, torch.float32, GGUF_FP32_ACT)
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager",
                                                   dtype=torch.float32).eval()  # fmt: skip
     assert tok is not None
@@ -90,6 +90,34 @@ def test_gemma2_gguf_loads_packed(gemma2_file):
         want = hf(ids).logits
         torch.testing.assert_close(packed(ids).logits, want, atol=1e-4, rtol=1e-4)
         # the row-matching path (other architectures' files) keeps the scale too
-        matched = apply_quantization(copy.deepcopy(hf), "gguf", path)
+        matched = apply_quantization(copy.deepcopy(hf), GGUF_FP32_ACT, path)
         assert isinstance(matched.model.embed_tokens, QuantizedEmbedding)
         torch.testing.assert_close(matched(ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_default_rounds_every_linear_input_as_the_reference(gemma2_file, monkeypatch):
+    """``quantization="gguf"`` (no options) rounds the input of every packed linear to int8
+    per block of 32, the tied LM head included (llama.cpp's semantics for the file), and
+    computes what the reference ``linear_q(..., int8_activations=True)`` computes; fp32
+    activations, asked for, are a different model (the test tells the two apart)."""
+    from torch_topg.reference.linear_q import linear_q as reference_linear_q
+
+    path, _ = gemma2_file
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed, _ = load_gguf_packed(path, torch.float32, "gguf")
+        exact, _ = load_gguf_packed(path, torch.float32, GGUF_FP32_ACT)
+    linears = [m for m in packed.modules() if isinstance(m, QuantizedLinear)]
+    assert packed.lm_head in linears and all(m.int8_activations for m in linears)
+    ids = torch.tensor([[1, 5, 9, 200, 255, 17, 42, 7, 11, 60, 2]])
+    with torch.no_grad():
+        got, fp32 = packed(ids).logits, exact(ids).logits
+
+        def ref_forward(self, x):
+            return reference_linear_q(x, self.qweight, self.format, self.bias,
+                                      int8_activations=self.int8_activations)  # fmt: skip
+
+        monkeypatch.setattr(QuantizedLinear, "forward", ref_forward)
+        want = packed(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (fp32 - want).abs().max() > 10 * (got - want).abs().max()

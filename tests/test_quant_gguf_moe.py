@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from engine_utils import hf_greedy
-from gguf_files import close_file, open_file
+from gguf_files import GGUF_FP32_ACT, close_file, open_file
 
 from torch_topg.engine import Engine
 from torch_topg.engine.loading import load_gguf_packed
@@ -105,7 +105,7 @@ def test_qwen2moe_gguf_runs_packed(tmp_path, fmt):
     reference.load_state_dict(dense, strict=False)  # the file's weights, de-quantised
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        packed, tok = load_gguf_packed(path, torch.float32, "gguf")
+        packed, tok = load_gguf_packed(path, torch.float32, GGUF_FP32_ACT)
     assert tok is not None
     layer = packed.model.layers[1].mlp
     assert isinstance(layer.experts, QuantizedExperts) and layer.experts.format == fmt
@@ -125,7 +125,7 @@ def test_qwen2moe_gguf_runs_packed(tmp_path, fmt):
     )
     if fmt == "q4_0":  # the engine on the file (one format: each load parses the tokenizer)
         prompt = ids[0].tolist()
-        with Engine.from_pretrained(path, quantization="gguf", max_model_len=128) as eng:
+        with Engine.from_pretrained(path, quantization=GGUF_FP32_ACT, max_model_len=128) as eng:
             out = eng.generate([prompt], max_new_tokens=6, **GREEDY)[0].token_ids
         assert out == hf_greedy(reference, prompt, 6)
 
@@ -148,7 +148,7 @@ def test_mixtral_gguf_runs_packed(mixtral_file):
     path, reference = mixtral_file
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        packed, _ = load_gguf_packed(path, torch.float32, "gguf")
+        packed, _ = load_gguf_packed(path, torch.float32, GGUF_FP32_ACT)
     assert packed.config.model_type == "mixtral" and packed.config.num_local_experts == 4
     assert isinstance(packed.model.layers[0].mlp.experts, QuantizedExperts)
     ids = torch.tensor([[1, 5, 9, 200, 255, 17, 42]])

@@ -208,7 +208,7 @@ def test_int8_gemv_forms_match_reference(tmp_path):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(16, 1600, generator=g) * 3
     cases = [("q4_1", 576), ("q4_1", 1536), ("q4_1", 96), ("q4_0", 576), ("q8_0", 288),
-             ("q8_0", 1536), ("int4_g32", 575), ("int4_g64", 576), ("int8", 1000), ("int8", 256)]  # fmt: skip
+             ("q8_0", 1536), ("q5_0", 576), ("q5_0", 96), ("q5_1", 1536), ("int4_g32", 575), ("int4_g64", 576), ("int8", 1000), ("int8", 256)]  # fmt: skip
     packed = [
         (quantize_weight(torch.randn(37, k, generator=g) / k**0.5, f), f, k) for f, k in cases
     ]

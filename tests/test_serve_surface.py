@@ -1,7 +1,10 @@
 """The server's surface beyond generation: /tokenize and /detokenize (vLLM's), several API
-keys, CORS, logit_bias and min_tokens through the API, and bodies that must get a 4xx."""
+keys, CORS, logit_bias, min_tokens and priority through the API, a client leaving
+mid-grammar, and bodies that must get a 4xx."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -136,3 +139,42 @@ def test_metrics_under_vllm_names(client) -> None:
     for ours, theirs in pairs:
         assert values[theirs] == values[ours], (ours, theirs)
     assert values['vllm:generation_tokens_total{model_name="tiny-llama"}'] >= 3
+
+
+def test_priority_field(client, engine, monkeypatch) -> None:
+    """vLLM's ``priority``: handed to ``Engine.submit``; on an engine serving in arrival
+    order a non-zero one is a 400 naming it (vLLM's answer), as is a non-int."""
+    req = {"prompt": "hi", "max_tokens": 2, **GREEDY}
+    r = client.post("/v1/completions", json={**req, "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "scheduling_policy='priority'" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": "high"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    seen = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda x, **kw: seen.append(kw) or submit(x, **kw))
+    assert client.post("/v1/completions", json={**req, "priority": 0}).status_code == 200
+    assert seen[-1]["priority"] == 0
+    wait_idle(engine)
+
+
+def test_disconnect_mid_grammar_frees_its_slot(client, engine) -> None:
+    """A streamed request under a grammar (a regex far longer than the time the client
+    stays) whose client leaves after the first event: aborted, its blocks and its grammar
+    matcher released, and the next constrained request answers as before."""
+    aborted = engine.stats()["requests"]["aborted"]
+    req = {"prompt": "long", "max_tokens": 1800, "stream": True, "temperature": 0,
+           "structured_outputs": {"regex": "[a-z]{1790}"}}  # fmt: skip
+    with client.stream("POST", "/v1/completions", json=req) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the client goes away mid-grammar
+    wait_idle(engine)
+    assert engine.stats()["requests"]["aborted"] == aborted + 1
+    engine.pool.check_whole()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20, "temperature": 0,
+                                              "grammar": 'root ::= "x" [0-9] "y"'})  # fmt: skip
+    assert ok.status_code == 200 and re.fullmatch("x[0-9]y", ok.json()["choices"][0]["text"])

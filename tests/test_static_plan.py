@@ -120,7 +120,6 @@ def test_padded_batch_steps_run_on_the_graph():
 @pytest.mark.parametrize(
     "preset, reason",
     [
-        ("mixtral-tiny", "model_type 'mixtral' is not lowered"),
         ("mistral-tiny", "sliding-window cache layers"),  # sliding_window < max_cache_len
     ],
 )
@@ -134,6 +133,20 @@ def test_what_the_plan_does_not_run_keeps_the_graph_with_the_reason(preset, reas
     plans = _plans()
     assert len(plans) == 1 and plans[0]["active"] is False, plans
     assert reason in plans[0]["reason"] or not NATIVE, plans
+
+
+def test_moe_model_decodes_on_the_plan():
+    """Mixtral (an MoE family: the plan's MoE layers) runs its static-cache decode steps
+    on the plan, with transformers' greedy tokens."""
+    torch._dynamo.reset()
+    model = tiny("mixtral-tiny").eval()
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    compiled = _compiled(model)
+    clear_reports()
+    _same(_generate(model, ids, 4), _generate(compiled, ids, 4))
+    plans = _plans()
+    assert len(plans) == 1 and (plans[0]["active"] or not NATIVE), plans
+    assert plans[0]["steps"] == 3 or not NATIVE, plans
 
 
 def test_decode_plan_option_turns_it_off():

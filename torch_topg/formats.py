@@ -15,6 +15,10 @@ format    block  bytes  layout of one block -> weight
 ``q4_0``  32     18     ``d``, 16 bytes: low nibbles are elements 0-15, high nibbles
                         16-31 -> ``d * (q - 8)``
 ``q4_1``  32     20     ``d``, ``m``, 16 bytes as q4_0 -> ``d * q + m``
+``q5_0``  32     22     ``d``, 4 bytes ``qh`` (bit ``i`` of the little-endian word is
+                        element ``i``'s 5th bit, +16), 16 bytes as q4_0
+                        -> ``d * (q - 16)``
+``q5_1``  32     24     ``d``, ``m``, ``qh`` and 16 bytes as q5_0 -> ``d * q + m``
 ``q4_k``  256    144    ``d``, ``dmin``, 12 bytes of eight 6-bit (scale, min) pairs,
                         128 bytes: 4 chunks of 32 bytes, each giving 64 elements (low
                         nibbles 32, then high nibbles 32); sub-block ``j`` of 32:
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 INT4_GROUPS = (32, 64, 128)
 OWN_FORMATS = ("int8", *(f"int4_g{g}" for g in INT4_GROUPS))
 
@@ -90,12 +94,14 @@ class QuantFormat:
         return None
 
 
-# GGMLQuantizationType values (gguf/constants.py): Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13,
-# Q6_K 14.
+# GGMLQuantizationType values (gguf/constants.py): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8,
+# Q4_K 12, Q5_K 13, Q6_K 14.
 FORMATS: dict[str, QuantFormat] = {
     "q8_0": QuantFormat("q8_0", 32, 34, 8, False),
     "q4_0": QuantFormat("q4_0", 32, 18, 2, False),
     "q4_1": QuantFormat("q4_1", 32, 20, 3, False),
+    "q5_0": QuantFormat("q5_0", 32, 22, 6, False),
+    "q5_1": QuantFormat("q5_1", 32, 24, 7, False),
     "q4_k": QuantFormat("q4_k", 256, 144, 12, False),
     "q5_k": QuantFormat("q5_k", 256, 176, 13, False),
     "q6_k": QuantFormat("q6_k", 256, 210, 14, False),
@@ -147,6 +153,23 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return _half(b[:, :2]) * _nibbles(b[:, 4:]).float() + _half(b[:, 2:4])
+
+
+def _five_bits(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """q5_0 / q5_1's codes [n, 32] from ``qh`` (4 bytes: a little-endian word whose bit
+    ``i`` is element ``i``'s 5th bit) and ``qs`` (16 bytes of nibbles, as q4_0)."""
+    bit = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    high = ((qh.unsqueeze(-1) >> bit) & 1).reshape(qh.shape[0], 32)  # byte i / 8, bit i % 8
+    return _nibbles(qs) | (high << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _five_bits(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16
+    return _half(b[:, :2]) * q.float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _half(b[:, :2]) * _five_bits(b[:, 4:8], b[:, 8:]).float() + _half(b[:, 2:4])
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,6 +230,8 @@ _DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "q8_0": _q8_0,
     "q4_0": _q4_0,
     "q4_1": _q4_1,
+    "q5_0": _q5_0,
+    "q5_1": _q5_1,
     "q4_k": _q4_k,
     "q5_k": _q5_k,
     "q6_k": _q6_k,

@@ -14,7 +14,7 @@
 
 namespace topg::quant {
 
-enum class Fmt : int { q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, int8, int4 };
+enum class Fmt : int { q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, int8, int4, q5_0, q5_1 };
 
 struct Format {
   Fmt fmt;
@@ -38,7 +38,8 @@ struct NamedFormat {
 };
 inline constexpr NamedFormat kFormats[] = {
     {"q8_0", {Fmt::q8_0, 32, 34}},     {"q4_0", {Fmt::q4_0, 32, 18}},
-    {"q4_1", {Fmt::q4_1, 32, 20}},     {"q4_k", {Fmt::q4_k, 256, 144}},
+    {"q4_1", {Fmt::q4_1, 32, 20}},     {"q5_0", {Fmt::q5_0, 32, 22}},
+    {"q5_1", {Fmt::q5_1, 32, 24}},     {"q4_k", {Fmt::q4_k, 256, 144}},
     {"q5_k", {Fmt::q5_k, 256, 176}},   {"q6_k", {Fmt::q6_k, 256, 210}},
     {"int8", {Fmt::int8, 0, 4}},       {"int4_g32", {Fmt::int4, 32, 20}},
     {"int4_g64", {Fmt::int4, 64, 36}}, {"int4_g128", {Fmt::int4, 128, 68}},

@@ -19,6 +19,7 @@
 #include "dispatch.h"
 #include "gemm_kernels.h"
 #include "modes.h"
+#include "moe_items.h"
 #include "moe_kernels.h"
 #include "parallel.h"
 
@@ -93,7 +94,7 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
   };
   std::vector<Item> items;
   for (size_t i = 0; i < hit.size(); ++i) {
-    const int64_t step = hit[i].packed ? 8 * NCP : 64;
+    const int64_t step = hit[i].packed ? 8 * NCP : moe::kDotFeatures;
     for (int64_t n = 0; n < I; n += step) items.push_back({int(i), n, std::min(I, n + step)});
   }
   parallel_items(int64_t(items.size()), [&](int64_t it) {
@@ -101,15 +102,10 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
     const T* wg = wgu + ex.e * 2 * I * H;
     const T* wu = wg + I * H;
     float* he = h.data() + ex.row0 * I;
-    if (!ex.packed) {
-      const float* a[kDotMaxRows];
-      for (int64_t r = 0; r < ex.rows; ++r) a[r] = x32 + tok[ex.row0 + r] * H;
-      dot_rows_gated(a, ex.rows, wg, wu, H, H, items[it].n0, items[it].n1,
-                     // dot experts take the dot path for the down product too: h is
-                     // written in its A layout
-                     [&](int64_t m, int64_t n, float g, float u) {
-                       he[m * I + dot_a_index<T>(n, I)] = moe::act(act, g) * u;
-                     });
+    if (!ex.packed) {  // dot experts take the dot path for the down product too: h is
+                       // written in its A layout
+      moe::dot_gate_up<T>(x32, H, tok + ex.row0, ex.rows, wg, wu, I, items[it].n0, items[it].n1,
+                          act, he);
       return;
     }
     // Panel p: gate rows 8p..8p+7 in columns 0..7, the matching up rows in 8..15.
@@ -140,7 +136,7 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
     }
     pack_a_tile(rows, I, ceil_div(ex.rows, MR) * MR, t, ap.data() + ex.ap2);
   });
-  constexpr int64_t cols = 8 * NR;  // 128 output columns per item
+  constexpr int64_t cols = moe::kDotColumns;  // 128 output columns per item
   parallel_items(ceil_div(H, cols), [&](int64_t c) {
     const int64_t n0 = c * cols, n1 = std::min(H, n0 + cols);
     for (const Expert& ex : hit) {
@@ -148,10 +144,7 @@ void fused_moe_impl(const T* x, int64_t ntok, int64_t H, const T* wgu, const T* 
       const int64_t* et = tok + ex.row0;
       const float* ew = rw + ex.row0;
       if (!ex.packed) {
-        const float* a[kDotMaxRows];
-        for (int64_t r = 0; r < ex.rows; ++r) a[r] = h.data() + (ex.row0 + r) * I;
-        dot_rows_range(a, ex.rows, w, I, I, n0, n1,
-                       [&](int64_t m, int64_t n, float s) { out32[et[m] * H + n] += ew[m] * s; });
+        moe::dot_down<T>(h.data() + ex.row0 * I, I, et, ew, ex.rows, w, H, n0, n1, out32);
         continue;
       }
       const int64_t mp = ceil_div(ex.rows, MR) * MR;

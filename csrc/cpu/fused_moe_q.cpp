@@ -28,6 +28,7 @@
 #include "dispatch.h"
 #include "gemm_q8_vnni.h"
 #include "modes.h"
+#include "moe_items.h"
 #include "moe_kernels.h"
 #include "parallel.h"
 #include "quant_act.h"
@@ -39,37 +40,8 @@ namespace {
 
 using quant::Format;
 
-// One weight's kind and packed rows; rows of expert e start at base + e * rows_per_expert.
-struct Packed {
-  Format f;
-  const uint8_t* base;
-  int64_t k, rb, rows_per_expert;
-  const uint8_t* row(int64_t e, int64_t n) const { return base + (e * rows_per_expert + n) * rb; }
-};
-
-// Activation rows as the GEMV reads them: fp32 padded rows, and with int8 activations
-// their int8 blocks (codes, scales, code sums per 32), row i at i * kp (codes) / i * kp / 32.
-struct ActRows {
-  int64_t kp = 0;
-  const float* x = nullptr;
-  const int8_t* q = nullptr;
-  const float *d = nullptr, *s = nullptr;
-};
-
-// sums[m] = row . a[rows[m]] for m < M (M <= kGemvRows), as linear_q's GEMV computes it.
-inline void gemv_rows(const Packed& w, const uint8_t* row, const ActRows& a, const int64_t* rows,
-                      int64_t M, bool q8, float* sums, quant::RowsScratch& sc) {
-  if (q8) {
-    const int64_t nb = a.kp / 32;
-    for (int64_t m = 0; m < M; ++m)
-      sums[m] = quant::dot_row_q8(w.f, row, w.k, a.q + rows[m] * a.kp, a.d + rows[m] * nb,
-                                  a.s + rows[m] * nb);
-    return;
-  }
-  const float* xs[quant::kGemvRows];
-  for (int64_t m = 0; m < M; ++m) xs[m] = a.x + rows[m] * a.kp;
-  quant::dot_rows(w.f, row, w.k, xs, M, sums, sc);
-}
+using moe::ActRows;
+using moe::Packed;
 
 struct Expert {
   int64_t e, row0, rows;
@@ -129,26 +101,14 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
     int64_t n0, n1;
   };
   std::vector<Item> items;  // GEMV experts: (expert, block of intermediate features)
-  constexpr int64_t kFeat = 32;
+  constexpr int64_t kFeat = moe::kQFeatures;
   for (size_t i = 0; i < hit.size(); ++i)
     if (hit[i].gemv)
       for (int64_t n = 0; n < I; n += kFeat) items.push_back({int(i), n, std::min(I, n + kFeat)});
-  struct Scratch {
-    quant::RowsScratch sc;
-    float g[quant::kGemvRows], u[quant::kGemvRows];
-  };
-  parallel_items_with<Scratch>(int64_t(items.size()), [&](int64_t it, Scratch& s) {
+  parallel_items_with<moe::QScratch>(int64_t(items.size()), [&](int64_t it, moe::QScratch& s) {
     const Expert& ex = hit[size_t(items[it].ex)];
-    for (int64_t m0 = 0; m0 < ex.rows; m0 += quant::kGemvRows) {  // > 16 rows: batch-invariant
-      const int64_t M = std::min(quant::kGemvRows, ex.rows - m0);
-      const int64_t* rows = tok + ex.row0 + m0;
-      for (int64_t n = items[it].n0; n < items[it].n1; ++n) {
-        gemv_rows(wgu, wgu.row(ex.e, n), xa, rows, M, q8_gu, s.g, s.sc);
-        gemv_rows(wgu, wgu.row(ex.e, I + n), xa, rows, M, q8_gu, s.u, s.sc);
-        for (int64_t m = 0; m < M; ++m)
-          h[size_t((ex.row0 + m0 + m) * Ip + n)] = moe::act(act, s.g[m]) * s.u[m];
-      }
-    }
+    moe::q_gate_up(wgu, xa, q8_gu, ex.e, tok + ex.row0, ex.rows, I, Ip, items[it].n0, items[it].n1,
+                   act, h.data() + ex.row0 * Ip, s);
   });
 
   // h rounded to int8 blocks, and h itself to the rounded values (the fp32 paths' input)
@@ -156,13 +116,8 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   if (a8) {
     hq.resize(h.size()), hd.resize(h.size() / 32), hs.resize(h.size() / 32);
     at::parallel_for(0, n_rows, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float* hr = h.data() + r * Ip;
-        quant::quantize_act(hr, Ip, hq.data() + r * Ip, hd.data() + r * Ip / 32,
-                            hs.data() + r * Ip / 32);
-        for (int64_t i = 0; i < Ip; ++i)
-          hr[i] = float(hq[size_t(r * Ip + i)]) * hd[size_t((r * Ip + i) / 32)];
-      }
+      for (int64_t r = r0; r < r1; ++r)
+        moe::q_round_h(h.data(), Ip, r, hq.data(), hd.data(), hs.data());
     });
     ha.q = hq.data(), ha.d = hd.data(), ha.s = hs.data();
   }
@@ -192,23 +147,13 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   // GEMV experts: items own output columns; an expert's rows index h by sorted position
   std::vector<int64_t> ident(static_cast<size_t>(n_rows));
   for (int64_t r = 0; r < n_rows; ++r) ident[size_t(r)] = r;
-  constexpr int64_t kCols = 32;
-  struct DownScratch {
-    quant::RowsScratch sc;
-    float sums[quant::kGemvRows];
-  };
-  parallel_items_with<DownScratch>((H + kCols - 1) / kCols, [&](int64_t c, DownScratch& s) {
+  constexpr int64_t kCols = moe::kQColumns;
+  parallel_items_with<moe::QScratch>((H + kCols - 1) / kCols, [&](int64_t c, moe::QScratch& s) {
     const int64_t n0 = c * kCols, n1 = std::min(H, n0 + kCols);
-    for (const Expert& ex : hit) {
-      if (!ex.gemv) continue;
-      for (int64_t m0 = 0; m0 < ex.rows; m0 += quant::kGemvRows) {
-        const int64_t M = std::min(quant::kGemvRows, ex.rows - m0), r0 = ex.row0 + m0;
-        for (int64_t n = n0; n < n1; ++n) {
-          gemv_rows(wd, wd.row(ex.e, n), ha, ident.data() + r0, M, q8_d, s.sums, s.sc);
-          for (int64_t m = 0; m < M; ++m) out32[tok[r0 + m] * H + n] += rw[r0 + m] * s.sums[m];
-        }
-      }
-    }
+    for (const Expert& ex : hit)
+      if (ex.gemv)
+        moe::q_down(wd, ha, q8_d, ex.e, ident.data() + ex.row0, tok + ex.row0, rw + ex.row0,
+                    ex.rows, H, n0, n1, out32, s);
   });
 }
 

@@ -73,6 +73,18 @@ inline void vnni_block(const Format& f, const uint8_t* row, int64_t k, int64_t b
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), unpack16(p + 4));
       return;
     }
+    case Fmt::q5_0: {
+      const uint8_t* p = row + 22 * b;
+      dw = half_at(p), cw = -16.f * dw;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), unpack_q5(p + 2, p + 6));
+      return;
+    }
+    case Fmt::q5_1: {
+      const uint8_t* p = row + 24 * b;
+      dw = half_at(p), cw = half_at(p + 2);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), unpack_q5(p + 4, p + 8));
+      return;
+    }
     case Fmt::int4: {
       const int64_t sub = f.block / 32, c = b % sub;  // the block's place in its group
       const uint8_t* p = row + f.block_bytes * (b / sub);

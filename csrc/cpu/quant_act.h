@@ -129,6 +129,8 @@ enum class VnniRow {
   q8_0,  // 34-byte blocks: fp16 d, 32 signed codes
   q4_0,  // 18-byte blocks: fp16 d, 16 bytes of nibbles (codes - 8)
   q4_1,  // 20-byte blocks: fp16 d, fp16 m, 16 bytes of nibbles (q4_1, int4 with groups of 32)
+  q5_0,  // 22-byte blocks: fp16 d, 4 bytes qh (5th bits), 16 bytes of nibbles (codes - 16)
+  q5_1,  // 24-byte blocks: fp16 d, fp16 m, qh, 16 bytes of nibbles
   int8,  // the row's fp32 scale, then k signed codes (the last block may be short)
 };
 
@@ -137,8 +139,15 @@ struct VnniLayout {
   static constexpr int64_t bb = R == VnniRow::q8_0   ? 34  // bytes per block
                                 : R == VnniRow::q4_0 ? 18
                                 : R == VnniRow::q4_1 ? 20
+                                : R == VnniRow::q5_0 ? 22
+                                : R == VnniRow::q5_1 ? 24
                                                      : 32;
-  static constexpr int64_t codes_at = R == VnniRow::q4_1 ? 4 : R == VnniRow::int8 ? 0 : 2;
+  // where the codes start (q5_0 / q5_1: qh, the nibbles 4 bytes on)
+  static constexpr int64_t codes_at = R == VnniRow::q4_1 || R == VnniRow::q5_1 ? 4
+                                      : R == VnniRow::int8                     ? 0
+                                                                               : 2;
+  // d and m in the header (the 4 bytes vnni_scales reads per block)
+  static constexpr bool has_min = R == VnniRow::q4_1 || R == VnniRow::q5_1;
 };
 
 // Blocks [b0, b0 + 8) of the row's blocks p: their scales d * xd (int8: xd) as 8 lanes, and
@@ -158,11 +167,12 @@ TOPG_TARGET_VNNI inline __m256 vnni_scales(const uint8_t* p, int64_t b0, const f
     for (int j = 0; j < 8; ++j) std::memcpy(hs + j, p + bb * (b0 + j), 4);
     const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(hs));
     const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_cvtepi32_epi16(h)), xdv);
-    if constexpr (R == VnniRow::q4_1) {
+    if constexpr (VnniLayout<R>::has_min) {
       const __m256 m = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(h, 16)));
       cterm = _mm256_fmadd_ps(m, _mm256_mul_ps(xdv, xs), cterm);
-    } else if constexpr (R == VnniRow::q4_0) {
-      cterm = _mm256_fmadd_ps(s, _mm256_mul_ps(xs, _mm256_set1_ps(-8.f)), cterm);
+    } else if constexpr (R == VnniRow::q4_0 || R == VnniRow::q5_0) {
+      const float off = R == VnniRow::q4_0 ? -8.f : -16.f;
+      cterm = _mm256_fmadd_ps(s, _mm256_mul_ps(xs, _mm256_set1_ps(off)), cterm);
     } else {
       (void)xs;
     }
@@ -189,6 +199,14 @@ TOPG_TARGET_VNNI inline void vnni_block_dot(const uint8_t* p, int64_t b, int64_t
       sw = _mm256_maskz_loadu_epi8(left >= 32 ? ~__mmask32(0) : __mmask32((1u << left) - 1), q);
     }
     u = _mm256_abs_epi8(sw), x = _mm256_sign_epi8(x, sw);
+  } else if constexpr (R == VnniRow::q5_0 || R == VnniRow::q5_1) {  // 5th bits from qh's mask
+    uint32_t hb;
+    std::memcpy(&hb, q, 4);
+    const __m256i two =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4)));
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(two, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                        _mm256_set1_epi8(0x0F));
+    u = _mm256_mask_blend_epi8(__mmask32(hb), lo, _mm256_or_si256(lo, _mm256_set1_epi8(16)));
   } else {  // 16 bytes of nibbles: the low ones are codes 0..15, the high ones 16..31
     const __m256i two =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -235,8 +253,9 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_vnni(con
     const uint8_t* h = p + VnniLayout<R>::bb * b0;
     stream_ahead(h, VnniLayout<R>::bb);
     const float d = R == VnniRow::int8 ? 1.f : half_at(h), s = d * xd[b0];
-    if constexpr (R == VnniRow::q4_1) tail += half_at(h + 2) * xd[b0] * xsum[b0];
+    if constexpr (VnniLayout<R>::has_min) tail += half_at(h + 2) * xd[b0] * xsum[b0];
     if constexpr (R == VnniRow::q4_0) tail += -8.f * s * xsum[b0];
+    if constexpr (R == VnniRow::q5_0) tail += -16.f * s * xsum[b0];
     vnni_block_dot<R>(p, b0, k, xq, _mm256_set1_ps(s), a0);
   }
   const float total =
@@ -290,6 +309,23 @@ inline float dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, con
         const uint8_t* p = row + 20 * b;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(p) * xd[b]),
                               udot(unpack16(p + 4), load32(xq + 32 * b)), acc);
+        extra += half_at(p + 2) * xd[b] * xsum[b];
+      }
+      return hsum(acc) + extra;
+    case Fmt::q5_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 22 * b;
+        const float dd = half_at(p) * xd[b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dd),
+                              udot(unpack_q5(p + 2, p + 6), load32(xq + 32 * b)), acc);
+        extra -= 16.f * dd * xsum[b];
+      }
+      return hsum(acc) + extra;
+    case Fmt::q5_1:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 24 * b;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(p) * xd[b]),
+                              udot(unpack_q5(p + 4, p + 8), load32(xq + 32 * b)), acc);
         extra += half_at(p + 2) * xd[b] * xsum[b];
       }
       return hsum(acc) + extra;
@@ -380,6 +416,10 @@ inline void dot_rows_q8(const Format& f, const uint8_t* w, int64_t rb, int64_t n
         return dot_rows_q8_vnni<VnniRow::q4_0>(w, rb, n, k, nb, xq, xd, xsum, out);
       case Fmt::q4_1:
         return dot_rows_q8_vnni<VnniRow::q4_1>(w, rb, n, k, nb, xq, xd, xsum, out);
+      case Fmt::q5_0:
+        return dot_rows_q8_vnni<VnniRow::q5_0>(w, rb, n, k, nb, xq, xd, xsum, out);
+      case Fmt::q5_1:
+        return dot_rows_q8_vnni<VnniRow::q5_1>(w, rb, n, k, nb, xq, xd, xsum, out);
       case Fmt::int4:
         if (f.block == 32)
           return dot_rows_q8_vnni<VnniRow::q4_1>(w, rb, n, k, nb, xq, xd, xsum, out);

@@ -61,6 +61,19 @@ inline void dequant_block(const Format& f, const uint8_t* b, int64_t k, float* o
       for (int i = 0; i < 32; ++i) out[i] = d * float(int(q[i]) - 8);
       break;
     }
+    case Fmt::q5_0:
+    case Fmt::q5_1: {  // qh: bit i of the little-endian word is element i's 5th bit
+      const bool one = f.fmt == Fmt::q5_1;
+      const float d = half_at(b), m = one ? half_at(b + 2) : 0.f;
+      const uint8_t* qh = b + (one ? 4 : 2);
+      nibbles(qh + 4, 16, q);
+      for (int i = 0; i < 32; ++i) {
+        const int v = q[i] | (((qh[i / 8] >> (i % 8)) & 1) << 4);
+        const float t = one ? d * float(v) : d * float(v - 16);
+        out[i] = one ? t + m : t;
+      }
+      break;
+    }
     case Fmt::q4_1:
     case Fmt::int4: {
       const float d = half_at(b), m = half_at(b + 2);
@@ -153,6 +166,19 @@ inline __m256i unpack16(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i m = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+// q5_0 / q5_1's codes: 4 bytes qh (bit i of the word: code i's bit 4) and 16 bytes of
+// nibbles (unpack16), codes 0..31 as bytes. Byte i of the broadcast word's lane picks qh's
+// byte i / 8 (shuffle), keeps bit i % 8 (and) and turns it into 16 (compare, and).
+inline __m256i unpack_q5(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i pick =
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(h)), pick), bit);
+  const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
+  return _mm256_or_si256(unpack16(qs), high);
 }
 // 32 bytes of nibbles -> (low nibbles, high nibbles), 32 codes each.
 inline void unpack32(const uint8_t* p, __m256i& lo, __m256i& hi) {
@@ -345,6 +371,24 @@ inline float dot_row(const Format& f, const uint8_t* row, int64_t k, const float
               x + 32 * b, acc);
       }
       return hsum4(acc);
+    case Fmt::q5_0: {
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 22 * b;
+        stream_ahead(p);
+        fma32(_mm256_sub_epi8(unpack_q5(p + 2, p + 6), sixteen), _mm256_set1_ps(half_at(p)), zero,
+              x + 32 * b, acc);
+      }
+      return hsum4(acc);
+    }
+    case Fmt::q5_1:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 24 * b;
+        stream_ahead(p);
+        fma32(unpack_q5(p + 4, p + 8), _mm256_set1_ps(half_at(p)), _mm256_set1_ps(half_at(p + 2)),
+              x + 32 * b, acc);
+      }
+      return hsum4(acc);
     case Fmt::int4: {
       const int64_t g = f.block, bb = f.block_bytes, half = g / 2;
       for (int64_t b = 0; b < nb; ++b) {
@@ -475,6 +519,24 @@ inline int64_t runs_fp32(const Format& f, const uint8_t* row, int64_t k, float* 
         const uint8_t* p = row + 20 * b;
         stream_ahead(p);
         put(unpack16(p + 4), _mm256_set1_ps(half_at(p)), _mm256_set1_ps(half_at(p + 2)), 32 * b);
+      }
+      return n;
+    case Fmt::q5_0: {
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 22 * b;
+        stream_ahead(p);
+        put(_mm256_sub_epi8(unpack_q5(p + 2, p + 6), sixteen), _mm256_set1_ps(half_at(p)), zero,
+            32 * b);
+      }
+      return n;
+    }
+    case Fmt::q5_1:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 24 * b;
+        stream_ahead(p);
+        put(unpack_q5(p + 4, p + 8), _mm256_set1_ps(half_at(p)), _mm256_set1_ps(half_at(p + 2)),
+            32 * b);
       }
       return n;
     case Fmt::int4: {

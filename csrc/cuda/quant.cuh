@@ -45,6 +45,21 @@ __device__ __forceinline__ void load_run(const Format& f, const uint8_t* row, in
       }
       break;
     }
+    case Fmt::q5_0:
+    case Fmt::q5_1: {  // qh: bit i of the little-endian word is element i's 5th bit
+      const bool one = f.fmt == Fmt::q5_1;
+      const uint8_t* b = row + su * (one ? 24 : 22);
+      const float d = half_at(b), m = one ? half_at(b + 2) : 0.f;
+      const uint8_t* qh = b + (one ? 4 : 2);
+      const unsigned hb = unsigned(qh[0]) | (unsigned(qh[1]) << 8) | (unsigned(qh[2]) << 16) |
+                          (unsigned(qh[3]) << 24);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int v = (i < 16 ? qh[4 + i] & 15 : qh[4 + i - 16] >> 4) | (((hb >> i) & 1) << 4);
+        w[i] = one ? __fadd_rn(__fmul_rn(d, float(v)), m) : __fmul_rn(d, float(v - 16));
+      }
+      break;
+    }
     case Fmt::q4_1:
     case Fmt::int4: {
       const int64_t g = f.block, per = g / 32;

@@ -29,8 +29,8 @@ from torch_topg.bench.timing import summarize, timed
 #: Formats compared, in order: the shipped file first.
 LLAMA_FORMATS = ("q4_1", "q8_0", "q4_0")
 #: The K-quant files (llama-quantize's mixes; SmolLM2's 576-wide rows are not a multiple
-#: of 256, so most of their tensors fall back to q5_0 / q5_1 / q8_0, which load
-#: de-quantised where torch_topg has no packed format), for perplexity.
+#: of 256, so most of their tensors fall back to q5_0 / q5_1 / q8_0, packed formats here
+#: too: every tensor runs as the file stores it), for perplexity.
 K_FORMATS = ("q4_k_m", "q5_k_m", "q6_k")
 
 

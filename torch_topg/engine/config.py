@@ -57,12 +57,14 @@ def resolve(
     dtype: torch.dtype | None = None,
     kv_heads: int | None = None,
     speculative: Any = None,
+    num_layers: int | None = None,
 ) -> EngineConfig:
     """Everything the options imply for a model of ``model_config``.
 
     ``device`` / ``dtype``: where the model already is (default: :func:`device_of`,
     :func:`dtype_of`); ``kv_heads``: KV heads the pool holds per layer (tensor parallel:
-    the ranks' sum on the CPU); ``speculative``: the resolved speculative config (a draft
+    the ranks' sum on the CPU); ``num_layers``: layers whose KV the pool holds (a pipeline
+    stage's; default all); ``speculative``: the resolved speculative config (a draft
     model's KV is counted in each block).
     """
     device = device or device_of(args)
@@ -73,7 +75,7 @@ def resolve(
     # prefill should put between two decode steps of the others; CUDA: vLLM's 2048.
     budget_tokens = args.max_num_batched_tokens or (512 if device.type == "cpu" else 2048)
     per_block = ModelRunner.bytes_per_block(
-        model_config, args.block_size, dtype, kv_heads, args.kv_cache_dtype
+        model_config, args.block_size, dtype, kv_heads, args.kv_cache_dtype, num_layers
     )
     if speculative is not None and speculative.method == "draft":  # its own KV per block
         per_block += ModelRunner.bytes_per_block(speculative.model.config, args.block_size, dtype)

@@ -33,14 +33,14 @@ except ImportError:  # tokenizers < 0.21
 _CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output tokens
 
 
-def _stream_for(tokenizer: Any, ctx: list[int]) -> tuple[Any, Any] | None:
+def _stream_for(tokenizer: Any, ctx: list[int], skip_special: bool) -> tuple[Any, Any] | None:
     """A ``DecodeStream`` primed with the prompt context, and the Rust tokenizer it
     decodes with; None where there is none (a slow tokenizer, old ``tokenizers``)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if DecodeStream is None or backend is None:
         return None
     try:
-        stream = DecodeStream(skip_special_tokens=True)
+        stream = DecodeStream(skip_special_tokens=skip_special)
         # a context that is held (it ends inside a character, or shows no text) would
         # come out with the first output token: those prompts keep the decode windows
         if ctx and not stream.step(backend, ctx):
@@ -54,9 +54,14 @@ class IncrementalDetokenizer:
     """Output text of one sequence, built a token at a time."""
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: list[int], stop: list[str] | None = None
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         ctx = list(prompt_ids[-_CONTEXT_TOKENS:]) if tokenizer is not None else []
         self._ids: list[int] = ctx
         self._prefix = 0
@@ -66,7 +71,9 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False
-        self._stream = _stream_for(tokenizer, ctx) if tokenizer is not None else None
+        self._stream = (
+            _stream_for(tokenizer, ctx, skip_special_tokens) if tokenizer is not None else None
+        )
 
     def add(self, token_id: int) -> None:
         """Append one output token (after the stop: ignored)."""
@@ -85,8 +92,8 @@ class IncrementalDetokenizer:
                     self._emit(chunk)
                 return
         decode = self._tok.decode
-        prefix = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        full = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        prefix = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full = decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix = self._read
             self._emit(full[len(prefix) :])

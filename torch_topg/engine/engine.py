@@ -28,6 +28,7 @@ from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.options import runtime_names
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
+from torch_topg.engine.pipelined import PipelinedSteps
 from torch_topg.engine.prompt_logprobs import rows_asked, split_rows
 from torch_topg.engine.proposer import Proposer
 from torch_topg.engine.sampling import (
@@ -110,7 +111,8 @@ class Engine:
         )
         self.kv.bind(self.runner.kv_caches)
         self.scheduler = Scheduler(self.pool, args.max_batch_size, config.max_num_batched_tokens,
-                                   cache=self.kv, max_model_len=config.max_model_len)  # fmt: skip
+                                   cache=self.kv, max_model_len=config.max_model_len,
+                                   policy=args.scheduling_policy)  # fmt: skip
         self.sampler = Sampler()
         self.proposer = Proposer()  # no proposals: the plain step
         if config.speculative is not None:
@@ -140,6 +142,8 @@ class Engine:
         self.proposer.warmup(args.max_batch_size, config.max_num_batched_tokens)
         self._stats.time["warmup_s"] = time.perf_counter() - t0
         self._compiles_at_ready = self.runner.compilations
+        depth = getattr(self.runner, "pipeline_depth", 1)  # micro-batches in flight
+        self._pipeline = PipelinedSteps(self, depth) if depth > 1 else None
         self._thread = threading.Thread(target=self._loop, name="topg-engine", daemon=True)
         self._thread.start()
 
@@ -162,17 +166,25 @@ class Engine:
 
     # --- the way in --------------------------------------------------------------------
     def submit(
-        self, input: Any, *, session_id: str | None = None, **sampling: Any
+        self, input: Any, *, session_id: str | None = None, priority: int = 0, **sampling: Any
     ) -> RequestHandle:
         """Queue one request; returns its handle at once (iterate it for deltas).
 
         ``session_id`` (any string, e.g. a conversation id) marks the request's KV blocks
         as the session's: they are kept in preference to others while the session is
-        active (see ``session_ttl`` and :meth:`close_session`)."""
+        active (see ``session_ttl`` and :meth:`close_session`). ``priority`` (an int,
+        lower is served first; vLLM's) needs ``scheduling_policy="priority"``."""
         if session_id is not None and not isinstance(session_id, str):
             raise ParameterError(
                 "session_id", f"expected a string, got {type(session_id).__name__}"
             )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ParameterError("priority", f"expected an int, got {priority!r:.40}")
+        if priority != 0 and self.config.args.scheduling_policy != "priority":
+            raise ParameterError(
+                "priority", f"priority={priority} needs scheduling_policy='priority' "
+                "(the engine serves in arrival order)",
+            )  # fmt: skip
         params = SamplingParams.from_kwargs(**sampling)
         vocab = self.model.config.get_text_config().vocab_size
         prompt, ids = tokenize(input, self.tokenizer, vocab)
@@ -189,7 +201,7 @@ class Engine:
             request_id=rid, prompt=prompt, prompt_token_ids=ids, params=params,
             max_tokens=max_tokens, eos_ids=frozenset() if params.ignore_eos else self._eos,
             tokenizer=self.tokenizer, handle=handle, seed=seed, session_id=session_id,
-            grammar=grammar,
+            grammar=grammar, priority=priority,
         )  # fmt: skip
         with self._cv:
             if self._stopping:
@@ -222,8 +234,10 @@ class Engine:
 
         if pooling not in POOLINGS:
             raise ParameterError("pooling", f"expected one of {POOLINGS}, got {pooling!r}")
-        if self.config.args.tp_size > 1:
-            raise ParameterError("embed", "embeddings are not implemented with tp_size > 1")
+        if self.config.args.tp_size > 1 or self.config.args.nnodes > 1:
+            raise ParameterError(
+                "embed", "embeddings are not implemented with tp_size > 1 or nnodes > 1"
+            )
         vocab = self.model.config.get_text_config().vocab_size
         ids = [tokenize(x, self.tokenizer, vocab)[1] for x in split_inputs(inputs)]
         limit = self.config.max_model_len
@@ -339,7 +353,7 @@ class Engine:
                     self._end_request(self._requests[rid], "abort")
             if self.scheduler.has_work():
                 try:
-                    self._step()
+                    self._pipeline.step() if self._pipeline else self._step()
                 except Exception as e:  # a bug outside the model call: never a silent hang
                     self._fail_all(e)
 
@@ -379,16 +393,22 @@ class Engine:
             rows = self._run(out)
         except Exception:
             rows = self._run_isolated(out)
+        self._finish_step(out, rows, t1)
+
+    def _finish_step(self, out: SchedulerOutput, rows: list[Any], t1: float) -> None:
+        """After the model ran the step ``out`` (from ``t1``): sample, update, emit."""
+        st = self._stats
         t2 = time.perf_counter()
         st.time["model_s"] += t2 - t1
         self.scheduler.update(out)  # the scheduled tokens are in the cache
+        st.count_step(out)  # before the requests it ends are handed back: their caller
+        # reads stats() that include their last step
         sampled = [(s.seq, r) for s, r in zip(out.scheduled, rows, strict=True) if r is not None]
         if sampled:
             self._sample(self._fork(sampled))
         self.scheduler.commit([s.seq for s in out.scheduled])
         st.time["sample_s"] += time.perf_counter() - t2
         self.proposer.observe_step(out, time.perf_counter() - t1)
-        st.count_step(out)
         with self._cv:
             self._queued = len(self._inbox) + sum(
                 1 for r in self._requests.values()
@@ -398,13 +418,22 @@ class Engine:
     def _run(self, out: SchedulerOutput) -> list[torch.Tensor | None]:
         """One model call for the whole step: the logits row of each scheduled sequence
         that samples (None for the others; ``[1 + num_spec, V]`` for a verify step)."""
+        batch, samples = self._pack(out)
+        return self._rows(out, self.runner.execute(batch), samples)
+
+    def _pack(self, out: SchedulerOutput) -> tuple[Any, list[Any]]:
+        """The step's packed batch, and the rows each scheduled sequence samples."""
         items = [
             (s.seq.token_ids + s.seq.spec_tokens if s.num_spec else s.seq.token_ids,
              s.seq.num_computed, s.num_new, s.seq.blocks)
             for s in out.scheduled
         ]  # fmt: skip
         samples = [rows_asked(s) for s in out.scheduled]
-        rows = rows_of(self.runner.execute(self.runner.pack(items, samples)), samples)
+        return self.runner.pack(items, samples), samples
+
+    @staticmethod
+    def _rows(out: SchedulerOutput, logits: torch.Tensor, samples: list[Any]) -> list[Any]:
+        rows = rows_of(logits, samples)
         return [split_rows(s, r) for s, r in zip(out.scheduled, rows, strict=True)]
 
     def _run_isolated(self, out: SchedulerOutput) -> list[torch.Tensor | None]:

@@ -330,12 +330,66 @@ class KVCacheManager:
             self.events.stored([seq.block_hashes[i] for i in run], parent, toks, self._medium)
 
     def release(self, seq: Sequence) -> None:
-        """Commit, then drop ``seq``'s hold on its blocks, deepest first."""
+        """Commit, then drop ``seq``'s hold on its blocks, deepest first (and on its parked
+        KV, if any)."""
+        if seq.parked is not None:
+            assert self.host is not None
+            for slot in seq.parked[0]:
+                self.host.release(slot)
+            seq.parked = None
         self.load_done(seq, wait=True)  # a copy in flight writes into its blocks
         self.commit(seq)
         self.pool.free(seq.blocks[::-1])
         seq.blocks = []
         seq.num_committed_blocks = 0
+
+    # --- parking (priority preemption) --------------------------------------------------
+    def park(self, seq: Sequence) -> bool:
+        """Preemption without recompute: copy the blocks holding ``seq``'s computed tokens
+        to host slots (evicting cached blocks of the host tier for room), then release its
+        device blocks. False (nothing done) without a host tier or room in it."""
+        host, n = self.host, seq.num_computed
+        count = self.pool.blocks_for(n)
+        if host is None or count == 0 or seq.kv_load is not None:
+            return False
+        while len(host._free) < count and host.lru:
+            (victim,) = self.policy.pick(host.lru, 1, host.session, host.num_slots)
+            self._evict_slot(host, victim)
+        if len(host._free) < count:
+            return False
+        store = self.stores["host"]
+        slots = [host.take_free() for _ in range(count)]
+        for slot, b in zip(slots, seq.blocks[:count], strict=True):
+            store.write(self.caches, b, slot)
+        host.parked.update(slots)
+        self.release(seq)
+        seq.parked = (slots, n)
+        c = self.counts["host"]
+        c["parked"] += count
+        c["bytes_written"] += count * store.block_bytes
+        return True
+
+    def unpark(self, seq: Sequence, budget: int) -> bool:
+        """Bring a parked sequence's KV back into fresh device blocks, when the pool has
+        room for them and for its next ``budget`` tokens (so its admission cannot fail
+        and drop them again); False: not yet."""
+        assert seq.parked is not None and self.host is not None and not seq.blocks
+        slots, n = seq.parked
+        need = self.pool.blocks_for(n + min(seq.num_tokens - n, budget))
+        if need > self.pool.num_free:
+            return False
+        blocks = self.pool.allocate(len(slots))
+        store = self.stores["host"]
+        for slot, b in zip(slots, blocks, strict=True):
+            store.read(slot, self.caches, b)
+            self.host.release(slot)
+        seq.parked = None
+        seq.blocks = blocks
+        seq.num_computed = n
+        c = self.counts["host"]
+        c["unparked"] += len(slots)
+        c["bytes_read"] += len(slots) * store.block_bytes
+        return True
 
     def close_session(self, session: str) -> None:
         """No more priority for ``session``; its cached blocks go first in line."""
@@ -503,3 +557,5 @@ class KVCacheManager:
             t.check()
             if t.pinned:
                 raise AssertionError(f"{t.name} tier: slots left pinned: {sorted(t.pinned)}")
+            if t.parked:
+                raise AssertionError(f"{t.name} tier: slots left parked: {sorted(t.parked)}")

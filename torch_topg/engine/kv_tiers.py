@@ -1,7 +1,9 @@
 """The lower KV tiers: a host-memory pool (tier 2) and a file-backed pool (tier 3).
 
 A tier holds whole KV blocks that the device pool evicted, under their prefix hashes
-(:mod:`torch_topg.engine.kv_cache` decides what moves where). A block is the same rows
+(:mod:`torch_topg.engine.kv_cache` decides what moves where); the host tier also holds
+the *parked* KV of sequences preempted under the priority policy (slots with no hash,
+never evicted, freed when the sequence comes back or ends). A block is the same rows
 of every cache tensor of the model runner (``kv_caches[i][block]``: K and V of every
 layer, and the scales of an int8 cache), so a tier copies those rows and nothing else
 about the layout.
@@ -52,6 +54,7 @@ class TierIndex:
         self.by_hash: dict[bytes, int] = {}
         self.session: list[str | None] = [None] * num_slots
         self.pinned: set[int] = set()
+        self.parked: set[int] = set()  # a preempted sequence's KV (no hash, not evictable)
 
     @property
     def num_used(self) -> int:
@@ -85,8 +88,9 @@ class TierIndex:
         self.lru[slot] = None
 
     def release(self, slot: int) -> None:
-        """Forget the slot's block (pinned or not) and free the slot."""
+        """Forget the slot's block (pinned, parked or not) and free the slot."""
         self.pinned.discard(slot)
+        self.parked.discard(slot)
         self.lru.pop(slot, None)
         h = self.hash_of[slot]
         if h is not None:
@@ -99,8 +103,11 @@ class TierIndex:
 
     def check(self) -> None:
         occupied = set(self.lru) | self.pinned
-        if occupied & set(self._free) or len(occupied) + len(self._free) != self.num_slots:
+        held = occupied | self.parked
+        if held & set(self._free) or len(held) + len(self._free) != self.num_slots:
             raise AssertionError(f"{self.name} tier: slots lost or listed twice")
+        if self.parked & occupied or any(self.hash_of[s] is not None for s in self.parked):
+            raise AssertionError(f"{self.name} tier: a parked slot is also a cached block")
         if len(set(self._free)) != len(self._free):
             raise AssertionError(f"{self.name} tier: a free slot is listed twice")
         for s in occupied:

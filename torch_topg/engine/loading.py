@@ -136,7 +136,7 @@ def load_gguf_packed(
     path = gguf_file(model)
     folder, name = resolve(path)
     config, tok = _config_tokenizer(folder, name)
-    act = resolve_quantization(quantization)[1].get("int8_activations", False)
+    act = resolve_quantization(quantization)[1]["int8_activations"]
     # a file configured from its metadata has no transformers path to fall back on
     m = load_packed(path, config, dtype, int8_activations=act, strict=configured_here(config))
     if m is None:  # the file de-quantised by transformers (config and tokenizer kept)

@@ -27,7 +27,7 @@ from torch_topg.engine.batch import PackedBatch
 from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
 from torch_topg.utils import hugepages
 
-#: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.cpp kMaxTokens).
+#: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.h kMaxTokens).
 PLAN_MAX_TOKENS = 16
 
 
@@ -53,13 +53,14 @@ class ModelRunner:
         compile: bool = True,
         kv_cache_dtype: str = "auto",
         decode_plan: bool | str = False,
+        layers: range | None = None,
     ) -> None:
         register_attention()
         self.model = model
         self.config = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        layers, kv, head_dim = kv_layout(model.config)
+        num_layers, kv, head_dim = kv_layout(model.config)
         kv = kv_heads or kv
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -71,12 +72,16 @@ class ModelRunner:
         # transparent huge pages (torch_topg.utils.hugepages: the decode step reads the
         # KV it attends over every step).
         self.kv_cache_dtype = kv_cache_dtype
+        # A pipeline stage (``layers``: its own) holds no cache for the other stages'
+        # layers: empty placeholders keep the list indexed by the global layer_idx.
         self.kv_caches = []
-        for _ in range(layers):
-            self.kv_caches += [_empty(s, t, self.device)
-                               for s, t in _kv_tensors(num_blocks, block_size, kv, head_dim,
-                                                       self.dtype, kv_cache_dtype)]  # fmt: skip
-        self.kv_tensors_per_layer = len(self.kv_caches) // max(1, layers)
+        for i in range(num_layers):
+            tensors = _kv_tensors(num_blocks, block_size, kv, head_dim, self.dtype, kv_cache_dtype)
+            if layers is not None and i not in layers:
+                self.kv_caches += [torch.empty(0, dtype=t, device=self.device) for _, t in tensors]
+            else:
+                self.kv_caches += [_empty(s, t, self.device) for s, t in tensors]
+        self.kv_tensors_per_layer = len(self.kv_caches) // max(1, num_layers)
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self._set_attention(model)
         self.compilations = 0
@@ -90,19 +95,31 @@ class ModelRunner:
         self.plan_steps = 0
         self._step = model_step
         if compile:
+            # The experts substitution (compile/experts.py) must be in place before dynamo
+            # traces the first step: importing torch_topg.compile installs it only for the
+            # transformers modules already imported then, and the model's are by now.
+            from torch_topg.compile import experts
+
+            experts.install()
             # A code object of its own: dynamo's cache (and its size limit) is per code
             # object, so engines in one process never share or evict each other's graphs.
             self._step = torch.compile(_fresh_copy(model_step), backend=self._counting_backend())
 
     @staticmethod
     def bytes_per_block(
-        config: Any, block_size: int, dtype: torch.dtype, kv_heads=None, kv_cache_dtype="auto"
+        config: Any,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_heads=None,
+        kv_cache_dtype="auto",
+        num_layers: int | None = None,
     ) -> int:
-        """Bytes of one block in every layer: K and V (and with int8, their scales)."""
+        """Bytes of one block in every layer (``num_layers``: a pipeline stage's count):
+        K and V (and with int8, their scales)."""
         layers, kv, head_dim = kv_layout(config)
         tensors = _kv_tensors(1, block_size, kv_heads or kv, head_dim, dtype, kv_cache_dtype)
         per_layer = sum(torch.Size(s).numel() * t.itemsize for s, t in tensors)
-        return layers * per_layer
+        return (num_layers or layers) * per_layer
 
     # --- the decode plan (decode_plan.py) ------------------------------------------------
     def relower(self) -> None:
@@ -192,6 +209,8 @@ class ModelRunner:
         dst = torch.tensor([b for _, b in pairs], device=self.device)
         with torch.inference_mode():
             for cache in self.kv_caches:
+                if cache.numel() == 0:  # another pipeline stage's layer
+                    continue
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
     # --- packing -----------------------------------------------------------------------

@@ -125,6 +125,18 @@ def _dtype(name: str, v: Any) -> torch.dtype | None:
     return v
 
 
+def _host(name: str, v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ParameterError(name, f"expected a host name or IP address, got {v!r}")
+    return v.strip()
+
+
+def _port(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v <= 65535:
+        raise ParameterError(name, f"expected a TCP port in [1, 65535], got {v!r}")
+    return int(v)
+
+
 def _seed(name: str, v: Any) -> int | None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
         raise ParameterError(name, f"expected an int or None, got {v!r}")
@@ -135,6 +147,15 @@ def _kv_cache_dtype(name: str, v: Any) -> str:
     if v not in KV_CACHE_DTYPES:
         raise ParameterError(name, f"expected one of {list(KV_CACHE_DTYPES)}, got {v!r}")
     return v
+
+
+def _choice(choices: tuple[str, ...]) -> Check:
+    def check(name: str, v: Any) -> str:
+        if v not in choices:
+            raise ParameterError(name, f"expected one of {list(choices)}, got {v!r}")
+        return v
+
+    return check
 
 
 def _path(name: str, v: Any) -> str | None:
@@ -220,6 +241,33 @@ class EngineArgs:
         "safetensors folder ([parallel.md](parallel.md)).",
         _int(1),
     )
+    nnodes: int = option(
+        1,
+        "nodes of a pipeline-parallel engine: the decoder layers are split into `nnodes` "
+        "consecutive stages, one per node, each running `tp_size` ranks; node 0 runs the "
+        "scheduler (and `serve`'s HTTP), the others are headless ([cluster.md](cluster.md)).",
+        _int(1),
+    )
+    node_rank: int = option(
+        0,
+        "this node's index in `[0, nnodes)`. On a node > 0 `from_pretrained` runs the "
+        "node's stage until node 0's engine shuts down, then returns None; `serve` starts "
+        "no HTTP server there.",
+        _int(0),
+    )
+    master_addr: str = option(
+        "127.0.0.1",
+        "node 0's address as the other nodes reach it (node 0's rendezvous store listens "
+        "on every interface).",
+        _host, parse=str,
+    )  # fmt: skip
+    master_port: int = option(29500, "node 0's rendezvous port (TCP).", _port)
+    dist_timeout: float = option(
+        120.0,
+        "seconds node 0 waits for the other nodes to join (one that does not is an error "
+        "naming it), and a step waits for another node's answer.",
+        _number(0, what="seconds "),
+    )  # fmt: skip
     prefetch_depth: int = option(
         0,
         "> 0: the decoder layers' weights stream from disk that many layers ahead of use "
@@ -312,6 +360,14 @@ class EngineArgs:
         "([cluster.md](cluster.md)).",
         _bool,
     )  # fmt: skip
+    scheduling_policy: str = option(
+        "fcfs",
+        "`\"fcfs\"`: requests are served in arrival order; `\"priority\"`: by each request's "
+        "`priority` (lower first, then arrival), preempting lower priorities for a waiting "
+        "higher one and parking their KV in the host tier instead of recomputing it "
+        "([scheduling.md](scheduling.md)).",
+        _choice(("fcfs", "priority")), parse=str,
+    )  # fmt: skip
     session_ttl: float = option(
         600.0,
         "seconds a session (`session_id=`) keeps its eviction priority after its last "
@@ -333,8 +389,9 @@ class EngineArgs:
     quantization: Any = option(
         None,
         "None (weights in `dtype`; a GGUF file de-quantised), `\"gguf\"` (a GGUF file's "
-        "quantised tensors run packed), `\"int8\"` / `\"int4\"` (linears quantised at "
-        "load), or `{\"method\": ..., \"int8_activations\": true, \"group_size\": 128}` "
+        "quantised tensors run packed, activations rounded to int8 as llama.cpp does), "
+        "`\"int8\"` / `\"int4\"` (linears quantised at load), or `{\"method\": ..., "
+        "\"int8_activations\": false, \"group_size\": 128}` "
         "([quantization.md](quantization.md)); a flag takes a name or JSON.",
         _quantization, parse=_parse_spec,
     )  # fmt: skip
@@ -363,15 +420,22 @@ class EngineArgs:
             raise ParameterError("disk_kv_shared", "needs disk_kv_path (the shared folder)")
         if self.disk_kv_memory is not None and self.disk_kv_path is None:
             raise ParameterError("disk_kv_memory", "needs disk_kv_path (the folder of the tier's file)")  # fmt: skip
-        if self.tp_size == 1:
+        if self.node_rank >= self.nnodes:
+            raise ParameterError(
+                "node_rank",
+                f"expected a node index in [0, nnodes={self.nnodes}), got {self.node_rank}",
+            )
+        if self.tp_size == 1 and self.nnodes == 1:
             return
+        multi = f"tp_size={self.tp_size}" if self.nnodes == 1 else f"nnodes={self.nnodes}"
         method = self.quantization.get("method") if isinstance(self.quantization, dict) else self.quantization  # fmt: skip
         refusals = [
-            ("kv_cache_dtype", self.kv_cache_dtype != "auto", "'int8' is not supported with tp_size > 1 yet"),
-            ("host_kv_memory", tiered, f"not supported with tp_size={self.tp_size} yet (each rank would have to copy its own shard of a block); use the device tier only"),
-            ("speculative", self.speculative is not None, "not supported with tp_size > 1 yet"),
-            ("prefetch_depth", self.prefetch_depth != 0, "not supported with tp_size > 1 (use one or the other)"),
-            ("quantization", method == "gguf", "'gguf' is not supported with tp_size > 1 (a GGUF file runs in one process; quantise a safetensors folder with 'int8' / 'int4' instead)"),
+            ("kv_cache_dtype", self.kv_cache_dtype != "auto", f"'int8' is not supported with {multi} yet"),
+            ("host_kv_memory", tiered, f"not supported with {multi} yet (each rank would have to copy its own shard of a block); use the device tier only"),
+            ("speculative", self.speculative is not None, f"not supported with {multi} yet"),
+            ("prefetch_depth", self.prefetch_depth != 0, f"not supported with {multi} (use one or the other)"),
+            ("quantization", self.nnodes > 1 and self.quantization is not None, f"not supported with {multi} yet"),
+            ("quantization", method == "gguf", f"'gguf' is not supported with {multi} (a GGUF file runs in one process; quantise a safetensors folder with 'int8' / 'int4' instead)"),
         ]  # fmt: skip
         for name, refused, why in refusals:
             if refused:

@@ -55,6 +55,9 @@ class SamplingParams:
     # the output must match this constraint (a JSON schema, a regex, a choice, a grammar:
     # engine/structured.py); a dict is read as Structured(**dict)
     structured: Structured | None = None
+    # False: special tokens (e.g. Mistral's [TOOL_CALLS]) are kept in the text (vLLM's;
+    # the token that ends a sample, EOS or a stop token id, is never in the text)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.structured, dict):
@@ -164,6 +167,8 @@ class SamplingParams:
             raise bad("ignore_eos", "a bool")
         if not isinstance(self.speculative, bool):
             raise bad("speculative", "a bool")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "a bool")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an int >= 0")
         if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:

@@ -14,11 +14,28 @@ a token budget (``max_num_batched_tokens``) and a sequence limit (``max_batch_si
    blocks first takes the longest cached prefix of its tokens from the KV cache
    hierarchy (:mod:`torch_topg.engine.kv_cache`) and computes only the rest.
 
+**Priority** (``policy="priority"``, vLLM's ``--scheduling-policy priority``): the
+waiting queue and the running list are ordered by ``(priority, arrival)`` (lower value
+first), so admission and the token budget go to the most urgent sequences, and a
+preemption takes the lowest-priority running sequence instead of the newest. When the
+head of the queue has a strictly better priority than a running sequence and does not
+fit (no blocks or no batch slot), that sequence is preempted before the step. A
+preempted sequence's KV is *parked* in the host tier when there is one
+(:meth:`KVCacheManager.park`): its blocks are copied to host slots and come back into
+fresh device blocks when it is admitted again, so none of its tokens is recomputed;
+without a host tier (or with no room in it) it is recomputed as under ``"fcfs"``.
+
 3. After the step, :meth:`Scheduler.update_from_output` appends each sequence's sampled
    tokens and ends it at a stop or a limit; ``n > 1`` samples start by :meth:`Scheduler.fork`
    from the first sample's prompt, within ``max_batch_size``.
 
 Requests join and leave at every step; memory never grows past the pool.
+
+With pipeline parallelism several steps (micro-batches) are in flight at once
+(``engine/pipelined.py``): their sequences are :attr:`Scheduler.busy` until the step's
+tokens are sampled, and :meth:`Scheduler.schedule` leaves them alone (never schedules nor
+preempts them) and takes at most ``max_seqs`` sequences, so the running ones spread over
+the micro-batches.
 """
 
 from __future__ import annotations
@@ -30,6 +47,8 @@ from typing import Any
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.sequence import Sequence, Status
+
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -62,7 +81,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         cache: KVCacheManager | None = None,
         max_model_len: int | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
         self.pool = pool
         self.max_model_len = max_model_len
         self.cache = cache or KVCacheManager(pool, enabled=False)
@@ -71,10 +94,31 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        #: sequences of steps still in flight (pipeline parallel): not scheduled again,
+        #: never preempted, until their step's tokens are sampled
+        self.busy: set[Sequence] = set()
 
     # --- queue -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._queue(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _key(seq: Sequence) -> tuple[int, float, int]:
+        """Priority order: lower ``priority`` first, then earlier arrival, then sample."""
+        return (seq.request.priority, seq.request.arrival, seq.index)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Insert ``seq`` into the waiting queue in priority order, never before a head
+        whose cached prefix is being copied up (see :meth:`_preempt`)."""
+        head_loading = bool(self.waiting) and self.waiting[0].kv_load is not None
+        i = 1 if head_loading else 0
+        key = self._key(seq)
+        while i < len(self.waiting) and self._key(self.waiting[i]) <= key:
+            i += 1
+        self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -112,18 +156,22 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        if not (self.policy == "priority" and self.cache.park(seq)):
+            self._release(seq)  # recomputed when it comes back
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.policy == "priority":
+            self._queue(seq)
+            return
         # Back to the front of the queue, but behind a head whose cached prefix is being
         # copied up: that head holds its blocks across steps, and a sequence put before
         # it could wait forever for blocks only the head's admission releases (seen: an
         # idle engine spinning on a head that never fit).
         head_loading = bool(self.waiting) and self.waiting[0].kv_load is not None
         self.waiting.insert(1 if head_loading else 0, seq)
-        out.preempted.append(seq)
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
         """Give ``seq`` the blocks for ``num_new`` more tokens; False if the pool is short."""
@@ -168,7 +216,11 @@ class Scheduler:
             c.num_computed = n
             c.status = Status.RUNNING
             self.running.append(c)
-        self.waiting.extendleft(reversed(queued))
+        if self.policy == "priority":
+            for c in queued:
+                self._queue(c)
+        else:
+            self.waiting.extendleft(reversed(queued))
         return started, copies
 
     # --- the step's output ---------------------------------------------------------------
@@ -182,9 +234,12 @@ class Scheduler:
         req = seq.request
         p = req.params
         for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
-            seq.append(tok, lp, now)
+            stop_token = tok in req.eos_ids or tok in p.stop_token_ids
+            # with skip_special_tokens the ending token's text is empty anyway (EOS is
+            # special); without, it is left out of the text as vLLM does
+            seq.append(tok, lp, now, text=not stop_token or p.skip_special_tokens)
             reason = None
-            if tok in req.eos_ids or tok in p.stop_token_ids or seq.detok.stopped:
+            if stop_token or seq.detok.stopped:
                 reason = "stop"
             elif len(seq.out.token_ids) >= req.max_tokens or (
                 self.max_model_len is not None and seq.num_tokens >= self.max_model_len
@@ -196,18 +251,56 @@ class Scheduler:
         return len(tokens), None
 
     # --- the step ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def _preempt_for_head(self, out: SchedulerOutput) -> None:
+        """Priority: preempt the lowest-priority running sequences while the head of the
+        queue has a strictly better priority and does not fit (no batch slot, or fewer
+        free blocks than its first chunk and the running sequences' next tokens need)."""
+        head = self.waiting[0]
+        if head.kv_load is not None:  # admitted as soon as its copy ends
+            return
+        start = head.parked[1] if head.parked is not None else 0
+        first = min(head.num_tokens, start + self.max_num_batched_tokens)
+        need = self.pool.blocks_for(first) - len(head.blocks)
+        budget = self.max_num_batched_tokens
+        busy = self.busy
+        while self.running and self.running[-1].request.priority > head.request.priority:
+            if self.running[-1] in busy:  # in flight on another pipeline stage
+                return
+            grow = sum(
+                max(0, self.pool.blocks_for(min(s.num_tokens + s.num_spec,
+                                                s.num_computed + budget)) - len(s.blocks))
+                for s in self.running
+            )  # fmt: skip
+            if len(self.running) < self.max_batch_size and self.pool.num_free >= need + grow:
+                return
+            self._preempt(self.running[-1], out)
+
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step: at most ``max_seqs`` sequences (default: as many as the budget
+        and ``max_batch_size`` allow), none of them :attr:`busy`."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        limit = max_seqs or len(self.running) + len(self.waiting)
+        busy = self.busy
+        if self.policy == "priority":
+            self.running.sort(key=self._key)  # the budget goes to the most urgent first
+            if self.waiting:
+                self._preempt_for_head(out)
+        starved = False  # a running sequence lacked blocks: admit nobody this step
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[i]
+            if seq in busy:
+                i += 1
+                continue
             n = min(seq.remaining + seq.num_spec, budget)
             if n > seq.remaining and not self._grow(seq, n):
                 n = min(seq.remaining, budget)  # no blocks to speculate: a plain decode
             while not self._grow(seq, n):
-                victim = self.running[-1]
+                # the newest (fcfs) or lowest-priority (sorted) sequence not in flight
+                victim = next(s for s in reversed(self.running) if s not in busy)
                 self._preempt(victim, out)
+                starved = True
                 if victim is seq:
                     break
             else:
@@ -215,10 +308,17 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n, seq.num_spec))
                 budget -= n
                 i += 1
-        if out.preempted:
+        if starved:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_batch_size
+            and len(out.scheduled) < limit
+        ):
             seq = self.waiting[0]
+            if seq.parked is not None and not self.cache.unpark(seq, budget):
+                break  # its parked KV comes back when the pool has room for it
             fresh = not seq.blocks and seq.num_computed == 0 and seq.kv_load is None
             if fresh and not seq.wants_prompt_rows:  # prompt logprobs: the whole prompt
                 self.cache.match(seq)

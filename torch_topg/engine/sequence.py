@@ -44,11 +44,14 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # prefix hashes of full blocks (kv_cache.py)
         self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
         self.kv_load: Any = None  # a lower-tier copy in flight (kv_cache.py)
+        # preempted under the priority policy: (host slots, tokens) of its parked KV
+        self.parked: tuple[list[int], int] | None = None
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.detok = IncrementalDetokenizer(
-            request.tokenizer, request.prompt_token_ids, request.params.stop
-        )
+            request.tokenizer, request.prompt_token_ids, request.params.stop,
+            skip_special_tokens=request.params.skip_special_tokens,
+        )  # fmt: skip
         self.out = CompletionOutput(index=index)
         if request.params.logprobs is not None:
             self.out.logprobs = []
@@ -91,13 +94,18 @@ class Sequence:
             return []
         return sorted({*self.request.eos_ids, *p.stop_token_ids})
 
-    def append(self, token: int, logprob: TokenLogprob | None, now: float) -> None:
+    def append(
+        self, token: int, logprob: TokenLogprob | None, now: float, text: bool = True
+    ) -> None:
+        """One sampled token; ``text=False``: not detokenised (the EOS or stop token id
+        that ends the sample: not part of the text, as in vLLM)."""
         self.token_ids.append(token)
         self.out.token_ids.append(token)
         self.out.token_times.append(now - self.request.arrival)
         if logprob is not None and self.out.logprobs is not None:
             self.out.logprobs.append(logprob)
-        self.detok.add(token)
+        if text:
+            self.detok.add(token)
 
 
 @dataclass
@@ -119,6 +127,7 @@ class Request:
     session_id: str | None = None
     error: BaseException | None = None
     grammar: Any = None  # structured outputs: the compiled grammar (structured.py)
+    priority: int = 0  # the priority policy: lower is served first (vLLM's)
     forked: bool = False  # n > 1: the other samples have started from the first one
     # prompt_logprobs: filled by the prefill (prompt_logprobs.py); sent with the first delta
     prompt_logprobs: list[TokenLogprob | None] | None = None

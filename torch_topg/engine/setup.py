@@ -16,6 +16,8 @@ def decode_plan_wanted(config: EngineConfig) -> bool | str:
         return "decode_plan=False"
     if args.prefetch_depth > 0:
         return "prefetch_depth > 0: offloaded layers stream their weights on the compiled graph"
+    if args.nnodes > 1:
+        return "nnodes > 1: each node runs its pipeline stage on the compiled graph"
     if args.tp_size > 1:
         return "tp_size > 1: each rank runs its shard on the compiled graph"
     if args.deterministic:
@@ -63,7 +65,7 @@ def model_fingerprint(model: torch.nn.Module, sample: int = 4096) -> str:
     keys = list(state)
     for k in keys[:4] + keys[-4:]:
         t = state[k]
-        if t.numel() == 0:
+        if t.numel() == 0 or t.is_meta:  # a pipeline stage's placeholders hold no data
             continue
         head = t.detach().reshape(-1)[:sample].cpu().contiguous()
         h.update(head.view(torch.uint8).numpy().tobytes())

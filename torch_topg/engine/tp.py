@@ -122,6 +122,11 @@ class TPGroup:
         self._closed = False
         self._restore: list[Any] = []
         self.store: Any = None  # spawned workers: rank 0's TCPStore (its server)
+        # how errors name the engine, its workers and the step timeout (pp.py: nnodes)
+        self.label = f"Engine(tp_size={tp_size})"
+        self.workers = "tensor-parallel workers"
+        self.timeout_s = collective_timeout_s()
+        self.timeout_name = "TOPG_TP_TIMEOUT_S"
 
     @property
     def closed(self) -> bool:
@@ -146,14 +151,14 @@ class TPGroup:
         while not done():
             gone = self.dead()
             if gone:
-                raise RuntimeError(f"Engine(tp_size={self.tp_size}): {what}: {gone}")
+                raise RuntimeError(f"{self.label}: {what}: {gone}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Engine(tp_size={self.tp_size}): {late}")
+                raise TimeoutError(f"{self.label}: {late}")
             time.sleep(interval_s)
 
     def wait(self, work: Any, what: str, timeout_s: float) -> None:
         """Wait for an async collective, checking the workers while it runs."""
-        late = f"{what}: no answer from the workers after {timeout_s:.0f} s (TOPG_TP_TIMEOUT_S)"
+        late = f"{what}: no answer from the workers after {timeout_s:.0f} s ({self.timeout_name})"
         self.poll(work.is_completed, what, timeout_s, late)
         work.wait()
 
@@ -174,14 +179,14 @@ class TPGroup:
             detail = "; ".join(why)
         elif timed_out:
             detail = (
-                f"a worker did not answer within {collective_timeout_s():.0f} s "
-                f"(TOPG_TP_TIMEOUT_S): {type(err).__name__}: {err}"
+                f"a worker did not answer within {self.timeout_s:.0f} s "
+                f"({self.timeout_name}): {type(err).__name__}: {err}"
             )
         else:
             detail = f"{type(err).__name__}: {err}"
         self.broken = (
-            f"Engine(tp_size={self.tp_size}): {what} failed ({detail}); the tensor-parallel "
-            "workers are stopped, start a new engine"
+            f"{self.label}: {what} failed ({detail}); the {self.workers} are stopped, "
+            "start a new engine"
         )
         self._terminate()
         return RuntimeError(self.broken)
@@ -189,7 +194,7 @@ class TPGroup:
     def send(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
         """Broadcast a command. A gloo broadcast's root waits for every receiver: bounded
         here (the command group's own timeout is the followers' idle wait)."""
-        timeout = timedelta(seconds=collective_timeout_s())
+        timeout = timedelta(seconds=self.timeout_s)
         for t in (header, payload):
             if t is not None:
                 dist.broadcast(t, 0, group=self.cmd, async_op=True).wait(timeout)

@@ -20,6 +20,7 @@ from torch_topg.parallel.layers import (
     reduce_output,
 )
 from torch_topg.parallel.loading import Slice, make_source
+from torch_topg.parallel.pipeline import SkippedLayer
 from torch_topg.parallel.plans import Layout, make_layout, plan_for, plan_layer
 from torch_topg.parallel.sharding import normalize_ratios, shard_range
 from torch_topg.utils.distributed import publish_failure
@@ -82,6 +83,8 @@ def tensor_parallel(
     specs: dict[str, Slice] = {}
     layers = model.get_submodule(plan.layers)
     for i, layer in enumerate(layers):
+        if isinstance(layer, SkippedLayer):  # a pipeline stage: another stage's layer
+            continue
         m, s = plan_layer(plan, f"{plan.layers}.{i}", layer, lay)
         mods.update(m)
         specs.update(s)
@@ -90,9 +93,17 @@ def tensor_parallel(
         _materialise(model, source, specs, full_shapes, dtype, torch.device(device))
     finally:
         source.close()
-    for module in model.modules():  # buffers (rotary inv_freq...) follow the shards
+    move_buffers(model, torch.device(device))
+    model.topg_tp = lay
+    return model
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (rotary ``inv_freq``...) follow the parameters to ``device``; a buffer left
+    on the meta device is an error (the model was not built with ``empty_model``)."""
+    for module in model.modules():
         for name, b in module._buffers.items():
-            if b is not None and b.device.type != "meta" and b.device != torch.device(device):
+            if b is not None and b.device.type != "meta" and b.device != device:
                 module._buffers[name] = b.to(device)
     meta = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if meta:
@@ -100,8 +111,6 @@ def tensor_parallel(
             f"tensor_parallel: buffers {meta[:3]} are on the meta device; build the model "
             "with torch_topg.parallel.empty_model(config) (parameters on meta, buffers real)"
         )
-    model.topg_tp = lay
-    return model
 
 
 def _install(
@@ -139,18 +148,24 @@ def _install(
                 experts.intermediate_dim = args[0]
         elif kind == "reduce_output":
             reduce_output(model.get_submodule(path), g)
+    # a pipeline stage may hold neither (pipeline.py: Removed modules have no weight)
     embed = model.get_submodule(plan.embed)
+    embed = embed if hasattr(embed, "weight") else None
     head = model.get_submodule(plan.lm_head) if plan.lm_head else None
-    tied = head is not None and head.weight is embed.weight
-    vocab, hidden = embed.weight.shape
+    head = head if hasattr(head, "weight") else None
+    tied = head is not None and embed is not None and head.weight is embed.weight
     rng = shard_range(lay.vocab, lay.rank)
-    new_embed = VocabParallelEmbedding(vocab, hidden, rng, g, dtype=dtype)
-    model.set_submodule(plan.embed, new_embed)
-    specs[f"{plan.embed}.weight"] = Slice(f"{plan.embed}.weight", 0, (rng,))
+    new_embed = None
+    if embed is not None:
+        vocab, hidden = embed.weight.shape
+        new_embed = VocabParallelEmbedding(vocab, hidden, rng, g, dtype=dtype)
+        model.set_submodule(plan.embed, new_embed)
+        specs[f"{plan.embed}.weight"] = Slice(f"{plan.embed}.weight", 0, (rng,))
     if head is not None:
         if getattr(head, "bias", None) is not None:
             raise ValueError("tensor_parallel: an LM head with a bias is not supported")
-        weight = new_embed.weight if tied else None
+        vocab, hidden = head.weight.shape
+        weight = new_embed.weight if tied and new_embed is not None else None
         new_head = ParallelLMHead(hidden, vocab, rng, g, weight, dtype=dtype)
         model.set_submodule(plan.lm_head, new_head)
         if not tied:

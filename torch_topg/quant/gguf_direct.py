@@ -45,7 +45,7 @@ import torch
 
 from torch_topg.formats import BY_GGUF_TYPE, dequantize
 from torch_topg.quant.experts import QuantizedExperts, experts_activation, experts_problem
-from torch_topg.quant.gguf_arch import FileTensor, configured_here, read_file
+from torch_topg.quant.gguf_arch import FileTensor, read_file
 from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear, embedding_scale
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,8 @@ def _set_experts(
         current = getattr(old, attr, None)
         if current is None or tuple(current.shape) != tuple(value.shape):
             return f"{path}.{attr}: {tuple(value.shape)} in the file", None
-        setattr(old, attr, torch.nn.Parameter(value.to(dtype), requires_grad=False))
+        # (down_proj may be a view of the file's mapped bytes: always a copy)
+        setattr(old, attr, torch.nn.Parameter(value.to(dtype, copy=True), requires_grad=False))
     packed_parts = any(f is not None for f in formats)
     return None, (f"{path} ({problem})" if packed_parts else None)
 
@@ -213,8 +214,8 @@ def load_packed(
     quantised ones packed, the others in ``dtype`` (as are tensors in a block format
     without a packed kernel here, de-quantised); None if the file's architecture is not
     one of :data:`ARCHITECTURES` or a tensor has no place in the model (``strict``:
-    raise ValueError saying which, instead). ``int8_activations``: for the linears other
-    than the LM head. ``file``: the file's :func:`~torch_topg.quant.gguf_arch.read_file`
+    raise ValueError saying which, instead). ``int8_activations``: for every packed
+    linear, the LM head included (llama.cpp's semantics). ``file``: the file's :func:`~torch_topg.quant.gguf_arch.read_file`
     if the caller has it."""
     import gguf
     from transformers import AutoModelForCausalLM
@@ -248,13 +249,16 @@ def load_packed(
         target = _target(t.name, arch)
         if target is None:
             return refuse(f"tensor {t.name} has no place in {type(model).__name__}")
-        data = np.array(t.data)
         fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
         value: Any = None
         shape = list(t.shape)
-        if fmt is None:  # float, or a block format without a kernel here: de-quantised
-            if t.tensor_type.name not in ("F32", "F16", "BF16"):
-                unpacked.append(f"{t.name} ({t.tensor_type.name.lower()})")
+        float_type = _FLOAT_TYPES.get(t.tensor_type.name)
+        data = t.data if float_type is not None else np.array(t.data)
+        if float_type is not None:  # a view of the mapped bytes, cast below once (no float32 copy)
+            raw = torch.from_numpy(np.asarray(data).reshape(-1).view(np.uint8))
+            value = raw.view(float_type).reshape(shape)
+        elif fmt is None:  # a block format without a kernel here: de-quantised
+            unpacked.append(f"{t.name} ({t.tensor_type.name.lower()})")
             try:
                 values = gguf.quants.dequantize(data, t.tensor_type)
             except NotImplementedError as e:
@@ -278,7 +282,8 @@ def load_packed(
         else:
             if arch in _NORM_PLUS_ONE and target.endswith("norm.weight"):
                 rows = rows.float() - 1.0
-            floats[target] = rows.to(dtype)
+            # a copy in dtype (the mapped bytes are read-only and must not outlive the file)
+            floats[target] = rows.to(dtype, copy=True)
     head_tied = "lm_head" not in packed and "lm_head.weight" not in floats
     for path_, parts in experts.items():
         why, note = _set_experts(model, path_, parts, dtype, int8_activations)
@@ -298,13 +303,13 @@ def load_packed(
             new: torch.nn.Module = QuantizedEmbedding(rows, fmt, k, embedding_scale(old))
             new.dtype_ref = torch.empty(0, dtype=dtype)
             if head_tied:
-                head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype)
+                head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype,
+                                       int8_activations=int8_activations)  # fmt: skip
                 head.qweight = rows  # one buffer for both
                 _set(model, "lm_head", head)
         else:
-            act = int8_activations and name != "lm_head"
             new = QuantizedLinear(k, old.out_features, fmt, bias=old.bias is not None,
-                                  dtype=dtype, int8_activations=act)  # fmt: skip
+                                  dtype=dtype, int8_activations=int8_activations)  # fmt: skip
             new.qweight = rows
             if old.bias is not None:
                 bias = floats.pop(f"{name}.bias", None)
@@ -329,6 +334,11 @@ def load_packed(
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is not None:  # its buffers were made on meta: make them again
         model.model.rotary_emb = type(rotary)(config=text)
+    head = getattr(model, "lm_head", None)
+    if head_tied and type(head) is torch.nn.Linear and head.weight.is_meta:  # a float file
+        emb = model.get_input_embeddings()
+        if isinstance(emb, torch.nn.Embedding):
+            head.weight = emb.weight
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         return refuse(f"no tensor in the file for {missing[:5]}")
@@ -361,25 +371,26 @@ def _float_state(packed: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch
 def load_dequantized(
     path: str | os.PathLike[str], config: Any, dtype: torch.dtype
 ) -> torch.nn.Module | None:
-    """``quantization=None`` for a file transformers does not read or misreads: one whose
-    architecture :mod:`torch_topg.quant.gguf_arch` configures (``config`` is that config;
-    transformers' reader refuses the file), or a Mixtral-type file (architecture
-    ``llama`` with experts), which its GGUF reader builds as a dense Llama whose MLPs are
-    left randomly initialised and which is built here as Mixtral. Built as
-    :func:`load_packed` does, then every tensor de-quantised to ``dtype``: the file's
-    values, as transformers gives them for the files it reads. None for every other file
-    (the caller loads it through transformers). Raises ValueError naming a tensor that
-    cannot be placed, rather than returning a model with missing weights."""
+    """``quantization=None`` for a file of one of :data:`ARCHITECTURES`: built as
+    :func:`load_packed` does, then every packed tensor de-quantised to ``dtype`` (the
+    file's values, bit-exact with gguf-py's de-quantiser, which transformers' reader uses).
+    A float file (BF16, F16, F32) is its tensors cast to ``dtype`` one at a time:
+    transformers' GGUF reader makes a float32 copy of the whole model first (a BF16
+    Llama-3.2-1B file grew past 24 GiB there). The file's architecture decides, not the
+    reader: transformers refuses OLMoE files and builds a Mixtral-type file (architecture
+    ``llama`` with experts) as a dense Llama whose MLPs are left random. None for other
+    architectures (the caller loads the file through transformers). Raises ValueError
+    naming a tensor that cannot be placed, rather than returning a model with missing
+    weights."""
     from transformers import AutoModelForCausalLM
 
-    configured = configured_here(config)
-    if not configured and getattr(config, "model_type", None) != "llama":
-        return None  # (the file is not parsed again)
     file = read_file(path)
-    if not configured and mixtral_config(file[0], config) is config:
+    if file[0].get("general.architecture") not in ARCHITECTURES:
         return None
     packed = load_packed(path, config, dtype, file=file, strict=True)
     assert packed is not None  # strict: raised otherwise
+    if not any(isinstance(m, _PACKED) for m in packed.modules()):
+        return _finish(packed, path)  # a float file: nothing to de-quantise
     state, config = _float_state(packed, dtype), packed.config
     del packed  # the packed bytes: not needed beside the float tensors
     with torch.device("meta"):
@@ -389,6 +400,17 @@ def load_dequantized(
     if missing:
         raise ValueError(f"{os.fspath(path)}: no tensor for {missing[:5]} in the de-quantised file")
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, assign=True)
+    return _finish(model, path)
+
+
+_PACKED = (QuantizedLinear, QuantizedEmbedding, QuantizedExperts)
+#: GGUF float tensor types -> torch dtypes (read as views of the file's bytes).
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _finish(model: torch.nn.Module, path: str | os.PathLike[str]) -> torch.nn.Module:
+    """``model`` (built on meta, its tensors assigned) with its rotary buffers made again
+    and its tied embeddings tied; ValueError if a tensor is still on meta."""
     text = model.config.get_text_config()
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is not None:  # its buffers were made on meta: make them again

@@ -69,7 +69,7 @@ def use_gguf_weights(
     """Swap ``model``'s linears and input embedding for packed modules over the GGUF
     file's quantised tensors (see the module docstring). ``model`` must hold the
     float32 weights transformers de-quantised from ``path``. ``int8_activations``: for
-    the linears other than the LM head (``linear_q``'s option).
+    every packed linear, the LM head included (``linear_q``'s option).
 
     Returns:
         module name -> ``"<file tensor> (<format>)"`` for every module replaced.
@@ -96,7 +96,6 @@ def use_gguf_weights(
     replaced: dict[str, str] = {}
     by_weight: dict[int, torch.Tensor] = {}  # id(float weight) -> its packed buffer (ties)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, m in list(model.named_modules()):
         if isinstance(m, torch.nn.Linear) or (m is emb and isinstance(m, torch.nn.Embedding)):
             hit = match(m.weight)
@@ -109,9 +108,12 @@ def use_gguf_weights(
                     packed, ft.format, ft.k, embed_scale=embedding_scale(m)
                 )
             else:
-                act = int8_activations and m is not head
                 new = QuantizedLinear(
-                    ft.k, m.out_features, ft.format, m.bias is not None, int8_activations=act
+                    ft.k,
+                    m.out_features,
+                    ft.format,
+                    m.bias is not None,
+                    int8_activations=int8_activations,
                 )
                 new.qweight = packed  # the same buffer as a tied embedding
                 if m.bias is not None:

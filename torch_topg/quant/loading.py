@@ -17,10 +17,12 @@ QUANTIZATION_KEYS = ("method", "int8_activations", "group_size")
 
 def resolve_quantization(quantization: object) -> tuple[str | None, dict]:
     """``(method, options)`` of the engine's ``quantization=``: a method name, or a dict
-    ``{"method": m, "int8_activations": bool, "group_size": int}`` (``int8_activations``:
-    the linears but the LM head round their inputs to int8 per block of 32 and use
-    integer dot products, as llama.cpp does; ``group_size``: int4's groups, 64 by
-    default)."""
+    ``{"method": m, "int8_activations": bool, "group_size": int}``. ``int8_activations``:
+    the packed linears round their inputs to int8 per block of 32 and use integer dot
+    products, as llama.cpp does; on by default for ``"gguf"`` (every packed linear, the LM
+    head included: llama.cpp's semantics for the same file), off by default for ``"int8"``
+    and ``"int4"`` (and never on their LM head). ``group_size``: int4's groups, 64 by
+    default. ``options`` always holds ``int8_activations``."""
     opts: dict = {}
     method = quantization
     if isinstance(quantization, dict):
@@ -43,6 +45,7 @@ def resolve_quantization(quantization: object) -> tuple[str | None, dict]:
             + ", ".join(map(repr, QUANTIZATIONS))
             + " (or a dict with 'method')"
         )
+    opts.setdefault("int8_activations", method == "gguf")
     return method, opts
 
 
@@ -56,7 +59,7 @@ def apply_quantization(
     (``model`` must hold, in float32, the weights transformers de-quantised from it).
     ``quantization`` may be the dict form (:func:`resolve_quantization`)."""
     method, opts = resolve_quantization(quantization)
-    act = opts.get("int8_activations", False)
+    act = opts["int8_activations"]
     if method is None:
         return model
     if method == "gguf":

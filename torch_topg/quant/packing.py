@@ -1,7 +1,7 @@
 """Quantising float weights into the packed formats of :mod:`torch_topg.formats`.
 
 * ``int8`` and ``int4_g{32,64,128}``: this package's own formats (round to nearest);
-* ``q8_0``, ``q4_0``, ``q4_1``: the same bytes as ggml's reference quantisers (and
+* ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``: the same bytes as ggml's reference quantisers (and
   gguf-py's ``quants.quantize``), so a weight quantised here equals one quantised by
   llama.cpp's ``llama-quantize`` without an importance matrix.
 
@@ -53,9 +53,30 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([_to_half_bytes(d), _pack_nibbles(q)], dim=-1)
 
 
-def _min_max_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _min_max_blocks(b: torch.Tensor, levels: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     lo, hi = b.amin(dim=-1, keepdim=True), b.amax(dim=-1, keepdim=True)
-    return lo, (hi - lo) / 15
+    return lo, (hi - lo) / (levels - 1)
+
+
+def _pack_five(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0-31 [n, 32] -> ``qh`` (4 bytes: bit i of the little-endian word is code i's
+    bit 4) then the low nibbles as :func:`_pack_nibbles` packs them [n, 20]."""
+    bit = torch.arange(8, dtype=torch.uint8, device=q.device)
+    high = ((q >> 4) & 1).reshape(-1, 4, 8) << bit
+    return torch.cat([high.sum(-1, dtype=torch.uint8), _pack_nibbles(q & 0x0F)], dim=-1)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    peak = b.gather(-1, b.abs().argmax(dim=-1, keepdim=True))  # signed, largest magnitude
+    d = peak / -16
+    q = torch.trunc(b * _inverse(d) + 16.5).clamp(0, 31).to(torch.uint8)
+    return torch.cat([_to_half_bytes(d), _pack_five(q)], dim=-1)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    lo, d = _min_max_blocks(b, 32)
+    q = torch.trunc((b - lo) * _inverse(d) + 0.5).clamp(0, 31).to(torch.uint8)
+    return torch.cat([_to_half_bytes(d), _to_half_bytes(lo), _pack_five(q)], dim=-1)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
@@ -73,7 +94,7 @@ def _int4(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([_to_half_bytes(d), _to_half_bytes(lo), _pack_nibbles(q)], dim=-1)
 
 
-_QUANT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1}
+_QUANT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1}
 
 
 def quantize_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
@@ -108,7 +129,7 @@ def quantize_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
     if format not in _QUANT and not format.startswith("int4_"):
         raise ValueError(
             f"quantize_weight: {format} is read from GGUF files only; quantise to one of "
-            "q8_0, q4_0, q4_1, int8, int4_g32, int4_g64, int4_g128"
+            "q8_0, q4_0, q4_1, q5_0, q5_1, int8, int4_g32, int4_g64, int4_g128"
         )
     if w.numel() and w.abs().max() > _HALF_MAX:
         raise ValueError(f"quantize_weight: |weight| exceeds {_HALF_MAX}, the half range")

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from torch_topg.engine import Engine
+from torch_topg.engine.embedding_model import EmbeddingModel
 from torch_topg.serve import generation
 from torch_topg.serve.chat_template import ChatOptions, ChatRenderer
 from torch_topg.serve.embeddings import embeddings_body
@@ -45,16 +46,19 @@ _ENDPOINTS = ("/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/he
 
 
 class ServerState:
-    """What the routes share: the engine (None while loading), the served name, metrics."""
+    """What the routes share: the engine (None while loading), the served name, metrics.
+    A server of an embedding model (``--task embed``) holds an :class:`EmbeddingModel`
+    instead of an engine, and answers only ``/v1/embeddings`` and ``/v1/models``."""
 
     def __init__(
         self,
-        engine: Engine | None,
+        engine: Engine | EmbeddingModel | None,
         model_name: str,
         api_keys: tuple[str, ...] = (),
         chat: ChatOptions | None = None,
     ) -> None:
         self.engine: Engine | None = None
+        self.embedder: EmbeddingModel | None = None
         self.model_name = model_name
         self.api_keys = api_keys
         self.created = int(time.time())
@@ -62,8 +66,15 @@ class ServerState:
         self.text = TokenText(None)
         self.chat_options = chat or ChatOptions()
         self.chat: ChatRenderer | None = None
-        if engine is not None:
+        if isinstance(engine, EmbeddingModel):
+            self.set_embedder(engine)
+        elif engine is not None:
             self.set_engine(engine)
+
+    def set_embedder(self, model: EmbeddingModel) -> None:
+        """The embedding model is loaded: serve ``/v1/embeddings`` (``/health`` turns 200)."""
+        self.text = TokenText(model.tokenizer)
+        self.embedder = model
 
     def set_engine(self, engine: Engine) -> None:
         """The model is loaded: start serving it (``/health`` turns 200)."""
@@ -77,9 +88,14 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None
+        return self.engine is not None or self.embedder is not None
 
     def require_engine(self) -> Engine:
+        if self.engine is None and self.embedder is not None:
+            raise APIError(
+                "this server serves an embedding model (--task embed): only /v1/embeddings "
+                "and /v1/models are available", code="model_not_supported",
+            )  # fmt: skip
         if self.engine is None:
             raise APIError("the model is still loading; retry shortly", status=503,
                            type="server_error")  # fmt: skip
@@ -87,13 +103,13 @@ class ServerState:
 
 
 def create_app(
-    engine: Engine | None,
+    engine: Engine | EmbeddingModel | None,
     model_name: str,
     *,
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     chat: ChatOptions | None = None,
-    pooling: str = "last",
+    pooling: str | None = None,
 ) -> FastAPI:
     """The server's app over ``engine`` (None: loading, see :class:`ServerState`).
 
@@ -101,7 +117,9 @@ def create_app(
     key or several; when given, every ``/v1`` request needs ``Authorization: Bearer <key>``
     with one of them (401 otherwise). ``allowed_origins``: browser origins allowed by CORS
     (``"*"``: any). ``chat``: the chat template and output parsers (:class:`ChatOptions`).
-    ``pooling``: how ``/v1/embeddings`` pools the hidden states (``"last"``, ``"mean"``).
+    ``pooling``: how ``/v1/embeddings`` pools the hidden states (``"last"``, ``"mean"``;
+    None: an embedding model's own, ``"last"`` for an engine's model). ``engine`` may be an
+    :class:`EmbeddingModel` (a server of embeddings only).
     The app never shuts the engine down: its owner does.
     """
     app = FastAPI(title="torch_topg", docs_url=None, redoc_url=None, openapi_url=None)
@@ -156,6 +174,8 @@ def create_app(
         }
         if state.engine is not None:
             card["max_model_len"] = state.engine.config.max_model_len
+        elif state.embedder is not None:
+            card["max_model_len"] = state.embedder.max_model_len
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -217,7 +237,10 @@ def create_app(
     async def embeddings(request: Request) -> dict[str, Any]:
         """OpenAI's embeddings: pooled final hidden states (``serve/embeddings.py``)."""
         body = await _json(request)
-        return await embeddings_body(state.require_engine(), body, state.model_name, pooling)
+        if state.embedder is not None:
+            return await embeddings_body(state.embedder, body, state.model_name, pooling)
+        eng = state.require_engine()
+        return await embeddings_body(eng, body, state.model_name, pooling or "last")
 
     return app
 
@@ -297,6 +320,10 @@ def _prepare_chat(state: ServerState, req: GenerationRequest) -> None:
             parser = ForcedToolParser()
         else:
             parser = renderer.parser_for(chat.template)
+            if parser is not None and parser.needs_special_tokens:
+                # its markers are special tokens ([TOOL_CALLS], <|python_tag|>): the
+                # text must keep them for the parser to see the call (vLLM does so too)
+                req.sampling["skip_special_tokens"] = False
     if parser is not None or renderer.reasoning is not None:
         max_calls = spec.max_calls if spec is not None else None
         req.output = OutputSpec(parser, renderer.reasoning, prompt, max_calls)

@@ -59,11 +59,21 @@ def parser() -> argparse.ArgumentParser:
                    help="split <think> reasoning into reasoning_content (default: none)")  # fmt: skip
     p.add_argument(
         "--pooling",
-        default="last",
+        default=None,
         choices=("last", "mean"),
         help="how /v1/embeddings pools the final hidden states: the last token's "
-        "(decoder embedding models' convention) or their mean; L2-normalised",
+        "(decoder embedding models' convention) or their mean; L2-normalised (default: "
+        "an embedding model's own, else last)",
     )
+    p.add_argument(
+        "--task", default="auto", choices=("auto", "generate", "embed"),
+        help="embed: serve --model as an embedding model (/v1/embeddings only; "
+        "Qwen3-Embedding's shape: last-token pooling, L2-normalised); auto: embed when the "
+        "folder is a sentence-transformers model or its architectures have no head "
+        "(docs/serve-api.md)",
+    )  # fmt: skip
+    p.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                   help="vLLM's spelling of --task: pooling = embed")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     add_cli_args(p)  # one flag per engine option (torch_topg/engine/options.py)
@@ -103,6 +113,40 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
     return ChatOptions(template, args.tool_call_parser, args.reasoning_parser)
 
 
+# the engine options an embedding model uses; the others (KV cache, sampling,
+# speculation) mean nothing without generation and are refused by name
+EMBED_OPTIONS = ("device", "dtype", "max_model_len", "max_num_batched_tokens")
+
+
+def task_of(args: argparse.Namespace) -> str:
+    """``"embed"`` or ``"generate"``: ``--task`` / ``--runner`` as given, else detected
+    from the model's files (``is_embedding_model``). ValueError for a contradiction or
+    an engine option an embedding model has no use for."""
+    from torch_topg.engine.embedding_model import is_embedding_model
+    from torch_topg.engine.loading import resolve
+
+    given = {"embed": "embed", "pooling": "embed", "generate": "generate"}
+    asked = {given[v] for v in (args.task, args.runner) if v != "auto"}
+    if len(asked) > 1:
+        raise ValueError(f"--task {args.task} and --runner {args.runner} contradict each other")
+    if asked:
+        task = asked.pop()
+    else:
+        try:
+            folder, gguf = resolve(args.model)
+        except ValueError:  # the load reports it (after the HTTP server is up: exit 1)
+            folder, gguf = None, None
+        embed = folder is not None and gguf is None and is_embedding_model(folder)
+        task = "embed" if embed else "generate"
+    if task == "embed":
+        extra = sorted(set(from_cli_args(args)) - set(EMBED_OPTIONS))
+        if extra:
+            flags = ", ".join("--" + n.replace("_", "-") for n in extra)
+            raise ValueError(f"{flags}: not used by an embedding model (--task embed); "
+                             f"it takes only {', '.join(EMBED_OPTIONS)}")  # fmt: skip
+    return task
+
+
 def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
@@ -114,6 +158,8 @@ def served_name(args: argparse.Namespace) -> str:
 
 def serve_main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if (args.nnodes or 1) > 1 and (args.node_rank or 0) > 0:
+        return headless_main(args)
     try:
         import uvicorn
     except ImportError:
@@ -130,6 +176,7 @@ def serve_main(argv: list[str]) -> int:
         return 2
     try:
         chat = chat_options(args)
+        task = task_of(args)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
@@ -160,7 +207,14 @@ def serve_main(argv: list[str]) -> int:
             return 1
         try:
             log.info("loading %s ...", args.model or DEFAULT_NAME)
-            state.set_engine(Engine.from_pretrained(args.model, **from_cli_args(args)))
+            if task == "embed":
+                from torch_topg.engine.embedding_model import EmbeddingModel
+
+                state.set_embedder(
+                    EmbeddingModel.from_pretrained(args.model, **from_cli_args(args))
+                )
+            else:
+                state.set_engine(Engine.from_pretrained(args.model, **from_cli_args(args)))
             log.info("ready: serving %s on http://%s:%d", state.model_name, args.host, args.port)
         except Exception as e:
             log.error("loading the model failed: %s", e)
@@ -176,6 +230,28 @@ def serve_main(argv: list[str]) -> int:
         if state.engine is not None:
             state.engine.shutdown()
     return code
+
+
+def headless_main(args: argparse.Namespace) -> int:
+    """A node > 0 of a multi-node engine (``--nnodes N --node-rank R``): no HTTP server;
+    it runs its pipeline stage until node 0's engine shuts down (docs/cluster.md)."""
+    from torch_topg.engine import Engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    log.info("node %d of %d: joining %s:%s", args.node_rank, args.nnodes,
+             args.master_addr or "127.0.0.1", args.master_port or 29500)  # fmt: skip
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        Engine.from_pretrained(args.model, **from_cli_args(args))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:
+        log.error("node %d failed: %s", args.node_rank, e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log.info("node %d: node 0's engine stopped", args.node_rank)
+    return 0
 
 
 def _interrupt(signum: int, frame: Any) -> None:

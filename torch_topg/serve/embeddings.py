@@ -7,7 +7,8 @@ for by default and decodes); ``dimensions``: accepted only when it equals the mo
 hidden size (the vectors are not truncated or projected); ``user``: accepted, unused.
 The vectors are the model's final hidden states pooled per input (the server's
 ``--pooling``: ``last`` token, the default, or ``mean``) and L2-normalised
-(``Engine.embed``).
+(``Engine.embed``); on a server of an embedding model (``--task embed``), its own
+pooling unless ``--pooling`` is given (``EmbeddingModel.embed``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from torch_topg.engine import Engine
+from torch_topg.engine.embedding_model import EmbeddingModel
 from torch_topg.engine.inputs import tokenize
 from torch_topg.serve.errors import APIError, from_engine_error
 from torch_topg.serve.protocol import check_fields, check_model
@@ -51,7 +53,9 @@ def parse_input(value: Any) -> list[Any]:
     )
 
 
-async def embeddings_body(engine: Engine, body: Any, served: str, pooling: str) -> dict[str, Any]:
+async def embeddings_body(
+    engine: Engine | EmbeddingModel, body: Any, served: str, pooling: str | None
+) -> dict[str, Any]:
     """The response of one embeddings request (the engine's work off the event loop)."""
     fields = check_fields(body, EMBEDDING_FIELDS)
     check_model(fields, served)
@@ -83,7 +87,9 @@ async def embeddings_body(engine: Engine, body: Any, served: str, pooling: str) 
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
 
-def _embed(engine: Engine, inputs: list[Any], pooling: str) -> tuple[list[list[int]], Any]:
+def _embed(
+    engine: Engine | EmbeddingModel, inputs: list[Any], pooling: str | None
+) -> tuple[list[list[int]], Any]:
     """(token ids, vectors) of the inputs: tokenised once, here, then embedded."""
     vocab = engine.model.config.get_text_config().vocab_size
     ids = [tokenize(x, engine.tokenizer, vocab)[1] for x in inputs]

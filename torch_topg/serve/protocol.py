@@ -21,8 +21,8 @@ from torch_topg.serve.errors import APIError
 from torch_topg.serve.tools import parse_tools
 
 # Accepted by both endpoints: OpenAI's sampling fields plus vLLM's extensions (top_k,
-# min_p, repetition_penalty, ignore_eos, stop_token_ids, min_tokens), with the engine's
-# meanings.
+# min_p, repetition_penalty, ignore_eos, stop_token_ids, min_tokens, skip_special_tokens,
+# priority), with the engine's meanings (``Engine.submit``'s keywords).
 _SAMPLING = (
     "temperature",
     "top_p",
@@ -38,6 +38,8 @@ _SAMPLING = (
     "n",
     "logit_bias",
     "min_tokens",
+    "skip_special_tokens",  # vLLM's (default true); the Mistral tool parser turns it off
+    "priority",  # vLLM's: lower first, with --scheduling-policy priority
 )
 _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "logprobs", "user", "session_id",

@@ -122,7 +122,8 @@ class ClusterIngress:
             "query_string": request.url.query.encode(),
             "headers": [(k.encode(), v.encode()) for k, v in request.headers.items()],
         }  # fmt: skip
-        hashes, session = self._keys(path, body)
+        # off the event loop: a long prompt's chat template and tokenizer take milliseconds
+        hashes, session = await asyncio.to_thread(self._keys, path, body)
         last = "no replica answered"
         for attempt in range(self.opts.max_attempts):
             route = Route(hashes, session, self.core.cursors())

@@ -23,7 +23,7 @@ NVCC       ?= /usr/local/bin/nvcc
 # Packages: pyproject.toml is the one list (build-system.requires and the extras in
 # EXTRAS); constraints.txt pins the versions CI installs, so a new release of a
 # dependency changes nothing until constraints.txt is updated. torch is pinned here.
-EXTRAS ?= test dev bench hf serve
+EXTRAS ?= test dev bench hf serve cluster
 CONSTRAINTS := -c $(abspath constraints.txt)
 define REQUIREMENTS_PY
 import sys

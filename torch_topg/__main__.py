@@ -25,7 +25,8 @@ shapes without a GPU.
 
 ``python -m torch_topg serve [--model M] [--host H] [--port P] [engine options]`` serves
 the model over an OpenAI-compatible HTTP API (the ``serve`` extra; ``serve --help``,
-docs/serve.md).
+docs/serve.md); with ``--replicas N``, N engines behind one endpoint on Ray Serve (the
+``cluster`` extra, docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -127,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return tune_main(argv[1:])
     if argv[0] == "serve":
-        from torch_topg.serve.cli import serve_main
+        from torch_topg.serve.cli import parser, serve_main
 
+        if parser().parse_known_args(argv[1:])[0].replicas is not None:
+            from torch_topg.cluster.deploy import serve_cluster
+
+            return serve_cluster(argv[1:])
         return serve_main(argv[1:])
     print(f"unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
     return 2

@@ -31,6 +31,7 @@ class EngineConfig:
     host_kv_blocks: int = 0
     disk_kv_path: str | None = None  # the disk tier's folder (checked writable)
     disk_kv_blocks: int = 0
+    disk_kv_bytes: int = 0  # the disk tier's size (a shared folder's cap)
     speculative: Any = None  # a resolved SpeculativeConfig (draft model loaded); None: off
 
 
@@ -109,6 +110,7 @@ def resolve(
                     "disk_kv_memory", f"{disk} bytes, but {folder!r} has {free} bytes free"
                 )
         cfg.disk_kv_path = folder
+        cfg.disk_kv_bytes = disk
         cfg.disk_kv_blocks = _blocks("disk_kv_memory", disk, per_block)
     return cfg
 

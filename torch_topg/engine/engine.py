@@ -43,7 +43,7 @@ from torch_topg.engine.sampling import (
 )
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
-from torch_topg.engine.setup import cache_salt, decode_plan_wanted, logits_width
+from torch_topg.engine.setup import cache_salt, decode_plan_wanted, logits_width, tp_rank
 from torch_topg.engine.stats import EngineStats
 from torch_topg.engine.structured import GrammarCompiler, Structured
 from torch_topg.engine.structured_step import Constraints
@@ -99,10 +99,13 @@ class Engine:
         self.kv = KVCacheManager(
             self.pool,
             enabled=args.prefix_caching,
-            salt=cache_salt(model, self.runner.kv_caches, args.block_size),
+            salt=cache_salt(model, self.runner.kv_caches, args.block_size, tp_rank()),
             host_blocks=config.host_kv_blocks,
             disk_folder=config.disk_kv_path,
             disk_blocks=config.disk_kv_blocks,
+            disk_shared=args.disk_kv_shared,
+            disk_cap=config.disk_kv_bytes,
+            kv_events=args.kv_events,
             session_ttl=args.session_ttl,
             session_share=args.session_kv_share,
         )

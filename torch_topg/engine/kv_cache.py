@@ -30,6 +30,12 @@ no session, of idle sessions, of sessions past the cap) goes first, in LRU order
 left, session blocks are evicted too, so a new request never waits for a session and
 nothing can deadlock. ``close_session`` drops a session's priority and puts its blocks
 first in line.
+
+**Sharing and events.** With ``disk_shared`` the disk tier is a folder of block files
+that every engine on the host uses (:mod:`torch_topg.engine.kv_shared_disk`): a hash
+missing from this engine's index is looked up there and adopted. With ``kv_events``
+every hash entering or leaving a tier is recorded in vLLM's event format
+(:mod:`torch_topg.engine.kv_events`, :attr:`KVCacheManager.events`), for routers.
 """
 
 from __future__ import annotations
@@ -46,7 +52,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_topg.engine.block_pool import BlockPool
-from torch_topg.engine.kv_tiers import DiskStore, HostStore, TierIndex
+from torch_topg.engine.kv_events import KVEventLog, mediums
+from torch_topg.engine.kv_shared_disk import SharedDiskStore
+from torch_topg.engine.kv_tiers import DiskStore, HostStore, TierIndex, block_nbytes
+
+Store = HostStore | DiskStore | SharedDiskStore
 
 if TYPE_CHECKING:
     from torch_topg.engine.sequence import Sequence
@@ -120,6 +130,9 @@ class KVCacheManager:
         host_blocks: int = 0,
         disk_folder: str | None = None,
         disk_blocks: int = 0,
+        disk_shared: bool = False,
+        disk_cap: int = 0,
+        kv_events: bool = False,
         session_ttl: float = 600.0,
         session_share: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
@@ -132,7 +145,11 @@ class KVCacheManager:
         self.host: TierIndex | None = TierIndex("host", host_blocks) if host_blocks else None
         self.disk: TierIndex | None = TierIndex("disk", disk_blocks) if disk_blocks else None
         self._disk_folder = disk_folder
-        self.stores: dict[str, HostStore | DiskStore] = {}
+        self._disk_shared = disk_shared
+        self._disk_cap = disk_cap
+        self.events: KVEventLog | None = KVEventLog(pool.block_size) if kv_events else None
+        self._medium = "CPU"
+        self.stores: dict[str, Store] = {}
         self.caches: list[torch.Tensor] = []
         self.counts: dict[str, Counter[str]] = {t: Counter() for t in ("device", "host", "disk")}
         self.prefix: Counter[str] = Counter(queries=0, query_tokens=0, hit_tokens=0)
@@ -147,11 +164,19 @@ class KVCacheManager:
         """The runner's cache tensors (every per-block tensor, block dimension 0); the
         lower tiers are allocated here, in their layout."""
         self.caches = caches
+        names = mediums(caches[0].device.type if caches else "cpu")
+        self._medium = names["device"]
+        for t in self.tiers():
+            t.log, t.medium = self.events, names[t.name]
         if self.host is not None:
             self.stores["host"] = HostStore(caches, self.host.num_slots)
         if self.disk is not None:
             assert self._disk_folder is not None
-            self.stores["disk"] = DiskStore(caches, self.disk.num_slots, self._disk_folder)
+            if self._disk_shared:  # the cache's identity (the hashes' root) names its files
+                cap = self._disk_cap or self.disk.num_slots * block_nbytes(caches)
+                self.stores["disk"] = SharedDiskStore(caches, self._disk_folder, cap, self.root)
+            else:
+                self.stores["disk"] = DiskStore(caches, self.disk.num_slots, self._disk_folder)
 
     def close(self) -> None:
         if self._loader is not None:
@@ -238,6 +263,7 @@ class KVCacheManager:
             tier.release(slot)  # promoted: the tiers are exclusive
             if self.pool.register(b, h):  # False: the device computed it meanwhile (fine)
                 self._drop_lower(h)  # a stale copy demoted while this one was pinned
+                self._stored(seq, [h])
             self.dev_session[b] = seq.session_id
             kept += 1
             c["hits"] += 1
@@ -272,13 +298,36 @@ class KVCacheManager:
         full = min(seq.num_computed, seq.num_tokens) // bs
         hashes = self.block_hashes(seq, full)
         sid = seq.session_id
+        new: list[bytes] = []
         for i in range(seq.num_committed_blocks, full):
             b = seq.blocks[i]
             if self.pool.hash_of(b) is None and self.pool.register(b, hashes[i]):
                 self._drop_lower(hashes[i])  # tiers stay exclusive
+                new.append(hashes[i])
             self.dev_session[b] = sid
+        if new:
+            self._stored(seq, new)
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
         self.policy.touch(sid)
+
+    def _stored(self, seq: Sequence, hashes: list[bytes]) -> None:
+        """Record device blocks of ``seq`` just named by their hashes (KV events): each
+        run of consecutive blocks as one ``BlockStored`` with its parent and tokens."""
+        if self.events is None:
+            return
+        bs = self.pool.block_size
+        index = {h: i for i, h in enumerate(seq.block_hashes)}
+        runs: list[list[int]] = []
+        for i in sorted(index[h] for h in hashes):
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = seq.block_hashes[first - 1] if first else None
+            toks = seq.token_ids[first * bs : (last + 1) * bs]
+            self.events.stored([seq.block_hashes[i] for i in run], parent, toks, self._medium)
 
     def release(self, seq: Sequence) -> None:
         """Commit, then drop ``seq``'s hold on its blocks, deepest first (and on its parked
@@ -362,6 +411,8 @@ class KVCacheManager:
             hit = None
             for t in self.tiers():
                 slot = t.lookup(h)
+                if slot is None and t is self.disk and self._disk_shared:
+                    slot = self._adopt(h)  # written by another engine of the host
                 if slot is not None and slot not in t.pinned:  # pinned: another load's
                     hit = (t, slot)
                     break
@@ -376,14 +427,33 @@ class KVCacheManager:
         if not found:
             return
         new = self.pool.allocate(n)
-        jobs = [(self.stores[t.name], slot, b) for (t, slot, _), b in zip(found, new, strict=True)]
+        jobs = [
+            (self.stores[t.name], slot, b, h) for (t, slot, h), b in zip(found, new, strict=True)
+        ]
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="topg-kv-load")
         future = self._loader.submit(self._copy_in, jobs)
         self._loads.append(future)
         seq.kv_load = (future, found, new)
 
-    def _copy_in(self, jobs: list[tuple[HostStore | DiskStore, int, int]]) -> list[bool]:
+    def _adopt(self, h: bytes) -> int | None:
+        """A slot of the shared disk tier's index for a block another engine wrote (its
+        file exists); None when it does not or every slot is pinned. The index's oldest
+        entry makes room (forgotten here; its file stays for whoever wants it)."""
+        tier, store = self.disk, self.stores["disk"]
+        assert tier is not None and isinstance(store, SharedDiskStore)
+        if not store.has(h):
+            return None
+        if not tier.has_free():
+            if not tier.lru:
+                return None
+            self._evict_slot(tier, next(iter(tier.lru)))
+        slot = tier.take_free()
+        tier.fill(slot, h, None)
+        self.counts["disk"]["adopted"] += 1
+        return slot
+
+    def _copy_in(self, jobs: list[tuple[Store, int, int, bytes]]) -> list[bool]:
         """The loader thread: records into device blocks, in chain order; stops at the
         first unreadable one (the rest of the chain is recomputed anyway)."""
         stream = None
@@ -391,15 +461,17 @@ class KVCacheManager:
             stream = torch.cuda.Stream(self.caches[0].device)
         oks: list[bool] = []
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for store, slot, block in jobs:
+            for store, slot, block, h in jobs:
                 ok = bool(oks[-1]) if oks else True
-                oks.append(ok and store.read(slot, self.caches, block))
+                oks.append(ok and store.read(slot, self.caches, block, h))
         if stream is not None:
             stream.synchronize()
         return oks
 
     def _on_device_evict(self, block: int, h: bytes) -> None:
         self.counts["device"]["evicted"] += 1
+        if self.events is not None:
+            self.events.removed([h], self._medium)
         sid = self.dev_session[block]
         self.dev_session[block] = None
         tiers = self.tiers()
@@ -420,7 +492,7 @@ class KVCacheManager:
             self._evict_slot(tier, victim)
         slot = tier.take_free()
         store = self.stores[tier.name]
-        store.write(src, index, slot)
+        store.write(src, index, slot, h)
         tier.fill(slot, h, sid)
         c = self.counts[tier.name]
         c["stored"] += 1
@@ -463,6 +535,10 @@ class KVCacheManager:
                 "bytes": self.stores[t.name].nbytes if t.name in self.stores else 0,
                 **self.counts[t.name],
             }
+            store = self.stores.get(t.name)
+            if isinstance(store, SharedDiskStore):
+                tiers[t.name].update(shared=True, files_evicted=store.evicted,
+                                     folder_scans=store.scans)  # fmt: skip
         return {
             "prefix_caching": self.enabled,
             "queries": p["queries"],

@@ -17,6 +17,9 @@ about the layout.
   CRC-32 is kept in memory and checked on read, so a torn or corrupted record (or an
   I/O error) is a miss, never wrong KV: the block is recomputed. The file is created
   for this engine and deleted at shutdown; nothing is reused across processes.
+- :class:`~torch_topg.engine.kv_shared_disk.SharedDiskStore` (``disk_kv_shared=True``):
+  the disk tier as a folder that every engine on the host reads and writes, one file
+  per block (its own module).
 
 :class:`TierIndex` is the bookkeeping both share: free slots, occupied slots in LRU
 order with their hashes, and pins (a slot being promoted cannot be evicted).
@@ -31,13 +34,20 @@ from collections import OrderedDict
 
 import torch
 
+from torch_topg.engine.kv_events import KVEventLog
+
 
 class TierIndex:
-    """Slots of one lower tier: free, or holding the block of one prefix hash."""
+    """Slots of one lower tier: free, or holding the block of one prefix hash.
+
+    With an event log, a hash entering (:meth:`fill`) or leaving (:meth:`release`) the
+    tier is recorded under the tier's ``medium`` (:mod:`torch_topg.engine.kv_events`)."""
 
     def __init__(self, name: str, num_slots: int) -> None:
         self.name = name
         self.num_slots = num_slots
+        self.log: KVEventLog | None = None
+        self.medium = name.upper()
         self._free = list(range(num_slots - 1, -1, -1))
         self.lru: OrderedDict[int, None] = OrderedDict()  # occupied and not pinned
         self.hash_of: list[bytes | None] = [None] * num_slots
@@ -66,6 +76,8 @@ class TierIndex:
         self.by_hash[h] = slot
         self.session[slot] = session
         self.lru[slot] = None
+        if self.log is not None:
+            self.log.stored([h], None, [], self.medium)
 
     def pin(self, slot: int) -> None:
         del self.lru[slot]
@@ -83,6 +95,8 @@ class TierIndex:
         h = self.hash_of[slot]
         if h is not None:
             del self.by_hash[h]
+            if self.log is not None:
+                self.log.removed([h], self.medium)
         self.hash_of[slot] = None
         self.session[slot] = None
         self._free.append(slot)
@@ -128,11 +142,11 @@ class HostStore:
         self.block_bytes = block_nbytes(caches)
         self.nbytes = self.block_bytes * slots
 
-    def write(self, src: list[torch.Tensor], index: int, slot: int) -> None:
+    def write(self, src: list[torch.Tensor], index: int, slot: int, key: bytes = b"") -> None:
         for h, t in zip(self.tensors, src, strict=True):
             h[slot].copy_(t[index])
 
-    def read(self, slot: int, dst: list[torch.Tensor], index: int) -> bool:
+    def read(self, slot: int, dst: list[torch.Tensor], index: int, key: bytes = b"") -> bool:
         for h, t in zip(self.tensors, dst, strict=True):
             t[index].copy_(h[slot])
         return True
@@ -156,7 +170,7 @@ class DiskStore:
         self._crc: list[int | None] = [None] * slots
         self.errors = 0
 
-    def write(self, src: list[torch.Tensor], index: int, slot: int) -> None:
+    def write(self, src: list[torch.Tensor], index: int, slot: int, key: bytes = b"") -> None:
         buf = torch.cat([_row_bytes(t, index) for t in src]).cpu().numpy()
         self._crc[slot] = None
         try:
@@ -168,7 +182,7 @@ class DiskStore:
         else:
             self.errors += 1  # read() will find no checksum: a miss
 
-    def read(self, slot: int, dst: list[torch.Tensor], index: int) -> bool:
+    def read(self, slot: int, dst: list[torch.Tensor], index: int, key: bytes = b"") -> bool:
         """Copy the record into ``dst``'s rows ``index``; False (nothing written) when the
         record cannot be read or fails its checksum."""
         crc = self._crc[slot]

@@ -346,6 +346,20 @@ class EngineArgs:
         None, "the disk tier's size: bytes or a percentage of the folder's free space.",
         _memory(90), shown="10% of the free space", parse=_parse_memory,
     )  # fmt: skip
+    disk_kv_shared: bool = option(
+        False,
+        "the disk tier is `disk_kv_path` shared by every engine of the host (one file per "
+        "block, named by its hash and the cache's fingerprint; `disk_kv_memory` caps the "
+        "folder, least recently used files go first) ([cluster.md](cluster.md)).",
+        _bool,
+    )  # fmt: skip
+    kv_events: bool = option(
+        False,
+        "record which prefix blocks each KV tier holds, as vLLM's KV events "
+        "(`BlockStored` / `BlockRemoved`), for a prefix-aware router "
+        "([cluster.md](cluster.md)).",
+        _bool,
+    )  # fmt: skip
     scheduling_policy: str = option(
         "fcfs",
         "`\"fcfs\"`: requests are served in arrival order; `\"priority\"`: by each request's "
@@ -402,6 +416,8 @@ class EngineArgs:
                 "host_kv_memory",
                 "the lower KV tiers keep cached prefixes, so they need prefix_caching=True",
             )
+        if self.disk_kv_shared and self.disk_kv_path is None:
+            raise ParameterError("disk_kv_shared", "needs disk_kv_path (the shared folder)")
         if self.disk_kv_memory is not None and self.disk_kv_path is None:
             raise ParameterError("disk_kv_memory", "needs disk_kv_path (the folder of the tier's file)")  # fmt: skip
         if self.node_rank >= self.nnodes:

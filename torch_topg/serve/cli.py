@@ -77,6 +77,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     add_cli_args(p)  # one flag per engine option (torch_topg/engine/options.py)
+    g = p.add_argument_group("replicas on Ray Serve (docs/cluster.md; the cluster extra)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve N engines behind one endpoint on Ray Serve, routed by session, "
+                   "cached prefix and load")  # fmt: skip
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to deploy on (default: RAY_ADDRESS, else a cluster "
+                   "started with `ray start` on this machine, else a local instance)")  # fmt: skip
+    g.add_argument("--route-load-ratio", type=float, default=2.0,
+                   help="skip a session's or prefix's replica with more requests in flight "
+                   "than this times the least loaded one's (counted as at least --route-load-floor)")  # fmt: skip
+    g.add_argument("--route-load-floor", type=int, default=4,
+                   help="the least loaded replica's requests in flight count as at least this")  # fmt: skip
+    g.add_argument("--route-min-prefix-share", type=float, default=0.5,
+                   help="route by cached prefix only when it covers this share of the prompt")  # fmt: skip
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
+    g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica")
+    g.add_argument("--app-name", default="topg", help="the Serve application's name")
     return p
 
 

@@ -27,14 +27,9 @@ from typing import Any
 
 import torch
 
+from torch_topg.compile.plan_errors import StalePlan, Unsupported
 
-class Unsupported(Exception):
-    """Why a model (or an engine configuration) does not lower; the engine keeps the text."""
-
-
-class StalePlan(RuntimeError):
-    """A weight the plan holds was converted, resized or moved since it was lowered
-    (``model.to(dtype)``, a new storage through ``.data``): lower the model again."""
+__all__ = ["StalePlan", "Unsupported", "lower", "run"]
 
 
 def run(plan: Any, *args: torch.Tensor) -> torch.Tensor:

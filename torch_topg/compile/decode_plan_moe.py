@@ -32,7 +32,7 @@ def is_moe(mlp: torch.nn.Module) -> bool:
 
 def _router(gate: Any, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
     """(weight, top_k, flags) of a router, its normalisation measured on a probe input."""
-    from torch_topg.compile.decode_plan import Unsupported
+    from torch_topg.compile.plan_errors import Unsupported
 
     w = getattr(gate, "weight", None)
     k = getattr(gate, "top_k", None)
@@ -77,7 +77,7 @@ def lower_moe(mlp: Any, name: str, dtype: torch.dtype, linear: Any) -> tuple[lis
     """(weights, formats, [top_k, flags]) of slots 11-20 of a layer (``decode_plan.py``:
     the dense MLP's three empty, then router, experts and the shared expert), or
     :class:`Unsupported`. ``linear`` is decode_plan's ``_linear``."""
-    from torch_topg.compile.decode_plan import Unsupported
+    from torch_topg.compile.plan_errors import Unsupported
     from torch_topg.ops.fused_moe import experts_activation, experts_supported
     from torch_topg.quant.experts import QuantizedExperts
 

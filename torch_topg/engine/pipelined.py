@@ -28,14 +28,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torch_topg.engine.engine import Engine
     from torch_topg.engine.scheduler import SchedulerOutput
 
 
 class PipelinedSteps:
     """The engine loop's step when ``runner.pipeline_depth > 1``."""
 
-    def __init__(self, engine: Engine, depth: int) -> None:
+    def __init__(self, engine: Any, depth: int) -> None:
         self.engine = engine
         self.depth = depth
         self.inflight: deque[tuple[SchedulerOutput, list[Any], Any, float]] = deque()

@@ -40,7 +40,6 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +55,7 @@ from torch_topg.engine.pp_node import (
     StageTimes,
     Topology,
     build_stage,
+    check_checkpoint,
     make_groups,
     node_key,
     signature,
@@ -64,32 +64,7 @@ from torch_topg.engine.pp_node import (
     wait_keys,
 )
 from torch_topg.engine.tp import CMD_COPY, CMD_STOP, TPGroup, _active, encode
-from torch_topg.parallel.pipeline import check_pipeline_family, split_layers
-
-
-def check_checkpoint(model: Any, args: Any) -> tuple[Path, Any]:
-    """A safetensors folder of a family that can be cut into stages (each node reads
-    only its layers' tensors); its config."""
-    from transformers import AutoConfig
-
-    from torch_topg.engine.loading import check_supported, resolve
-
-    where = f"Engine: nnodes={args.nnodes}"
-    folder, gguf = resolve(model)
-    if gguf:
-        raise ValueError(
-            f"{where} needs a safetensors checkpoint folder (each node reads only its "
-            f"layers); {folder / gguf} is a GGUF file"
-        )
-    if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{where} needs safetensors weights; {folder} has none")
-    config = AutoConfig.from_pretrained(folder)
-    check_supported(config)
-    try:
-        check_pipeline_family(config)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    return folder, config
+from torch_topg.parallel.pipeline import split_layers
 
 
 @dataclass

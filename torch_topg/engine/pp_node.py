@@ -35,7 +35,7 @@ from torch_topg.engine.tp import (
     decode,
     payload_size,
 )
-from torch_topg.parallel.pipeline import Stage
+from torch_topg.parallel.pipeline import Stage, check_pipeline_family
 
 CMD_STATS = 4  # header [CMD_STATS, reset, 0, 0, 0]: each leader adds its row, in order
 #: per stage: compute_s, idle_s (waiting for work), comm_s (sends, receives after the
@@ -445,7 +445,6 @@ def run_node(model: Any, args: Any) -> None:
     """Node ``args.node_rank > 0``: join node 0, start the node's other ranks, run the
     node's stage until node 0's engine stops it (``from_pretrained`` on a node > 0)."""
     from torch_topg.engine.config import device_of
-    from torch_topg.engine.pp import check_checkpoint
     from torch_topg.parallel import failure_guard
 
     folder, _ = check_checkpoint(model, args)
@@ -477,3 +476,28 @@ def run_node(model: Any, args: Any) -> None:
                 p.join(5)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_checkpoint(model: Any, args: Any) -> tuple[Path, Any]:
+    """A safetensors folder of a family that can be cut into stages (each node reads
+    only its layers' tensors); its config."""
+    from transformers import AutoConfig
+
+    from torch_topg.engine.loading import check_supported, resolve
+
+    where = f"Engine: nnodes={args.nnodes}"
+    folder, gguf = resolve(model)
+    if gguf:
+        raise ValueError(
+            f"{where} needs a safetensors checkpoint folder (each node reads only its "
+            f"layers); {folder / gguf} is a GGUF file"
+        )
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{where} needs safetensors weights; {folder} has none")
+    config = AutoConfig.from_pretrained(folder)
+    check_supported(config)
+    try:
+        check_pipeline_family(config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return folder, config

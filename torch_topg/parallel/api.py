@@ -20,9 +20,9 @@ from torch_topg.parallel.layers import (
     reduce_output,
 )
 from torch_topg.parallel.loading import Slice, make_source
-from torch_topg.parallel.pipeline import SkippedLayer
 from torch_topg.parallel.plans import Layout, make_layout, plan_for, plan_layer
 from torch_topg.parallel.sharding import normalize_ratios, shard_range
+from torch_topg.parallel.skipped import SkippedLayer
 from torch_topg.utils.distributed import publish_failure
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from torch_topg.parallel.plans import PLANS
+from torch_topg.parallel.skipped import Removed, SkippedLayer
 
 
 @dataclass(frozen=True)
@@ -73,31 +74,6 @@ def split_layers(num_layers: int, num_stages: int) -> list[Stage]:
         stages.append(Stage(i, num_stages, start, start + n))
         start += n
     return stages
-
-
-class SkippedLayer(nn.Module):
-    """A decoder layer held by another stage: the hidden states pass through."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.index = index
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states
-
-    def extra_repr(self) -> str:
-        return f"layer {self.index} (another stage)"
-
-
-class Removed(nn.Module):
-    """A module held by another stage (an embedding or LM head); calling it is a bug."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__()
-        self.what = what
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise RuntimeError(f"pipeline: {self.what} belongs to another stage")
 
 
 def check_pipeline_family(config: Any) -> None:

@@ -130,7 +130,7 @@ def test_quantization_option_errors():
     with pytest.raises(ValueError, match="int8_activations must be True or False"):
         Engine.from_pretrained("/nonexistent", quantization={"method": "gguf",
                                                              "int8_activations": 1})  # fmt: skip
-    with pytest.raises(ValueError, match="quantization: 'gguf' is not supported with tp_size > 1"):
+    with pytest.raises(ValueError, match="quantization: 'gguf' is not supported with tp_size=2"):
         Engine.from_pretrained("/nonexistent", quantization="gguf", tp_size=2)
     with pytest.raises(ValueError, match="quantization: 'gguf' needs from_pretrained"):
         Engine.from_model(tiny("llama-tiny"), quantization="gguf")

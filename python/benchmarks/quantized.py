@@ -39,6 +39,8 @@ from torch_topg.bench import timed
 from torch_topg.models import load_smollm2
 
 FORMATS = [None, "q8_0", "int8", "int4_g32", "int4_g64", "int4_g128"]
+#: The accuracy bound of the engine's default for GGUF files against llama-perplexity.
+PPL_BOUND = 0.005
 
 
 def eval_text() -> Path:
@@ -120,6 +122,12 @@ def vs_llama(args) -> None:
     print("\n" + text + f"\nrecord: {path}")
     if args.md:
         Path(args.md).write_text(text + "\n")
+    # the accuracy guard of quantization="gguf"'s default (int8 activations):
+    # within 0.5% of llama-perplexity on the same file (docs/quantization.md)
+    off = [r["format"] for r in ppl if r["int8"] is not None
+           and abs(r["int8"] / r["llama"] - 1) > PPL_BOUND]  # fmt: skip
+    if off:
+        sys.exit(f"int8-activation perplexity more than {PPL_BOUND:.1%} from llama.cpp's: {off}")
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -255,7 +256,9 @@ def load_packed(
         float_type = _FLOAT_TYPES.get(t.tensor_type.name)
         data = t.data if float_type is not None else np.array(t.data)
         if float_type is not None:  # a view of the mapped bytes, cast below once (no float32 copy)
-            raw = torch.from_numpy(np.asarray(data).reshape(-1).view(np.uint8))
+            with warnings.catch_warnings():  # read-only on purpose: cast to a copy below
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.asarray(data).reshape(-1).view(np.uint8))
             value = raw.view(float_type).reshape(shape)
         elif fmt is None:  # a block format without a kernel here: de-quantised
             unpacked.append(f"{t.name} ({t.tensor_type.name.lower()})")

@@ -128,22 +128,14 @@ def _runner_without_plan(model) -> ModelRunner:
 
 def test_refusals_name_the_feature():
     """Probed, not listed: what the plan lacks is named, families are not."""
-    r = _runner_without_plan(_build("GraniteConfig", hidden_size=64, intermediate_size=96,
-                                    residual_multiplier=0.5))  # fmt: skip
-    with pytest.raises(Unsupported, match=r"a residual multiplier \(residual_multiplier=0.5\)"):
+    m = _family("qwen3moe")
+    m.config.clip_qkv = 8.0  # OLMo's clipping of q / k / v: a configuration feature
+    r = _runner_without_plan(m)
+    with pytest.raises(Unsupported, match=r"q / k / v clipping \(clip_qkv\) \(clip_qkv=8.0\)"):
         lower(r.model, r.kv_caches, block_size=4, max_positions=16)
-    m = _family("qwen3moe")  # a router whose selection is biased (DeepSeek-V3 style)
-    gate = m.model.layers[1].mlp.gate
+    m.config.clip_qkv = None
+    gate = m.model.layers[1].mlp.gate  # a router whose selection is biased (DeepSeek-V3 style)
     gate.e_score_correction_bias = torch.nn.Parameter(torch.zeros(gate.weight.shape[0]))
     r = _runner_without_plan(m)
     with pytest.raises(Unsupported, match=r"layers\.1\.mlp\.gate: router bias"):
         lower(r.model, r.kv_caches, block_size=4, max_positions=16)
-
-
-def test_granite_with_unit_multipliers_lowers_and_matches_the_graph():
-    """A family no code in the plan names: Granite whose multipliers are all 1 computes
-    the Llama decoder (x * 1.0 is exact), so it lowers and stays bitwise the graph's."""
-    model = _build("GraniteConfig", hidden_size=64, intermediate_size=96,
-                   attention_multiplier=0.25)  # fmt: skip
-    r = _model_runner(model)
-    _compare_decode_and_verify(r, 29, steps=6, verify=[[5, 6], [9, 10, 11]])

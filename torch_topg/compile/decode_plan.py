@@ -6,11 +6,14 @@ Python, no dispatcher, one team of threads for the whole step (docs/decode-step.
 Prefill chunks, speculative verify steps and anything :func:`lower` refuses stay on the
 compiled graph, and the reason is kept (``engine.stats()["decode_plan"]``).
 
-What the plan computes is the pre-norm decoder: token embedding; per layer RMSNorm, q / k
-/ v projections (optional biases; QK-norm per head or over the whole projection), neox
-rotary from the model's own rotary module, paged attention (GQA, optional sliding
-window), o projection, residual, RMSNorm, a SiLU-gated MLP or a sparse MoE block
-(:mod:`torch_topg.compile.decode_plan_moe`), residual; final RMSNorm and the LM head.
+What the plan computes is the decoder: token embedding (optionally scaled); per layer
+an optional pre-norm, q / k / v projections (optional biases; QK-norm per head or over
+the whole projection), neox rotary from the model's own rotary module (or none, per
+layer), paged attention (GQA, optional sliding window), o projection, an optional
+post-norm, residual (optionally scaled); the same around a SiLU-gated MLP or a sparse
+MoE block (:mod:`torch_topg.compile.decode_plan_moe`); final RMSNorm and the LM head
+(optionally divided). The norms' roles are measured
+(:mod:`torch_topg.compile.decode_plan_layer`).
 :func:`lower` probes a model (configuration features, modules, the router's measured
 semantics; no list of families) and otherwise says what differs. Projections, experts,
 the LM head and the embedding may be quantised (``torch_topg.quantize``,

@@ -141,6 +141,29 @@ def test_rms_norm(t, h, dtype):
     assert_close(actual, expected, dtype, scale=2)
 
 
+def _olmo2_rms(x, w, eps=1e-6):  # the weight applied in float32, rounded once
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * h).to(x.dtype)
+
+
+def _gemma_rms(x, w, eps=1e-6):  # (1 + w) in float32, rounded once
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).type_as(x)
+
+
+@pytest.mark.parametrize("norm", [_olmo2_rms, _gemma_rms], ids=["olmo2", "gemma"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rms_norm_rounded_once(norm, dtype):
+    """(w * y).to(x.dtype) with a float32 product: replaced in every dtype (topg rounds
+    once, as this form does), not only where the product is already in x's dtype."""
+    x, w = _rand(5, 33, dtype=dtype), _rand(33, dtype=dtype)
+    expected, actual, sites = compile_topg(lambda x, w: norm(x, w) * 2, x, w)
+    all_replaced(sites, "rms_norm")
+    assert_close(actual, expected, dtype, scale=2)
+
+
 def test_functional_rms_norm():
     x, w = _rand(5, 32), _rand(32)
     fn = lambda x, w: F.rms_norm(x, (32,), w, 1e-5)  # noqa: E731

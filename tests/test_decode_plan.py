@@ -404,13 +404,20 @@ def test_bad_inputs_get_clear_errors():
     bt = b.block_tables.clone()
     bt[0, 0] = r.num_blocks
     run(3, bt, r"block_tables\[0, 0\]")
-    with pytest.raises(RuntimeError, match="expected 24 weight tensors, got 0"):
+    p5 = [1e-6, 1.0, 1.0, 1.0, 1.0]
+    with pytest.raises(RuntimeError, match="expected 26 weight tensors, got 0"):
         torch.classes.topg.DecodePlan(
-            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1, 0, 0], [1e-6, 1.0], "paged"
+            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1, 0, 0, 1], p5, "paged"
         )
-    with pytest.raises(RuntimeError, match=r"expected 3 per-layer dims \(window, top_k, flags\)"):
+    with pytest.raises(
+        RuntimeError, match=r"expected 4 per-layer dims \(window, top_k, flags, rot"
+    ):
         torch.classes.topg.DecodePlan(
-            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], [1e-6, 1.0], "paged"
+            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1], p5, "paged"
+        )
+    with pytest.raises(RuntimeError, match=r"params expected \[eps, scale, embedding multiplier"):
+        torch.classes.topg.DecodePlan(
+            [], [], [], torch.zeros(4, 2), [1, 1, 1, 2, 4, -1, 0, 0, 1], [1e-6, 1.0], "paged"
         )
     with pytest.raises(RuntimeError, match="cache_layout expected 'paged' or 'bhsd', got 'x'"):
         torch.classes.topg.DecodePlan(

@@ -19,8 +19,9 @@ namespace topg::plan {
 // per weight, "" (the model dtype) or the packed format of embed, lm_head, a projection or
 // an experts tensor (suffix ":a8": int8 activations, as linear_q's int8_activations).
 // kv_caches: [k_0, v_0, ...]. dims: layers, hq, hkv, head_dim, block_size, then per layer
-// window (-1: none), top_k (0: dense MLP), MoE flags (decode_plan.h). params: rms eps,
-// attention scale. cache_layout: "paged" (each cache [blocks, block_size, hkv, head_dim],
+// window (-1: none), top_k (0: dense MLP), MoE flags, rotary (decode_plan.h). params: rms
+// eps, attention scale, embedding multiplier, residual multiplier, logits divisor (1: none).
+// cache_layout: "paged" (each cache [blocks, block_size, hkv, head_dim],
 // the engine's) or "bhsd" ([batch, hkv, max_len, head_dim], transformers' StaticCache:
 // each batch row one block of block_size = max_len).
 DecodePlan::DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string> formats,
@@ -32,22 +33,28 @@ DecodePlan::DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string>
               "topg::DecodePlan: cache_layout expected 'paged' or 'bhsd', got '", cache_layout,
               "'");
   head_major_ = cache_layout == "bhsd";
+  TORCH_CHECK(params.size() == 5, "topg::DecodePlan: params expected [eps, scale, ",
+              "embedding multiplier, residual multiplier, logits divisor], got ", params.size(),
+              " values");
   TORCH_CHECK(dims.size() >= 5, "topg::DecodePlan: dims expected [layers, hq, hkv, head_dim, ",
-              "block_size, (window, top_k, flags) per layer], got ", dims.size(), " values");
+              "block_size, (window, top_k, flags, rotary) per layer], got ", dims.size(),
+              " values");
   L_ = dims[0], hq_ = dims[1], hkv_ = dims[2], d_ = dims[3], bs_ = dims[4];
   TORCH_CHECK(L_ >= 1 && hq_ >= 1 && hkv_ >= 1 && hq_ % hkv_ == 0 && d_ % 2 == 0 && bs_ >= 1,
               "topg::DecodePlan: bad dims layers=", L_, " hq=", hq_, " hkv=", hkv_,
               " head_dim=", d_, " block_size=", bs_);
   TORCH_CHECK(int64_t(dims.size()) == 5 + kLayerDims * L_, "topg::DecodePlan: expected ",
-              kLayerDims * L_, " per-layer dims (window, top_k, flags), got ", dims.size() - 5);
+              kLayerDims * L_, " per-layer dims (window, top_k, flags, rotary), got ",
+              dims.size() - 5);
   TORCH_CHECK(int64_t(weights.size()) == 3 + kPerLayer * L_, "topg::DecodePlan: expected ",
               3 + kPerLayer * L_, " weight tensors, got ", weights.size());
   TORCH_CHECK(int64_t(kv_caches.size()) == 2 * L_, "topg::DecodePlan: expected ", 2 * L_,
               " KV cache tensors (K and V per layer), got ", kv_caches.size());
-  TORCH_CHECK(params.size() == 2, "topg::DecodePlan: params expected [eps, scale]");
   TORCH_CHECK(formats.size() == weights.size(), "topg::DecodePlan: expected one format per ",
               "weight (", weights.size(), "), got ", formats.size());
   eps_ = float(params[0]), scale_ = float(params[1]);
+  embed_mult_ = float(params[2]), resid_mult_ = float(params[3]), logits_div_ = float(params[4]);
+  TORCH_CHECK(logits_div_ != 0.f, "topg::DecodePlan: logits divisor expected non-zero, got 0");
   // Which weights may be packed: embed, lm_head, the projections and the experts.
   std::vector<const quant::Format*> fmt(weights.size(), nullptr);
   std::vector<bool> a8(weights.size(), false);
@@ -55,7 +62,8 @@ DecodePlan::DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string>
     if (formats[i].empty()) continue;
     const int64_t j = i < 3 ? int64_t(i) : (int64_t(i) - 3) % kPerLayer;
     const bool projection =
-        i < 3 ? i != 1 : (j >= 1 && j <= 3) || j == 9 || (j >= 11 && j <= 13) || j >= 15;
+        i < 3 ? i != 1
+              : (j >= 1 && j <= 3) || j == 9 || (j >= 11 && j <= 13) || (j >= 15 && j <= 20);
     TORCH_CHECK(projection, "topg::DecodePlan: weight ", i, " (a norm, a bias or a router) ",
                 "cannot be packed (format '", formats[i], "')");
     std::string name = formats[i];
@@ -79,10 +87,13 @@ DecodePlan::DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string>
   expect(embed_, "embed", -1, H_);
   expect(final_norm_, "final_norm", {H_});
   expect(lm_head_, "lm_head", V_, H_);
-  TORCH_CHECK(cos_sin_.dim() == 2 && cos_sin_.size(1) == d_ && cos_sin_.scalar_type() == dtype_ &&
+  // The rotary table in the model dtype, or in float32 where the model's rotary module
+  // returns float32 (the graph's rotary op then reads float32 cos / sin).
+  TORCH_CHECK(cos_sin_.dim() == 2 && cos_sin_.size(1) == d_ &&
+                  (cos_sin_.scalar_type() == dtype_ || cos_sin_.scalar_type() == at::kFloat) &&
                   cos_sin_.is_contiguous(),
               "topg::DecodePlan: cos_sin expected contiguous [positions, ", d_, "] ", dtype_,
-              ", got ", cos_sin_.sizes(), " ", cos_sin_.scalar_type());
+              " or float32, got ", cos_sin_.sizes(), " ", cos_sin_.scalar_type());
   kmax_ = std::max(H_, hq_ * d_);
   layers_.resize(size_t(L_));
   for (int64_t l = 0; l < L_; ++l) {
@@ -103,9 +114,15 @@ void DecodePlan::bind_layer(int64_t l, const at::Tensor* w,
   const auto lin = [&](int f) { return Lin{w[f], fmt[o + size_t(f)], a8[o + size_t(f)]}; };
   y.ln_in = w[0], y.wq = lin(1), y.wk = lin(2), y.wv = lin(3), y.bq = w[4], y.bk = w[5];
   y.bv = w[6], y.qn = w[7], y.kn = w[8], y.wo = lin(9), y.ln_post = w[10];
-  y.window = ldims[0];
+  y.post_attn = w[21], y.post_ffw = w[22];
+  y.window = ldims[0], y.rope = ldims[3] != 0;
   const std::string n = "layers." + std::to_string(l) + ".";
-  expect(y.ln_in, n + "ln_in", {H_});
+  // Every norm of the residual stream is optional (an absent pre-norm: the sublayer reads
+  // the stream itself; an absent post-norm: its output joins the stream as it is).
+  for (const auto& [t, name] :
+       {std::pair{&y.ln_in, "ln_in"}, std::pair{&y.ln_post, "ln_post"},
+        std::pair{&y.post_attn, "post_attn_norm"}, std::pair{&y.post_ffw, "post_ffw_norm"}})
+    if (t->numel()) expect(*t, n + name, {H_});
   expect(y.wq, n + "wq", hq_ * d_, H_);
   expect(y.wk, n + "wk", hkv_ * d_, H_);
   expect(y.wv, n + "wv", hkv_ * d_, H_);
@@ -120,7 +137,6 @@ void DecodePlan::bind_layer(int64_t l, const at::Tensor* w,
   TORCH_CHECK(y.qn.numel() == 0 || y.kn.numel() != 0, "topg::DecodePlan: ", n,
               "q_norm without k_norm");
   expect(y.wo, n + "wo", H_, hq_ * d_);
-  expect(y.ln_post, n + "ln_post", {H_});
   const int64_t c1 = head_major_ ? hkv_ : bs_, c2 = head_major_ ? bs_ : hkv_;
   for (const at::Tensor* c : {&y.kc, &y.vc})
     TORCH_CHECK(c->dim() == 4 && c->size(0) == layers_[0].kc.size(0) && c->size(1) == c1 &&

@@ -77,10 +77,14 @@ enum Loop : int {
 };
 // Weight tensors per layer: ln_in, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo, ln_post,
 // wg, wu, wd (dense MLP), router, experts_gate_up, experts_down, shared_gate, shared_up,
-// shared_down, shared_expert_gate (MoE layer). Absent ones are empty tensors.
-constexpr int kPerLayer = 21;
-// Integers per layer in dims: window (-1: none), top_k (0: dense MLP), MoE flags.
-constexpr int kLayerDims = 3;
+// shared_down, shared_expert_gate (MoE layer), post_attn_norm, post_ffw_norm. Absent ones
+// are empty tensors. ln_in / ln_post are the pre-norms of the attention / the MLP (absent:
+// the sublayer reads the residual stream itself, OLMo 2); post_attn_norm / post_ffw_norm
+// normalise a sublayer's output before it joins the residual stream (OLMo 2).
+constexpr int kPerLayer = 23;
+// Integers per layer in dims: window (-1: none), top_k (0: dense MLP), MoE flags, rotary
+// (0: the layer's q / k are not rotated, SmolLM3's no_rope_layers).
+constexpr int kLayerDims = 4;
 // MoE flags: renormalise the top-k weights; round them to the model dtype (as transformers'
 // Qwen2-MoE / Qwen3-MoE / OLMoE routers do); the experts' activation (bits 2-3, moe::Act).
 constexpr int64_t kRenormalize = 1, kRoundWeights = 2, kActShift = 2;
@@ -102,11 +106,12 @@ struct MoeLayer {
 };
 
 struct Layer {
-  at::Tensor ln_in, bq, bk, bv, qn, kn, ln_post, kc, vc;
+  at::Tensor ln_in, bq, bk, bv, qn, kn, ln_post, post_attn, post_ffw, kc, vc;
   Lin wq, wk, wv, wo, wg, wu, wd;
   int64_t window = -1;
   bool qk_whole = false;  // q_norm / k_norm over the whole projection (OLMoE), not per head
   bool moe = false;
+  bool rope = true;  // rotary on q / k (false: SmolLM3's layers without rotary)
   MoeLayer m;
 };
 
@@ -200,6 +205,9 @@ class DecodePlan : public torch::CustomClassHolder {
   int64_t L_, H_, I_ = 0, V_, hq_, hkv_, d_, bs_, num_blocks_;
   int64_t kmax_ = 0;  // the widest GEMV input
   float eps_, scale_;
+  // Granite's multipliers: the embedding rows', each sublayer output's before the
+  // residual add, and the divisor of the logits (1: none; each a rounded op in the graph).
+  float embed_mult_ = 1.f, resid_mult_ = 1.f, logits_div_ = 1.f;
   // Shared buffers of a step (bytes; typed in step<T>), persistent across steps.
   std::vector<char> q_, k_, v_, attn_, delta_, gu_, act_;
   std::vector<float> res_;

@@ -81,7 +81,9 @@ void DecodePlan::step(const Step& s) {
   T* delta = reinterpret_cast<T*>(delta_.data());
   T* gu = reinterpret_cast<T*>(gu_.data());
   T* act = reinterpret_cast<T*>(act_.data());
-  const T* cs = cptr<T>(cos_sin_);
+  const bool cs32 = cos_sin_.scalar_type() == at::kFloat;  // a float32 rotary table
+  const T* cs = cs32 ? nullptr : cptr<T>(cos_sin_);
+  const float* cs_f = cs32 ? cptr<float>(cos_sin_) : nullptr;
   const bool prof = profile_on_;
 
   last_members_ = team::run_team(want, [&](int me, int, team::Barrier& bar) {
@@ -130,9 +132,34 @@ void DecodePlan::step(const Step& s) {
       } else {
         std::memcpy(resid + b * H, cptr<T>(embed_.t) + s.ids[b] * H, size_t(H) * sizeof(T));
       }
+      if (embed_mult_ != 1.f)  // Granite: embed_tokens(ids) * embedding_multiplier
+        for (int64_t i = 0; i < H; ++i)
+          resid[b * H + i] = from_float<T>(to_float(resid[b * H + i]) * embed_mult_);
       // each row's cos / sin, once a step (positions are the same in every layer)
-      rotary::load_cos_sin(cs + s.pos[b] * d, d, true, &m.cos[b * d], &m.sin[b * d]);
+      if (cs32)
+        rotary::load_cos_sin(cs_f + s.pos[b] * d, d, true, &m.cos[b * d], &m.sin[b * d]);
+      else
+        rotary::load_cos_sin(cs + s.pos[b] * d, d, true, &m.cos[b * d], &m.sin[b * d]);
     }
+    // A sublayer's output (delta) joins the residual stream, then x is what the next
+    // sublayer reads: delta's post-norm (OLMo 2), times the residual multiplier (Granite),
+    // added to the stream, and the stream's pre-norm (absent: the stream itself). Each
+    // step is an op of the graph, rounded to T as it rounds it (the add and the pre-norm
+    // its fused_add_rms_norm).
+    const auto join = [&](const at::Tensor& post, const T* pre_w) {
+      if (post.numel())
+        norm::rms_norm_rows(delta, H, cptr<T>(post), x, H, H, eps_, 0, B);
+      else
+        std::memcpy(x, delta, size_t(B * H) * sizeof(T));
+      if (resid_mult_ != 1.f)
+        for (int64_t i = 0; i < B * H; ++i) x[i] = from_float<T>(to_float(x[i]) * resid_mult_);
+      if (pre_w) {
+        norm::fused_add_rms_norm_rows(x, resid, pre_w, H, eps_, 0, B);
+        return;
+      }
+      for (int64_t b = 0; b < B; ++b) norm::add_row(x + b * H, resid + b * H, H);
+      std::memcpy(x, resid, size_t(B * H) * sizeof(T));
+    };
     // 3. / 5. out[:, rows of w] = A . w^T for a projection to H outputs (o, down).
     const auto project = [&](team::Counter& c, const Lin& w, int64_t K) {
       const int64_t step = rows_per_item(w.rb);
@@ -145,11 +172,12 @@ void DecodePlan::step(const Step& s) {
       const AttnSched& as = scheds_[size_t(sched_of[l])];
       team::Counter* c = &counters_[kLayerCounters * l];
       // 1. (residual add +) norm, q/k/v by head, rotary, cache write.
-      if (l == 0) {
+      if (l > 0) {
+        join(layers_[size_t(l - 1)].post_ffw, opt(y.ln_in));
+      } else if (y.ln_in.numel()) {
         norm::rms_norm_rows(resid, H, cptr<T>(y.ln_in), x, H, H, eps_, 0, B);
       } else {
-        std::memcpy(x, delta, size_t(B * H) * sizeof(T));
-        norm::fused_add_rms_norm_rows(x, resid, cptr<T>(y.ln_in), H, eps_, 0, B);
+        std::memcpy(x, resid, size_t(B * H) * sizeof(T));
       }
       load_a(x, H, B, nullptr);
       if (me == 0)
@@ -175,7 +203,8 @@ void DecodePlan::step(const Step& s) {
               const at::Tensor& hn = part == 0 ? y.qn : y.kn;  // per-head RMSNorm (Qwen3)
               if (part < 2 && hn.numel())
                 norm::rms_norm_rows(head, d, cptr<T>(hn), head, d, d, eps_, 0, 1);
-              if (part < 2) rotary::rotate_neox(head, &m.cos[b * d], &m.sin[b * d], d / 2);
+              if (part < 2 && y.rope)
+                rotary::rotate_neox(head, &m.cos[b * d], &m.sin[b * d], d / 2);
               if (part > 0) {
                 T* cache = ptr<T>(part == 1 ? y.kc : y.vc);
                 const int64_t slot = s.slots[b];
@@ -196,7 +225,7 @@ void DecodePlan::step(const Step& s) {
           norm::rms_norm_rows(row, heads * d, cptr<T>(part == 0 ? y.qn : y.kn), row, heads * d,
                               heads * d, eps_, 0, 1);
           for (int64_t h = 0; h < heads; ++h) {
-            rotary::rotate_neox(row + h * d, &m.cos[b * d], &m.sin[b * d], d / 2);
+            if (y.rope) rotary::rotate_neox(row + h * d, &m.cos[b * d], &m.sin[b * d], d / 2);
             if (part == 1) {
               const int64_t slot = s.slots[b];
               const int64_t at =
@@ -232,8 +261,7 @@ void DecodePlan::step(const Step& s) {
       project(c[cOProj], y.wo, qd);
       sync(kOProj);
       // 4. Residual add + norm, gate/up, SiLU(gate) * up.
-      std::memcpy(x, delta, size_t(B * H) * sizeof(T));
-      norm::fused_add_rms_norm_rows(x, resid, cptr<T>(y.ln_post), H, eps_, 0, B);
+      join(y.post_attn, opt(y.ln_post));
       load_a(x, H, B, nullptr);
       if (y.moe) {  // 4. - 6. of an MoE layer (decode_plan_moe.h)
         moe_layer<T>(y, m, c, x, delta, B, me, sync);
@@ -257,14 +285,16 @@ void DecodePlan::step(const Step& s) {
       sync(kDown);
     }
     // 6. Residual add + final norm, LM head on the sampled rows.
-    std::memcpy(x, delta, size_t(B * H) * sizeof(T));
-    norm::fused_add_rms_norm_rows(x, resid, cptr<T>(final_norm_), H, eps_, 0, B);
+    join(layers_[size_t(L_ - 1)].post_ffw, cptr<T>(final_norm_));
     load_a(x, H, R, s.li);
     const int64_t step = rows_per_item(lm_head_.rb);
+    const float div = logits_div_;
     share(counters_[kLayerCounters * L_], gemm::ceil_div(V, 8), step / 8,
           [&](int64_t u0, int64_t u1) {
             dot(lm_head_, H, R, u0 * 8, std::min(V, u1 * 8), [&](int64_t r, int64_t n, float v) {
-              s.logits[r * V + n] = to_float(from_float<T>(v));
+              const float t = to_float(from_float<T>(v));  // the LM head's output in T
+              // Granite: logits / logits_scaling, one more op rounded to T
+              s.logits[r * V + n] = div == 1.f ? t : to_float(from_float<T>(t / div));
             });
           });
     sync(kHead);

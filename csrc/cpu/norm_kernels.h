@@ -50,6 +50,14 @@ void rms_norm_rows(const T* x, int64_t x_stride, const W* w, T* out, int64_t out
   }
 }
 
+// residual += x, rounded to T (aten's add of two tensors of T). One row of n.
+template <typename T>
+inline void add_row(const T* x, T* residual, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) (Vec8::load(x + i) + Vec8::load(residual + i)).store(residual + i);
+  for (; i < n; ++i) residual[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
+}
+
 // residual += x (rounded to T); x = rms_norm(residual) * w. Rows [begin, end).
 template <typename T, typename W>
 void fused_add_rms_norm_rows(T* x, T* residual, const W* w, int64_t n, float eps, int64_t begin,
@@ -57,9 +65,7 @@ void fused_add_rms_norm_rows(T* x, T* residual, const W* w, int64_t n, float eps
   for (int64_t r = begin; r < end; ++r) {
     T* xr = x + r * n;
     T* rr = residual + r * n;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) (Vec8::load(xr + i) + Vec8::load(rr + i)).store(rr + i);
-    for (; i < n; ++i) rr[i] = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
+    add_row(xr, rr, n);
     // The norm reads the rounded residual, so fused == residual.add_(x); rms_norm(residual).
     const float scale = 1.f / std::sqrt(sum_squares(rr, n) / float(n) + eps);
     scale_row(rr, w, xr, scale, n);

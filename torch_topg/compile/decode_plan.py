@@ -6,11 +6,14 @@ Python, no dispatcher, one team of threads for the whole step (docs/decode-step.
 Prefill chunks, speculative verify steps and anything :func:`lower` refuses stay on the
 compiled graph, and the reason is kept (``engine.stats()["decode_plan"]``).
 
-What the plan computes is the pre-norm decoder: token embedding; per layer RMSNorm, q / k
-/ v projections (optional biases; QK-norm per head or over the whole projection), neox
-rotary from the model's own rotary module, paged attention (GQA, optional sliding
-window), o projection, residual, RMSNorm, a SiLU-gated MLP or a sparse MoE block
-(:mod:`torch_topg.compile.decode_plan_moe`), residual; final RMSNorm and the LM head.
+What the plan computes is the decoder: token embedding (optionally scaled); per layer
+an optional pre-norm, q / k / v projections (optional biases; QK-norm per head or over
+the whole projection), neox rotary from the model's own rotary module (or none, per
+layer), paged attention (GQA, optional sliding window), o projection, an optional
+post-norm, residual (optionally scaled); the same around a SiLU-gated MLP or a sparse
+MoE block (:mod:`torch_topg.compile.decode_plan_moe`); final RMSNorm and the LM head
+(optionally divided). The norms' roles are measured
+(:mod:`torch_topg.compile.decode_plan_layer`).
 :func:`lower` probes a model (configuration features, modules, the router's measured
 semantics; no list of families) and otherwise says what differs. Projections, experts,
 the LM head and the embedding may be quantised (``torch_topg.quantize``,
@@ -83,8 +86,9 @@ def _rms(mod: Any, name: str) -> tuple[torch.Tensor, float]:
 
 def _rotary_table(base: Any, config: Any, positions: int, dtype: torch.dtype) -> torch.Tensor:
     """``[positions, head_dim]`` rows ``[cos_0..cos_{h-1}, sin_0..sin_{h-1}]`` computed by
-    the model's own rotary module (its scaling included), in the model dtype, as the
-    compiled graph's rotary pass takes them."""
+    the model's own rotary module (its scaling included), in the dtype it returns them
+    (the model dtype, or float32: OLMo 2's module does not round them), as the compiled
+    graph's rotary pass takes them."""
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     kind = (
         rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
@@ -106,7 +110,8 @@ def _rotary_table(base: Any, config: Any, positions: int, dtype: torch.dtype) ->
         and torch.equal(sin[..., :half], sin[..., half:])
     ):
         raise Unsupported("rotary cos / sin halves differ (not neox-style)")
-    return torch.cat([cos[0, :, :half], sin[0, :, :half]], -1).to(dtype).contiguous()
+    out = torch.float32 if cos.dtype == torch.float32 else dtype
+    return torch.cat([cos[0, :, :half], sin[0, :, :half]], -1).to(out).contiguous()
 
 
 #: Config attributes that change the decoder's arithmetic in ways the plan does not
@@ -115,16 +120,19 @@ _CONFIG_FEATURES: dict[str, tuple[str, Any]] = {
     "attn_logit_softcapping": ("attention logit softcapping", None),
     "final_logit_softcapping": ("final logit softcapping", None),
     "clip_qkv": ("q / k / v clipping (clip_qkv)", None),
-    "embedding_multiplier": ("an embedding multiplier", 1.0),
-    "residual_multiplier": ("a residual multiplier", 1.0),
-    "logits_scaling": ("logits scaling", 1.0),
     "scale_emb": ("an embedding scale (scale_emb)", 1),
     "scale_depth": ("a residual scale (scale_depth)", None),
     "router_jitter_noise": (None, None),  # training only
 }
 
-#: The children of a decoder layer and of its attention the plan computes.
-_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+#: Granite's multipliers, computed by the plan (each an op of the graph rounded to the
+#: model dtype): config key -> value meaning "none".
+_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
+
+#: The children of a decoder layer the plan computes (besides at most four RMSNorms, whose
+#: roles :func:`~torch_topg.compile.decode_plan_layer.norm_roles` measures) and of its
+#: attention.
+_LAYER_CHILDREN = {"self_attn", "mlp"}
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 
 
@@ -137,17 +145,39 @@ def _probe_config(text: Any) -> None:
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
     if act not in ("silu", "swish"):
         raise Unsupported(f"hidden_act {act!r} (the plan's MLP is SiLU-gated)")
+
+
+def _multipliers(text: Any) -> list[float]:
+    """[embedding, residual, logits divisor] (Granite's; 1.0 where the config has none)."""
+    out = []
+    for key, off in _MULTIPLIERS.items():
+        v = getattr(text, key, off)
+        out.append(off if v is None else float(v))
+    return out
+
+
+def _rotary_layers(text: Any, n: int) -> list[int]:
+    """Per layer 1 if its q / k are rotated, 0 if not (SmolLM3's ``no_rope_layers``: a
+    true entry means the layer uses rotary)."""
     no_rope = getattr(text, "no_rope_layers", None)
-    if no_rope and not all(no_rope):
-        raise Unsupported("layers without rotary (no_rope_layers)")
+    if not no_rope:
+        return [1] * n
+    if len(no_rope) < n:
+        raise Unsupported(f"no_rope_layers has {len(no_rope)} entries for {n} layers")
+    return [1 if no_rope[i] else 0 for i in range(n)]
 
 
-def _probe_layer(i: int, layer: Any) -> None:
-    names = {n for n, _ in layer.named_children()}
-    if names != _LAYER_CHILDREN:
-        extra, missing = sorted(names - _LAYER_CHILDREN), sorted(_LAYER_CHILDREN - names)
-        raise Unsupported(f"layers.{i} has {extra} and lacks {missing} (norms the plan's "
-                          "pre-norm layer does not have)")  # fmt: skip
+def _probe_layer(i: int, layer: Any, hidden: int, resid_mult: float) -> dict[str, str]:
+    """The layer's norms by role (:data:`~torch_topg.compile.decode_plan_layer.ROLES`)."""
+    from torch_topg.compile.decode_plan_layer import norm_roles
+
+    names = [n for n, _ in layer.named_children()]
+    missing = sorted(_LAYER_CHILDREN - set(names))
+    norms = [n for n in names if n not in _LAYER_CHILDREN]
+    odd = [n for n in norms if not type(getattr(layer, n)).__name__.endswith("RMSNorm")]
+    if missing or odd or len(norms) > 4:
+        raise Unsupported(f"layers.{i} has {sorted(names)}: expected self_attn, mlp and at "
+                          "most four RMSNorms")  # fmt: skip
     at = layer.self_attn
     odd = sorted(n for n, _ in at.named_children() if n not in _ATTN_CHILDREN)
     if odd:
@@ -157,6 +187,7 @@ def _probe_layer(i: int, layer: Any) -> None:
             raise Unsupported(f"layers.{i}.self_attn has no {n} (fused projections)")
     if isinstance(getattr(at, "sinks", None), torch.Tensor):  # the plan has no sink term
         raise Unsupported(f"layers.{i}.self_attn.sinks (attention sinks)")
+    return norm_roles(layer, f"layers.{i}", norms, hidden, resid_mult)
 
 
 def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: int,
@@ -209,13 +240,20 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     per_layer: list[int] = []
     scale = None
     empty = torch.empty(0, dtype=dtype)
+    mults = _multipliers(text)
+    rotary = _rotary_layers(text, len(layers))
+    hidden = final_norm.shape[0]
     for i, layer in enumerate(layers):
-        _probe_layer(i, layer)
+        roles = _probe_layer(i, layer, hidden, mults[1])
         at, mlp = layer.self_attn, layer.mlp
-        ln_in, e1 = _rms(layer.input_layernorm, f"layers.{i}.input_layernorm")
-        ln_post, e2 = _rms(layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
-        if e1 != eps or e2 != eps:
+        # pre-attention, pre-MLP, post-attention, post-MLP norms (absent: empty)
+        ln_in, ln_post, post_attn, post_ffw = (
+            _rms(getattr(layer, roles[r]), f"layers.{i}.{roles[r]}") if r in roles else (empty, eps)
+            for r in ("pre_attn", "pre_ffw", "post_attn", "post_ffw")
+        )
+        if any(e != eps for e in (ln_in[1], ln_post[1], post_attn[1], post_ffw[1])):
             raise Unsupported("RMSNorm epsilons differ between layers")
+        ln_in, ln_post, post_attn, post_ffw = ln_in[0], ln_post[0], post_attn[0], post_ffw[0]
         wq, bq, fq = _linear(at.q_proj, f"layers.{i}.self_attn.q_proj", True)
         wk, bk, fk = _linear(at.k_proj, f"layers.{i}.self_attn.k_proj", True)
         wv, bv, fv = _linear(at.v_proj, f"layers.{i}.self_attn.v_proj", True)
@@ -242,9 +280,9 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         formats += ["", fq, fk, fv, "", "", "", "", "", fo, ""]
         if is_moe(mlp):
             w_moe, f_moe, dims = lower_moe(mlp, f"layers.{i}.mlp", dtype, _linear)
-            weights += w_moe
-            formats += f_moe
-            per_layer += [int(sw) - 1 if sw else -1, *dims]
+            weights += [*w_moe, post_attn, post_ffw]
+            formats += [*f_moe, "", ""]
+            per_layer += [int(sw) - 1 if sw else -1, *dims, rotary[i]]
             continue
         odd = sorted(n for n, _ in mlp.named_children()
                      if n not in ("gate_proj", "up_proj", "down_proj", "act_fn"))  # fmt: skip
@@ -253,9 +291,9 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         wg, _, fg = _linear(mlp.gate_proj, f"layers.{i}.mlp.gate_proj", False)
         wu, _, fu = _linear(mlp.up_proj, f"layers.{i}.mlp.up_proj", False)
         wd, _, fd = _linear(mlp.down_proj, f"layers.{i}.mlp.down_proj", False)
-        weights += [wg, wu, wd] + [empty] * 7
-        formats += [fg, fu, fd] + [""] * 7
-        per_layer += [int(sw) - 1 if sw else -1, 0, 0]
+        weights += [wg, wu, wd] + [empty] * 7 + [post_attn, post_ffw]
+        formats += [fg, fu, fd] + [""] * 9
+        per_layer += [int(sw) - 1 if sw else -1, 0, 0, rotary[i]]
     odd_t = [
         t
         for t, f in zip(weights, formats, strict=True)
@@ -274,7 +312,7 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     dims = [len(layers), hq, hkv, d, block_size, *per_layer]
     with torch.inference_mode():
         return torch.classes.topg.DecodePlan(
-            weights, formats, list(kv_caches), cos_sin, dims, [eps, scale], cache_layout
+            weights, formats, list(kv_caches), cos_sin, dims, [eps, scale, *mults], cache_layout
         )
 
 

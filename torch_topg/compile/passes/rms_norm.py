@@ -7,7 +7,12 @@ Before (transformers ``LlamaRMSNorm`` and its copies in Mistral, Qwen2, Mixtral.
     y = x32 * torch.rsqrt(v + eps)
     out = weight * y.to(x.dtype)
 
-or ``F.rms_norm(x, (H,), weight, eps)``.
+or ``F.rms_norm(x, (H,), weight, eps)``, or the weight applied in float32 and the
+product rounded once (OLMo 2; Gemma's ``(1 + w)``, the weight a float32 expression)::
+
+    out = (weight * y).to(x.dtype)      # y = x32 * rsqrt(...), float32
+
+which is what topg rounds: once, to the input dtype.
 
 After::
 
@@ -97,6 +102,19 @@ class RMSNormPass(Pass):
             return None
         if not (x32 is x or F.dtype(x32) == torch.float32):
             return None
+        cast = F.only_user(out)
+        if (
+            F.dtype(out) == torch.float32
+            and F.dtype(x) != torch.float32
+            and F.is_kind(cast, "to")
+            and F.dtype(cast) == F.dtype(x)
+        ):  # (w * y) in float32, rounded once to x's dtype: the op's own rounding
+            site = self._replace(
+                graph, cast, x, weight, eps, "(x * rsqrt(mean(x^2) + eps) * w).to()"
+            )
+            if not out.users:
+                graph.erase_node(out)
+            return site
         return self._replace(graph, out, x, weight, eps, "x * rsqrt(mean(x^2) + eps) * w")
 
     def _functional(self, graph, n) -> Site:

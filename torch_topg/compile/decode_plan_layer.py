@@ -47,7 +47,7 @@ def norm_roles(layer: torch.nn.Module, name: str, norms: list[str], hidden: int,
                residual_multiplier: float) -> dict[str, str]:  # fmt: skip
     """``{role: child name}`` of the norms ``norms`` of ``layer`` (roles of :data:`ROLES`;
     an absent role is not a key), measured by running the layer's forward on stubs."""
-    from torch_topg.compile.decode_plan import Unsupported
+    from torch_topg.compile.plan_errors import Unsupported
 
     stubs = {n: _Stub(hidden, i + 1, n == "self_attn")
              for i, n in enumerate(["self_attn", "mlp", *norms])}  # fmt: skip

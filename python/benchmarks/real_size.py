@@ -27,6 +27,7 @@ speed: every kernel reads all of a weight whatever it holds.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS
 from quantized_llama import EngineSide
 
@@ -178,6 +180,12 @@ def run_format(shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: 
     line = ", ".join(f"{k} {v.fmt()} ms ({limit_ms / v.median:.0%} of the read limit)"
                      for k, v in figures.items())  # fmt: skip
     print(f"[{shape} {fmt}] {line}", flush=True)
+    # Release this format's engines before the next: a run of five 1B formats then BF16 in
+    # one process was killed at 24 GiB at the BF16 load (earlier formats' models still
+    # held; dynamo's caches keep the modules they traced).
+    del sides, side
+    torch._dynamo.reset()
+    gc.collect()
     return row
 
 

@@ -67,7 +67,8 @@ def model_fingerprint(model: torch.nn.Module, sample: int = 4096) -> str:
         t = state[k]
         if t.numel() == 0 or t.is_meta:  # a pipeline stage's placeholders hold no data
             continue
-        head = t.detach().reshape(-1)[:sample].cpu().contiguous()
+        # a copy: .numpy() of a view marks the weight's own storage not resizable
+        head = t.detach().reshape(-1)[:sample].to("cpu", copy=True)
         h.update(head.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 

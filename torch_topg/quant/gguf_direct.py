@@ -258,7 +258,7 @@ def load_packed(
         if float_type is not None:  # a view of the mapped bytes, cast below once (no float32 copy)
             with warnings.catch_warnings():  # read-only on purpose: cast to a copy below
                 warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(np.asarray(data).reshape(-1).view(np.uint8))
+                raw = torch.from_numpy(data.reshape(-1).view(np.uint8))
             value = raw.view(float_type).reshape(shape)
         elif fmt is None:  # a block format without a kernel here: de-quantised
             unpacked.append(f"{t.name} ({t.tensor_type.name.lower()})")
@@ -393,7 +393,7 @@ def load_dequantized(
     packed = load_packed(path, config, dtype, file=file, strict=True)
     assert packed is not None  # strict: raised otherwise
     if not any(isinstance(m, _PACKED) for m in packed.modules()):
-        return _finish(packed, path)  # a float file: nothing to de-quantise
+        return packed  # a float file: nothing to de-quantise (load_packed tied and checked it)
     state, config = _float_state(packed, dtype), packed.config
     del packed  # the packed bytes: not needed beside the float tensors
     with torch.device("meta"):

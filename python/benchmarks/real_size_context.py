@@ -1,0 +1,177 @@
+"""Prefill and decode against context length on the real-size GGUF files, side by side
+with llama.cpp: the time to first token of a ``ctx``-token prompt and the decode time per
+token after it.
+
+    python python/benchmarks/real_size_context.py --shape llama-3.2-1b \\
+        --formats bf16,q4_k_m --contexts 2048 --repeats 3          # prefill of 2,048 tokens
+    python python/benchmarks/real_size_context.py --formats q4_k_m \\
+        --contexts 4096,16384 --repeats 1 --llama-fa 1             # long contexts
+
+The files are real_size.py's (made here if absent; quantised files deleted afterwards
+unless --keep). Per format one engine (``Engine.from_pretrained(FILE, quantization=
+"gguf")``; BF16: the file in bf16; batch 1, no prefix caching, the default prefill chunk
+of 512 tokens, the context limit the largest context plus the decode tokens); per context
+``repeats`` rounds, each in a rotated order of:
+
+* topg: ``generate`` of a random ``ctx``-token prompt with ``1 + --decode-tokens`` new
+  tokens: its TTFT (prefill and the first token's sampling) and the mean time per token
+  after the first;
+* llama.cpp: ``llama-bench -p ctx -n 0`` (prefill, no sampling) and ``llama-bench -p 0 -n
+  N -d ctx`` (N decode steps after a ctx-token context), 2 threads, flash attention as
+  ``--llama-fa`` says (both by default, the faster kept per figure; the 16k and 32k runs
+  take minutes per call, so they may name one).
+
+The weights are random: speed does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+from real_size import bf16_file, quantized_file  # noqa: E402
+
+from torch_topg.bench.machine import machine_info  # noqa: E402
+from torch_topg.bench.record import git_commit, new_record, write_record  # noqa: E402
+from torch_topg.bench.timing import summarize, timed  # noqa: E402
+
+THREADS = 2
+
+
+class Topg:
+    def __init__(self, path: Path, fmt: str, max_len: int, decode_tokens: int) -> None:
+        from torch_topg.engine import Engine
+
+        kw = {"dtype": "bfloat16"} if fmt == "bf16" else {"quantization": "gguf"}
+        self.eng, self.load_s = timed(Engine.from_pretrained, str(path), max_batch_size=1,
+                                      max_model_len=max_len, prefix_caching=False, **kw)  # fmt: skip
+        self.n = decode_tokens
+        self.rng = random.Random(0)
+        self.samples: dict[int, dict[str, list[float]]] = {}
+        self.generate(min(512, max_len // 2))  # warm-up: compiles the prefill and decode steps
+
+    def generate(self, ctx: int) -> tuple[float, float]:
+        ids = [self.rng.randrange(10, 40000) for _ in range(ctx)]
+        o = self.eng.generate(ids, max_new_tokens=1 + self.n, temperature=0, ignore_eos=True)
+        tt = o[0].outputs[0].token_times
+        return o[0].ttft * 1e3, (tt[-1] - tt[0]) / (len(tt) - 1) * 1e3
+
+    def round(self, ctx: int) -> None:
+        ttft, dec = self.generate(ctx)
+        s = self.samples.setdefault(ctx, {"prefill_ms": [], "decode_ms": []})
+        s["prefill_ms"].append(ttft)
+        s["decode_ms"].append(dec)
+
+    def close(self) -> None:
+        self.eng.shutdown()
+
+
+class Llama:
+    def __init__(self, bench: str, path: Path, fa: str, decode_tokens: int) -> None:
+        self.bench, self.path, self.fa, self.n = bench, path, fa, decode_tokens
+        self.samples: dict[int, dict[str, dict[int, list[float]]]] = {}
+        self.cmds: dict[str, str] = {}
+
+    def _run(self, key: str, args: list[str], per: int, ctx: int) -> None:
+        cmd = [self.bench, "-m", str(self.path), "-t", str(THREADS), "-r", "1", "-o", "json",
+               "-fa", self.fa, *args]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr[-400:]}")
+        s = self.samples.setdefault(ctx, {"prefill_ms": {}, "decode_ms": {}})
+        for row in json.loads(p.stdout):
+            fa = int(bool(row.get("flash_attn")))
+            s[key].setdefault(fa, []).extend(x / 1e6 / per for x in row["samples_ns"])
+        self.cmds[f"{key} {ctx}"] = " ".join(cmd)
+
+    def round(self, ctx: int) -> None:
+        self._run("prefill_ms", ["-p", str(ctx), "-n", "0"], 1, ctx)
+        self._run("decode_ms", ["-p", "0", "-n", str(self.n), "-d", str(ctx)], self.n, ctx)
+
+
+def run_format(fmt: str, path: Path, a: argparse.Namespace, bench: str) -> list[dict]:
+    ctxs = [int(c) for c in a.contexts.split(",")]
+    topg = Topg(path, fmt, max(ctxs) + a.decode_tokens + 16, a.decode_tokens)
+    llama = Llama(bench, path, a.llama_fa, a.decode_tokens)
+    sides = [topg, llama]
+    try:
+        for ctx in ctxs:
+            for r in range(a.repeats):
+                for side in sides[r % 2 :] + sides[: r % 2]:
+                    side.round(ctx)
+    finally:
+        topg.close()
+    rows = []
+    for ctx in ctxs:
+        figures: dict = {}
+        ratios: dict = {}
+        lc_fa: dict = {}
+        for key in ("prefill", "decode"):
+            t = summarize(topg.samples[ctx][key + "_ms"])
+            per_fa = {fa: summarize(v) for fa, v in llama.samples[ctx][key + "_ms"].items()}
+            fa = min(per_fa, key=lambda k: per_fa[k].median)
+            figures[f"topg {key}"] = t.to_dict()
+            figures[f"llama.cpp {key}"] = per_fa[fa].to_dict()
+            ratios[f"{key} topg / llama.cpp"] = t.scaled(1 / per_fa[fa].median).to_dict()
+            lc_fa[key] = {"best": fa, **{str(k): v.to_dict() for k, v in per_fa.items()}}
+        rows.append({
+            "key": f"{a.shape} | {fmt} | context {ctx}",
+            "shape": a.shape, "format": fmt, "context": ctx,
+            "unit": "ms (prefill), ms/token (decode)", "decode_tokens": a.decode_tokens,
+            "figures": figures, "ratios": ratios, "llama_by_flash_attn": lc_fa,
+            "topg_load_s": topg.load_s, "llama_cmds": llama.cmds,
+        })  # fmt: skip
+        f, r = figures, ratios
+        print(f"[{a.shape} {fmt} ctx {ctx}] prefill topg {f['topg prefill']['median']:.0f} ms, "
+              f"llama.cpp {f['llama.cpp prefill']['median']:.0f} ms "
+              f"({r['prefill topg / llama.cpp']['median']:.2f}x); decode topg "
+              f"{f['topg decode']['median']:.1f} ms/token, llama.cpp "
+              f"{f['llama.cpp decode']['median']:.1f} ({r['decode topg / llama.cpp']['median']:.2f}x)",
+              flush=True)  # fmt: skip
+    del topg, sides
+    torch._dynamo.reset()
+    gc.collect()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--formats", default="bf16,q4_k_m")
+    ap.add_argument("--contexts", default="2048", help="prompt lengths, comma-separated")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-fa", default="0,1", help="llama-bench -fa values (the best kept)")
+    ap.add_argument("--keep", action="store_true", help="keep the quantised files")
+    ap.add_argument("--out", default="bench_results")
+    a = ap.parse_args(argv)
+    from llama_cpp_build import ensure_llama_cpp, llama_cpp_sources
+
+    llama = {k: str(v) for k, v in ensure_llama_cpp().items()}
+    bf16 = bf16_file(a.shape, llama_cpp_sources(), a.keep)
+    commit, _ = git_commit()
+    for fmt in a.formats.split(","):
+        path = quantized_file(a.shape, fmt, bf16, Path(llama["llama-quantize"]))
+        try:
+            rows = run_format(fmt, path, a, llama["llama-bench"])
+        finally:
+            if fmt != "bf16" and not a.keep:
+                path.unlink(missing_ok=True)
+        rec = new_record("real_size_context", rows, machine_info(), notes=[
+            f"{THREADS} threads each; random prompts, greedy, ignore_eos",
+            "random weights: speed does not depend on the weights' values"])  # fmt: skip
+        print(f"record {write_record(rec, a.out)} (commit {commit})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,18 +82,33 @@ def config_for(name: str, **overrides: Any) -> Any:
 
 
 def padded_tokenizer(vocab_size: int, tokenizer_folder: str | os.PathLike[str]) -> Any:
-    """SmolLM2's tokenizer (from ``tokenizer_folder``) with added tokens
+    """SmolLM2's tokenizer (from ``tokenizer_folder``) with vocabulary entries
     ``<|extra_i|>`` up to ``vocab_size`` ids: the real model's embedding and LM head
-    shapes, and a tokenizer llama.cpp's converter knows (its pre-tokenizer is SmolLM's)."""
-    from transformers import AutoTokenizer
+    shapes, and a tokenizer llama.cpp's converter knows (its pre-tokenizer is SmolLM's).
+
+    The extra entries are ordinary BPE vocabulary (no merge makes them, so no text
+    encodes to them), as the unused tail of a real 128k vocabulary is; not added tokens:
+    ~79k added tokens made loading the tokenizer take seconds in transformers, a cost no
+    real model's file has."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
     missing = vocab_size - len(tok)
     if missing < 0:
         raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tok)} tokens")
     if missing:
-        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)], special_tokens=True)
-    assert len(tok) == vocab_size
+        spec = json.loads(tok.backend_tokenizer.to_str())
+        vocab = spec["model"]["vocab"]
+        first = len(tok)
+        if max(vocab.values()) >= first:
+            raise ValueError("the tokenizer's vocabulary is not dense below its length")
+        vocab.update({f"<|extra_{i}|>": first + i for i in range(missing)})
+        backend = Tokenizer.from_str(json.dumps(spec))
+        special = {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=tok.chat_template,
+                                      clean_up_tokenization_spaces=False, **special)  # fmt: skip
+    assert len(tok) == vocab_size, (len(tok), vocab_size)
     return tok
 
 

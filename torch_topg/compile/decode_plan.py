@@ -9,11 +9,14 @@ compiled graph, and the reason is kept (``engine.stats()["decode_plan"]``).
 What the plan computes is the decoder: token embedding (optionally scaled); per layer
 an optional pre-norm, q / k / v projections (optional biases; QK-norm per head or over
 the whole projection), neox rotary from the model's own rotary module (or none, per
-layer), paged attention (GQA, optional sliding window), o projection, an optional
-post-norm, residual (optionally scaled); the same around a SiLU-gated MLP or a sparse
-MoE block (:mod:`torch_topg.compile.decode_plan_moe`); final RMSNorm and the LM head
-(optionally divided). The norms' roles are measured
-(:mod:`torch_topg.compile.decode_plan_layer`).
+layer; one table per layer type where the module takes one, Gemma 3), paged attention
+(GQA, optional sliding window, optional logit softcap), o projection, an optional
+post-norm, residual (optionally scaled); the same around a SiLU-, GELU- or
+tanh-GELU-gated MLP or a sparse MoE block (:mod:`torch_topg.compile.decode_plan_moe`);
+final RMSNorm and the LM head (optionally divided, optionally softcapped after the
+call). Every norm applies ``w`` or (Gemma) ``1 + w`` in float32. The norms' roles are
+measured (:mod:`torch_topg.compile.decode_plan_layer`), and so are their form, the
+MLP's activation and an embedding's scale.
 :func:`lower` probes a model (configuration features, modules, the router's measured
 semantics; no list of families) and otherwise says what differs. Projections, experts,
 the LM head and the embedding may be quantised (``torch_topg.quantize``,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import hf_greedy, prompts, tiny
+from engine_utils import hf_greedy, prompts
 from test_decode_plan import _compare_decode_and_verify, _model_runner
 from test_decode_plan_moe import _build
 
@@ -105,6 +105,9 @@ def test_layer_structure_is_measured_not_named():
 
 
 def test_what_is_still_refused_is_named():
-    """Gemma 2's features are not in the plan yet: the refusal names one of them."""
-    with pytest.raises(Unsupported, match="softcapping"):
-        _lower(tiny("gemma2-tiny"))
+    """A rotary whose frequencies change with the length is not in the plan: the refusal
+    names it."""
+    model = _family("granite")
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "dynamic"}
+    with pytest.raises(Unsupported, match="rope_type 'dynamic' changes its frequencies"):
+        _lower(model)

@@ -19,8 +19,11 @@ namespace topg::plan {
 // per weight, "" (the model dtype) or the packed format of embed, lm_head, a projection or
 // an experts tensor (suffix ":a8": int8 activations, as linear_q's int8_activations).
 // kv_caches: [k_0, v_0, ...]. dims: layers, hq, hkv, head_dim, block_size, then per layer
-// window (-1: none), top_k (0: dense MLP), MoE flags, rotary (decode_plan.h). params: rms
-// eps, attention scale, embedding multiplier, residual multiplier, logits divisor (1: none).
+// window (-1: none), top_k (0: dense MLP), flags, rotary (decode_plan.h). params: rms
+// eps, attention scale, embedding multiplier, residual multiplier, logits divisor (1: none),
+// optionally then the attention logit softcap (0: none) and the norms' weight offset (0: w,
+// 1: 1 + w in float32, Gemma's RMSNorm). cos_sin: [positions, head_dim] or
+// [tables, positions, head_dim] (a layer's rotary dim picks its table).
 // cache_layout: "paged" (each cache [blocks, block_size, hkv, head_dim],
 // the engine's) or "bhsd" ([batch, hkv, max_len, head_dim], transformers' StaticCache:
 // each batch row one block of block_size = max_len).
@@ -33,9 +36,9 @@ DecodePlan::DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string>
               "topg::DecodePlan: cache_layout expected 'paged' or 'bhsd', got '", cache_layout,
               "'");
   head_major_ = cache_layout == "bhsd";
-  TORCH_CHECK(params.size() == 5, "topg::DecodePlan: params expected [eps, scale, ",
-              "embedding multiplier, residual multiplier, logits divisor], got ", params.size(),
-              " values");
+  TORCH_CHECK(params.size() == 5 || params.size() == 7, "topg::DecodePlan: params expected [eps, ",
+              "scale, embedding multiplier, residual multiplier, logits divisor(, attention ",
+              "softcap, norm offset)], got ", params.size(), " values");
   TORCH_CHECK(dims.size() >= 5, "topg::DecodePlan: dims expected [layers, hq, hkv, head_dim, ",
               "block_size, (window, top_k, flags, rotary) per layer], got ", dims.size(),
               " values");
@@ -54,6 +57,14 @@ DecodePlan::DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string>
               "weight (", weights.size(), "), got ", formats.size());
   eps_ = float(params[0]), scale_ = float(params[1]);
   embed_mult_ = float(params[2]), resid_mult_ = float(params[3]), logits_div_ = float(params[4]);
+  if (params.size() == 7) {
+    softcap_ = float(params[5]);
+    TORCH_CHECK(softcap_ >= 0.f, "topg::DecodePlan: attention softcap expected >= 0 (0: none), ",
+                "got ", softcap_);
+    TORCH_CHECK(params[6] == 0.0 || params[6] == 1.0,
+                "topg::DecodePlan: norm offset expected 0 (w) or 1 (1 + w), got ", params[6]);
+    norm_offset_ = params[6] == 1.0;
+  }
   TORCH_CHECK(logits_div_ != 0.f, "topg::DecodePlan: logits divisor expected non-zero, got 0");
   // Which weights may be packed: embed, lm_head, the projections and the experts.
   std::vector<const quant::Format*> fmt(weights.size(), nullptr);
@@ -89,11 +100,14 @@ DecodePlan::DecodePlan(std::vector<at::Tensor> weights, std::vector<std::string>
   expect(lm_head_, "lm_head", V_, H_);
   // The rotary table in the model dtype, or in float32 where the model's rotary module
   // returns float32 (the graph's rotary op then reads float32 cos / sin).
-  TORCH_CHECK(cos_sin_.dim() == 2 && cos_sin_.size(1) == d_ &&
+  // Several tables (Gemma 3: local and global layers' frequencies): [tables, positions, d].
+  tables_ = cos_sin_.dim() == 3 ? cos_sin_.size(0) : 1;
+  TORCH_CHECK((cos_sin_.dim() == 2 || cos_sin_.dim() == 3) && cos_sin_.size(-1) == d_ &&
                   (cos_sin_.scalar_type() == dtype_ || cos_sin_.scalar_type() == at::kFloat) &&
                   cos_sin_.is_contiguous(),
-              "topg::DecodePlan: cos_sin expected contiguous [positions, ", d_, "] ", dtype_,
-              " or float32, got ", cos_sin_.sizes(), " ", cos_sin_.scalar_type());
+              "topg::DecodePlan: cos_sin expected contiguous [(tables,) positions, ", d_, "] ",
+              dtype_, " or float32, got ", cos_sin_.sizes(), " ", cos_sin_.scalar_type());
+  positions_ = cos_sin_.size(-2);
   kmax_ = std::max(H_, hq_ * d_);
   layers_.resize(size_t(L_));
   for (int64_t l = 0; l < L_; ++l) {
@@ -115,8 +129,10 @@ void DecodePlan::bind_layer(int64_t l, const at::Tensor* w,
   y.ln_in = w[0], y.wq = lin(1), y.wk = lin(2), y.wv = lin(3), y.bq = w[4], y.bk = w[5];
   y.bv = w[6], y.qn = w[7], y.kn = w[8], y.wo = lin(9), y.ln_post = w[10];
   y.post_attn = w[21], y.post_ffw = w[22];
-  y.window = ldims[0], y.rope = ldims[3] != 0;
+  y.window = ldims[0], y.rope = ldims[3];
   const std::string n = "layers." + std::to_string(l) + ".";
+  TORCH_CHECK(y.rope >= 0 && y.rope <= tables_, "topg::DecodePlan: ", n, "rotary ", y.rope,
+              " expected 0 (none) .. ", tables_, " (the tables in cos_sin)");
   // Every norm of the residual stream is optional (an absent pre-norm: the sublayer reads
   // the stream itself; an absent post-norm: its output joins the stream as it is).
   for (const auto& [t, name] :
@@ -152,6 +168,11 @@ void DecodePlan::bind_layer(int64_t l, const at::Tensor* w,
     bind_moe(y, n, w, fmt, a8, o, ldims[1], ldims[2]);
     return;
   }
+  const int act = int(ldims[2] >> kActShift) & 3;
+  TORCH_CHECK(act <= 2 && (ldims[2] & ((int64_t(1) << kActShift) - 1)) == 0,
+              "topg::DecodePlan: ", n, "dense MLP flags ", ldims[2],
+              " expected only an activation (bits 2-3: 0..2)");
+  y.act = moe::Act(act);
   y.wg = lin(11), y.wu = lin(12), y.wd = lin(13);
   if (I_ == 0) I_ = y.wg.t.size(0);
   expect(y.wg, n + "wg", I_, H_);
@@ -263,8 +284,8 @@ at::Tensor DecodePlan::run(at::Tensor input_ids, at::Tensor positions, at::Tenso
   for (int64_t b = 0; b < T; ++b) {
     TORCH_CHECK(ids[b] >= 0 && ids[b] < embed_.t.size(0), "topg::DecodePlan.run: input_ids[", b,
                 "] = ", ids[b], " outside the vocabulary [0, ", embed_.t.size(0), ")");
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_sin_.size(0), "topg::DecodePlan.run: positions[", b,
-                "] = ", pos[b], " outside the rotary table [0, ", cos_sin_.size(0), ")");
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < positions_, "topg::DecodePlan.run: positions[", b,
+                "] = ", pos[b], " outside the rotary table [0, ", positions_, ")");
     TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks_ * bs_,
                 "topg::DecodePlan.run: ", "slot_mapping[", b, "] = ", slots[b], " outside [0, ",
                 num_blocks_ * bs_, ")");

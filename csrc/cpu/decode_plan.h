@@ -82,8 +82,10 @@ enum Loop : int {
 // the sublayer reads the residual stream itself, OLMo 2); post_attn_norm / post_ffw_norm
 // normalise a sublayer's output before it joins the residual stream (OLMo 2).
 constexpr int kPerLayer = 23;
-// Integers per layer in dims: window (-1: none), top_k (0: dense MLP), MoE flags, rotary
-// (0: the layer's q / k are not rotated, SmolLM3's no_rope_layers).
+// Integers per layer in dims: window (-1: none), top_k (0: dense MLP), flags (an MoE layer's,
+// below; a dense layer's: its activation in bits 2-3, moe::Act), rotary (0: the layer's q / k
+// are not rotated, SmolLM3's no_rope_layers; r >= 1: rotated by table r - 1 of cos_sin,
+// Gemma 3's local and global layers have one each).
 constexpr int kLayerDims = 4;
 // MoE flags: renormalise the top-k weights; round them to the model dtype (as transformers'
 // Qwen2-MoE / Qwen3-MoE / OLMoE routers do); the experts' activation (bits 2-3, moe::Act).
@@ -111,8 +113,19 @@ struct Layer {
   int64_t window = -1;
   bool qk_whole = false;  // q_norm / k_norm over the whole projection (OLMoE), not per head
   bool moe = false;
-  bool rope = true;  // rotary on q / k (false: SmolLM3's layers without rotary)
+  int64_t rope = 1;  // rotary table + 1 (0: q / k not rotated, SmolLM3's layers without rotary)
+  moe::Act act = moe::Act::silu;  // a dense MLP's gate activation
   MoeLayer m;
+};
+
+// A norm's weight as the kernels read it: the bound tensor in T, or (norm_offset_, Gemma's
+// RMSNorm: x * (1 + w) in float32, rounded once) its 1 + w in float32, made each step from
+// the bound tensor so in-place updates are seen. Both null: no norm.
+template <typename T>
+struct NormW {
+  const T* t = nullptr;
+  const float* f = nullptr;
+  explicit operator bool() const { return t || f; }
 };
 
 // One member's private state: its copy of the residual stream, the normalised rows, the
@@ -195,6 +208,7 @@ class DecodePlan : public torch::CustomClassHolder {
   };
   Lin embed_, lm_head_;
   at::Tensor final_norm_, cos_sin_;
+  int64_t tables_ = 1, positions_ = 0;  // rotary tables in cos_sin_, rows of each
   bool packed_ = false;      // some weight is packed: the A rows are also kept as padded fp32
   bool head_major_ = false;  // cache_layout "bhsd"
   bool a8_ = false;          // some weight takes int8 activations: and as int8 blocks
@@ -205,6 +219,9 @@ class DecodePlan : public torch::CustomClassHolder {
   int64_t L_, H_, I_ = 0, V_, hq_, hkv_, d_, bs_, num_blocks_;
   int64_t kmax_ = 0;  // the widest GEMV input
   float eps_, scale_;
+  float softcap_ = 0.f;       // attention logit softcap (0: none; Gemma 2)
+  bool norm_offset_ = false;  // every norm applies 1 + w (Gemma), not w
+  std::vector<float> unit_;   // the 1 + w of every norm this step (norm_offset_)
   // Granite's multipliers: the embedding rows', each sublayer output's before the
   // residual add, and the divisor of the logits (1: none; each a rounded op in the graph).
   float embed_mult_ = 1.f, resid_mult_ = 1.f, logits_div_ = 1.f;

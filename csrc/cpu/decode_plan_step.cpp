@@ -34,7 +34,7 @@ void DecodePlan::step(const Step& s) {
     constexpr bool is_bf16 = std::is_same_v<T, bf16>;
     m.in.fit(std::max(B, R), kmax, packed_, a8_, is_bf16 && gemm::use_bf16dp(),
              is_bf16 && gemm::amx::enabled());
-    m.cos.resize(size_t(B * d)), m.sin.resize(size_t(B * d));
+    m.cos.resize(size_t(tables_ * B * d)), m.sin.resize(size_t(tables_ * B * d));
     if (embed_.f) m.row.resize(size_t(padded_k(H)));
   }
   // The attention schedule per distinct window (paged_attention's partitions, bitwise).
@@ -73,6 +73,32 @@ void DecodePlan::step(const Step& s) {
     pending_size_ = B;
   }
   for (int64_t i = 0; i < kLayerCounters * L_ + 1; ++i) counters_[i].next.store(0);
+  // Every norm's weight as the kernels read it: [final, then per layer ln_in, ln_post,
+  // post_attn, post_ffw, q_norm, k_norm]. Gemma's norms (norm_offset_) apply 1 + w in
+  // float32, as transformers' (x * (1 + w.float())).type_as(x) and the graph's rms_norm with
+  // that float32 weight: made here from the bound tensors, each step.
+  std::vector<NormW<T>> nw(size_t(1 + 6 * L_));
+  {
+    std::vector<const at::Tensor*> ts{&final_norm_};
+    for (const Layer& y : layers_)
+      ts.insert(ts.end(), {&y.ln_in, &y.ln_post, &y.post_attn, &y.post_ffw, &y.qn, &y.kn});
+    int64_t total = 0;
+    for (const at::Tensor* t : ts) total += t->numel();
+    if (norm_offset_) unit_.resize(size_t(total));
+    int64_t at = 0;
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const at::Tensor& t = *ts[i];
+      if (!t.numel()) continue;
+      if (!norm_offset_) {
+        nw[i].t = cptr<T>(t);
+        continue;
+      }
+      const T* w = cptr<T>(t);
+      for (int64_t j = 0; j < t.numel(); ++j) unit_[size_t(at + j)] = 1.f + to_float(w[j]);
+      nw[i].f = unit_.data() + at;
+      at += t.numel();
+    }
+  }
 
   T* q = reinterpret_cast<T*>(q_.data());
   T* kb = reinterpret_cast<T*>(k_.data());
@@ -82,6 +108,7 @@ void DecodePlan::step(const Step& s) {
   T* gu = reinterpret_cast<T*>(gu_.data());
   T* act = reinterpret_cast<T*>(act_.data());
   const bool cs32 = cos_sin_.scalar_type() == at::kFloat;  // a float32 rotary table
+  const int64_t cs_table = positions_ * d;                 // elements of one table
   const T* cs = cs32 ? nullptr : cptr<T>(cos_sin_);
   const float* cs_f = cs32 ? cptr<float>(cos_sin_) : nullptr;
   const bool prof = profile_on_;
@@ -123,6 +150,14 @@ void DecodePlan::step(const Step& s) {
         fn(i * chunk, std::min(units, (i + 1) * chunk));
     };
     const auto opt = [](const at::Tensor& b) { return b.numel() ? cptr<T>(b) : nullptr; };
+    // rows [0, rows) of x (row stride xs, n wide) normalised by w into out (stride os)
+    const auto rms = [&](const T* xr, int64_t xs, NormW<T> w, T* out, int64_t os, int64_t n,
+                         int64_t rows) {
+      if (w.f)
+        norm::rms_norm_rows(xr, xs, w.f, out, os, n, eps_, 0, rows);
+      else
+        norm::rms_norm_rows(xr, xs, w.t, out, os, n, eps_, 0, rows);
+    };
 
     for (int64_t b = 0; b < B; ++b) {
       if (embed_.f) {  // embedding_q's rows: de-quantised, rounded once to T
@@ -135,26 +170,33 @@ void DecodePlan::step(const Step& s) {
       if (embed_mult_ != 1.f)  // Granite: embed_tokens(ids) * embedding_multiplier
         for (int64_t i = 0; i < H; ++i)
           resid[b * H + i] = from_float<T>(to_float(resid[b * H + i]) * embed_mult_);
-      // each row's cos / sin, once a step (positions are the same in every layer)
-      if (cs32)
-        rotary::load_cos_sin(cs_f + s.pos[b] * d, d, true, &m.cos[b * d], &m.sin[b * d]);
-      else
-        rotary::load_cos_sin(cs + s.pos[b] * d, d, true, &m.cos[b * d], &m.sin[b * d]);
+      // each row's cos / sin per table, once a step (positions are the same in every layer)
+      for (int64_t tb = 0; tb < tables_; ++tb) {
+        const int64_t o = tb * cs_table + s.pos[b] * d, to = (tb * B + b) * d;
+        if (cs32)
+          rotary::load_cos_sin(cs_f + o, d, true, &m.cos[to], &m.sin[to]);
+        else
+          rotary::load_cos_sin(cs + o, d, true, &m.cos[to], &m.sin[to]);
+      }
     }
     // A sublayer's output (delta) joins the residual stream, then x is what the next
     // sublayer reads: delta's post-norm (OLMo 2), times the residual multiplier (Granite),
     // added to the stream, and the stream's pre-norm (absent: the stream itself). Each
     // step is an op of the graph, rounded to T as it rounds it (the add and the pre-norm
     // its fused_add_rms_norm).
-    const auto join = [&](const at::Tensor& post, const T* pre_w) {
-      if (post.numel())
-        norm::rms_norm_rows(delta, H, cptr<T>(post), x, H, H, eps_, 0, B);
+    const auto join = [&](NormW<T> post, NormW<T> pre) {
+      if (post)
+        rms(delta, H, post, x, H, H, B);
       else
         std::memcpy(x, delta, size_t(B * H) * sizeof(T));
       if (resid_mult_ != 1.f)
         for (int64_t i = 0; i < B * H; ++i) x[i] = from_float<T>(to_float(x[i]) * resid_mult_);
-      if (pre_w) {
-        norm::fused_add_rms_norm_rows(x, resid, pre_w, H, eps_, 0, B);
+      if (pre.f) {
+        norm::fused_add_rms_norm_rows(x, resid, pre.f, H, eps_, 0, B);
+        return;
+      }
+      if (pre.t) {
+        norm::fused_add_rms_norm_rows(x, resid, pre.t, H, eps_, 0, B);
         return;
       }
       for (int64_t b = 0; b < B; ++b) norm::add_row(x + b * H, resid + b * H, H);
@@ -169,13 +211,15 @@ void DecodePlan::step(const Step& s) {
     };
     for (int64_t l = 0; l < L_; ++l) {
       const Layer& y = layers_[l];
+      const NormW<T>* yn = &nw[size_t(1 + 6 * l)];  // ln_in, ln_post, post_attn, post_ffw, qn, kn
+      const int64_t rt = std::max<int64_t>(y.rope - 1, 0) * B;  // the layer's rotary table rows
       const AttnSched& as = scheds_[size_t(sched_of[l])];
       team::Counter* c = &counters_[kLayerCounters * l];
       // 1. (residual add +) norm, q/k/v by head, rotary, cache write.
       if (l > 0) {
-        join(layers_[size_t(l - 1)].post_ffw, opt(y.ln_in));
-      } else if (y.ln_in.numel()) {
-        norm::rms_norm_rows(resid, H, cptr<T>(y.ln_in), x, H, H, eps_, 0, B);
+        join(nw[size_t(1 + 6 * (l - 1) + 3)], yn[0]);
+      } else if (yn[0]) {
+        rms(resid, H, yn[0], x, H, H, B);
       } else {
         std::memcpy(x, resid, size_t(B * H) * sizeof(T));
       }
@@ -199,12 +243,11 @@ void DecodePlan::step(const Step& s) {
           for (int64_t h = a0; h < a1; ++h)
             for (int64_t b = 0; b < B; ++b) {
               T* head = out + b * ld + h * d;
-              if (part < 2 && y.qk_whole) continue;            // after the whole row's norm, below
-              const at::Tensor& hn = part == 0 ? y.qn : y.kn;  // per-head RMSNorm (Qwen3)
-              if (part < 2 && hn.numel())
-                norm::rms_norm_rows(head, d, cptr<T>(hn), head, d, d, eps_, 0, 1);
+              if (part < 2 && y.qk_whole) continue;       // after the whole row's norm, below
+              const NormW<T> hn = yn[part == 0 ? 4 : 5];  // per-head RMSNorm (Qwen3, Gemma 3)
+              if (part < 2 && hn) rms(head, d, hn, head, d, d, 1);
               if (part < 2 && y.rope)
-                rotary::rotate_neox(head, &m.cos[b * d], &m.sin[b * d], d / 2);
+                rotary::rotate_neox(head, &m.cos[(rt + b) * d], &m.sin[(rt + b) * d], d / 2);
               if (part > 0) {
                 T* cache = ptr<T>(part == 1 ? y.kc : y.vc);
                 const int64_t slot = s.slots[b];
@@ -222,10 +265,10 @@ void DecodePlan::step(const Step& s) {
         items(c[cQKNorm], 2 * B, [&](int64_t i) {
           const int64_t b = i / 2, part = i % 2, heads = part == 0 ? hq : hkv;
           T* row = (part == 0 ? q + b * qd : kb + b * kd);
-          norm::rms_norm_rows(row, heads * d, cptr<T>(part == 0 ? y.qn : y.kn), row, heads * d,
-                              heads * d, eps_, 0, 1);
+          rms(row, heads * d, yn[part == 0 ? 4 : 5], row, heads * d, heads * d, 1);
           for (int64_t h = 0; h < heads; ++h) {
-            if (y.rope) rotary::rotate_neox(row + h * d, &m.cos[b * d], &m.sin[b * d], d / 2);
+            if (y.rope)
+              rotary::rotate_neox(row + h * d, &m.cos[(rt + b) * d], &m.sin[(rt + b) * d], d / 2);
             if (part == 1) {
               const int64_t slot = s.slots[b];
               const int64_t at =
@@ -244,7 +287,7 @@ void DecodePlan::step(const Step& s) {
         a.kc = cptr<T>(y.kc), a.vc = cptr<T>(y.vc);
         a.bt = s.bt, a.bt_ss = s.bt_ss, a.row_seq = row_seq_.data();
         a.hq = hq, a.hkv = hkv, a.d = d, a.block_size = bs_;
-        a.scale = scale_, a.softcap = 0.f, a.window = y.window, a.head_major = head_major_;
+        a.scale = scale_, a.softcap = softcap_, a.window = y.window, a.head_major = head_major_;
         items(c[cAttn], int64_t(as.items.size()), [&](int64_t i) {
           const auto [b, k] = as.items[size_t(i)];
           const int64_t n = s.lens[b], P = as.size[b], k0 = as.lo[b] / P;
@@ -261,7 +304,7 @@ void DecodePlan::step(const Step& s) {
       project(c[cOProj], y.wo, qd);
       sync(kOProj);
       // 4. Residual add + norm, gate/up, SiLU(gate) * up.
-      join(y.post_attn, opt(y.ln_post));
+      join(yn[2], yn[1]);
       load_a(x, H, B, nullptr);
       if (y.moe) {  // 4. - 6. of an MoE layer (decode_plan_moe.h)
         moe_layer<T>(y, m, c, x, delta, B, me, sync);
@@ -275,7 +318,14 @@ void DecodePlan::step(const Step& s) {
           // weight of the compiled graph, so each row's sum is the same.
           gemv(y.wg, H, nullptr, B, n0, n1, gu, 2 * I);
           gemv(y.wu, H, nullptr, B, n0, n1, gu + I, 2 * I);
-          for (int64_t b = 0; b < B; ++b) act::gated_span<act::Silu>(gu, 2 * I, act, I, b, n0, n1);
+          for (int64_t b = 0; b < B; ++b) {
+            if (y.act == moe::Act::gelu_tanh)  // Gemma's gelu_pytorch_tanh: gelu_and_mul's kernel
+              act::gated_span<act::GeluTanh>(gu, 2 * I, act, I, b, n0, n1);
+            else if (y.act == moe::Act::gelu)
+              act::gated_span<act::GeluErf>(gu, 2 * I, act, I, b, n0, n1);
+            else
+              act::gated_span<act::Silu>(gu, 2 * I, act, I, b, n0, n1);
+          }
         });
       }
       sync(kGateUp);
@@ -285,7 +335,7 @@ void DecodePlan::step(const Step& s) {
       sync(kDown);
     }
     // 6. Residual add + final norm, LM head on the sampled rows.
-    join(layers_[size_t(L_ - 1)].post_ffw, cptr<T>(final_norm_));
+    join(nw[size_t(1 + 6 * (L_ - 1) + 3)], nw[0]);
     load_a(x, H, R, s.li);
     const int64_t step = rows_per_item(lm_head_.rb);
     const float div = logits_div_;

@@ -9,11 +9,14 @@ compiled graph, and the reason is kept (``engine.stats()["decode_plan"]``).
 What the plan computes is the decoder: token embedding (optionally scaled); per layer
 an optional pre-norm, q / k / v projections (optional biases; QK-norm per head or over
 the whole projection), neox rotary from the model's own rotary module (or none, per
-layer), paged attention (GQA, optional sliding window), o projection, an optional
-post-norm, residual (optionally scaled); the same around a SiLU-gated MLP or a sparse
-MoE block (:mod:`torch_topg.compile.decode_plan_moe`); final RMSNorm and the LM head
-(optionally divided). The norms' roles are measured
-(:mod:`torch_topg.compile.decode_plan_layer`).
+layer; one table per layer type where the module takes one, Gemma 3), paged attention
+(GQA, optional sliding window, optional logit softcap), o projection, an optional
+post-norm, residual (optionally scaled); the same around a SiLU-, GELU- or
+tanh-GELU-gated MLP or a sparse MoE block (:mod:`torch_topg.compile.decode_plan_moe`);
+final RMSNorm and the LM head (optionally divided, optionally softcapped after the
+call). Every norm applies ``w`` or (Gemma) ``1 + w`` in float32. The norms' roles are
+measured (:mod:`torch_topg.compile.decode_plan_layer`), and so are their form, the
+MLP's activation and an embedding's scale.
 :func:`lower` probes a model (configuration features, modules, the router's measured
 semantics; no list of families) and otherwise says what differs. Projections, experts,
 the LM head and the embedding may be quantised (``torch_topg.quantize``,
@@ -61,7 +64,11 @@ def _linear(mod: Any, name: str, bias_ok: bool) -> tuple[torch.Tensor, torch.Ten
     return mod.weight, mod.bias, ""
 
 
-def _embedding(mod: Any, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+def _embedding(mod: Any, dtype: torch.dtype) -> tuple[torch.Tensor, str, float]:
+    """(weight, format, scale): the rows and the factor the module multiplies them by, as
+    one op in the model dtype (Gemma's ``sqrt(hidden)`` cast to the model dtype; 1: none).
+    A subclass of ``nn.Embedding`` is measured: its output on a few ids must be the rows
+    times that factor, bitwise."""
     from torch_topg.quant.modules import QuantizedEmbedding
 
     if type(mod) is QuantizedEmbedding:
@@ -69,32 +76,85 @@ def _embedding(mod: Any, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
             raise Unsupported(f"embed_tokens returns {mod.dtype_ref.dtype}, the model is {dtype}")
         if mod.embed_scale is not None:
             raise Unsupported(f"embed_tokens scales its rows by {mod.embed_scale:g}")
-        return mod.qweight, mod.format
-    if type(mod) is not torch.nn.Embedding:
+        return mod.qweight, mod.format, 1.0
+    if not isinstance(mod, torch.nn.Embedding) or mod.weight.dtype != dtype:
         raise Unsupported(f"embed_tokens is {type(mod).__name__}")
-    return mod.weight, ""
+    if type(mod) is torch.nn.Embedding:
+        return mod.weight, "", 1.0
+    scale = getattr(mod, "embed_scale", 1.0)
+    scale = float(scale.to(dtype)) if isinstance(scale, torch.Tensor) else float(scale)
+    ids = torch.arange(min(mod.num_embeddings, 64))
+    with torch.inference_mode():
+        got = mod(ids)
+        want = mod.weight[ids] * torch.tensor(scale, dtype=dtype)
+    if got.dtype != dtype or not torch.equal(got, want):
+        raise Unsupported(f"embed_tokens ({type(mod).__name__}) computes something other than "
+                          f"its rows times {scale:g}")  # fmt: skip
+    return mod.weight, "", scale
 
 
-def _rms(mod: Any, name: str) -> tuple[torch.Tensor, float]:
-    if not type(mod).__name__.endswith("RMSNorm") or "Gemma" in type(mod).__name__:
-        raise Unsupported(f"{name} is {type(mod).__name__}, not a Llama-style RMSNorm")
+def _rms(mod: Any, name: str) -> tuple[torch.Tensor, float, int]:
+    """(weight, epsilon, offset): offset 1 where the norm applies ``1 + w`` (Gemma's
+    ``x * (1 + w.float())``), 0 where it applies ``w``: measured on a float32 probe input
+    (both forms multiply the normalised rows in float32 there), not read from the name."""
+    if not type(mod).__name__.endswith("RMSNorm"):
+        raise Unsupported(f"{name} is {type(mod).__name__}, not an RMSNorm")
     eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
-    if eps is None or not isinstance(mod.weight, torch.Tensor):
+    w = getattr(mod, "weight", None)
+    if eps is None or not isinstance(w, torch.Tensor) or w.dim() != 1:
         raise Unsupported(f"{name}: no weight / epsilon")
-    return mod.weight, float(eps)
+    x = torch.randn(1, 2, w.shape[0], generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = mod(x)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))
+        forms = [y * w.float(), y * (1.0 + w.float())]
+    hits = [i for i, f in enumerate(forms) if got.shape == f.shape and torch.allclose(got.float(), f, rtol=1e-5, atol=1e-6)]  # fmt: skip
+    if len(hits) != 1:
+        raise Unsupported(f"{name} ({type(mod).__name__}) is neither x * w nor x * (1 + w) "
+                          "after the RMS normalisation")  # fmt: skip
+    return w, float(eps), hits[0]
 
 
-def _rotary_table(base: Any, config: Any, positions: int, dtype: torch.dtype) -> torch.Tensor:
+def _activation(mlp: Any, name: str) -> int:
+    """The gated MLP's activation as the plan's kind (``moe::Act``: 0 SiLU, 1 GELU (erf),
+    2 tanh GELU, Gemma's ``gelu_pytorch_tanh``), measured: ``act_fn`` on a probe input
+    must equal one of torch's functions bitwise (the graph's gated-MLP pass then fuses it
+    into the kernel the plan runs)."""
+    act = getattr(mlp, "act_fn", None)
+    if act is None:
+        raise Unsupported(f"{name} has no act_fn")
+    x = torch.linspace(-8, 8, 101)
+    kinds = [torch.nn.functional.silu(x), torch.nn.functional.gelu(x),
+             torch.nn.functional.gelu(x, approximate="tanh")]  # fmt: skip
+    with torch.inference_mode():
+        got = act(x)
+    for kind, want in enumerate(kinds):
+        if torch.equal(got, want):
+            return kind
+    raise Unsupported(f"{name}.act_fn ({type(act).__name__}) is not SiLU, GELU or tanh GELU")
+
+
+def _rope_kinds(config: Any) -> list[str]:
+    """The rope types of the configuration (one, or one per layer type: Gemma 3's
+    ``rope_parameters`` is keyed by layer type)."""
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        return ["default"]
+    nested = [v for v in rope.values() if isinstance(v, dict)]
+    return [r.get("rope_type", r.get("type", "default")) for r in (nested or [rope])]
+
+
+def _rotary_table(base: Any, config: Any, positions: int, dtype: torch.dtype,
+                  layer_types: list[str | None]) -> torch.Tensor:  # fmt: skip
     """``[positions, head_dim]`` rows ``[cos_0..cos_{h-1}, sin_0..sin_{h-1}]`` computed by
     the model's own rotary module (its scaling included), in the dtype it returns them
     (the model dtype, or float32: OLMo 2's module does not round them), as the compiled
-    graph's rotary pass takes them."""
-    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    kind = (
-        rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    )
-    if kind in ("dynamic", "longrope"):
-        raise Unsupported(f"rope_type {kind!r} changes its frequencies with the length")
+    graph's rotary pass takes them. With several ``layer_types`` (a module whose forward
+    takes the layer type, Gemma 3's: local layers ``rope_local_base_freq``, global ones
+    ``rope_theta`` and their scaling), ``[len(layer_types), positions, head_dim]``."""
+    for kind in _rope_kinds(config):
+        if kind in ("dynamic", "longrope"):
+            raise Unsupported(f"rope_type {kind!r} changes its frequencies with the length")
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise Unsupported("partial rotary")
     rotary = getattr(base, "rotary_emb", None)
@@ -102,23 +162,42 @@ def _rotary_table(base: Any, config: Any, positions: int, dtype: torch.dtype) ->
         raise Unsupported("no model.rotary_emb module")
     pos = torch.arange(positions, device="cpu")[None]
     x = torch.empty(1, dtype=dtype)
-    with torch.inference_mode():
-        cos, sin = rotary(x, pos)
-    half = cos.shape[-1] // 2
-    if not (
-        torch.equal(cos[..., :half], cos[..., half:])
-        and torch.equal(sin[..., :half], sin[..., half:])
-    ):
-        raise Unsupported("rotary cos / sin halves differ (not neox-style)")
-    out = torch.float32 if cos.dtype == torch.float32 else dtype
-    return torch.cat([cos[0, :, :half], sin[0, :, :half]], -1).to(out).contiguous()
+    tables = []
+    for lt in layer_types:
+        with torch.inference_mode():
+            cos, sin = rotary(x, pos) if lt is None else rotary(x, pos, lt)
+        half = cos.shape[-1] // 2
+        if not (
+            torch.equal(cos[..., :half], cos[..., half:])
+            and torch.equal(sin[..., :half], sin[..., half:])
+        ):
+            raise Unsupported("rotary cos / sin halves differ (not neox-style)")
+        out = torch.float32 if cos.dtype == torch.float32 else dtype
+        tables.append(torch.cat([cos[0, :, :half], sin[0, :, :half]], -1).to(out))
+    if len(tables) == 1:
+        return tables[0].contiguous()
+    return torch.stack(tables).contiguous()
+
+
+def _rotary_types(base: Any, text: Any, n: int) -> list[str | None]:
+    """Per layer, the layer type its rotary table is made for: None for every layer when
+    the model's rotary module has one table; the config's ``layer_types`` when its
+    forward takes a layer type (Gemma 3)."""
+    import inspect
+
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return [None] * n
+    types = list(getattr(text, "layer_types", None) or [])
+    if len(types) < n:
+        raise Unsupported(f"the rotary module takes a layer type; layer_types has {len(types)} "
+                          f"entries for {n} layers")  # fmt: skip
+    return types[:n]
 
 
 #: Config attributes that change the decoder's arithmetic in ways the plan does not
 #: compute, with the value that means "off" (the feature is named in the refusal).
 _CONFIG_FEATURES: dict[str, tuple[str, Any]] = {
-    "attn_logit_softcapping": ("attention logit softcapping", None),
-    "final_logit_softcapping": ("final logit softcapping", None),
     "clip_qkv": ("q / k / v clipping (clip_qkv)", None),
     "scale_emb": ("an embedding scale (scale_emb)", 1),
     "scale_depth": ("a residual scale (scale_depth)", None),
@@ -142,9 +221,6 @@ def _probe_config(text: Any) -> None:
         v = getattr(text, key, off)
         if what is not None and v is not None and v != off:
             raise Unsupported(f"{what} ({key}={v!r})")
-    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
-    if act not in ("silu", "swish"):
-        raise Unsupported(f"hidden_act {act!r} (the plan's MLP is SiLU-gated)")
 
 
 def _multipliers(text: Any) -> list[float]:
@@ -209,7 +285,7 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     again. A parameter *object* replaced on its module is not seen: call
     ``ModelRunner.relower()`` after that."""
     from torch_topg import _native
-    from torch_topg.compile.decode_plan_moe import is_moe, lower_moe
+    from torch_topg.compile.decode_plan_moe import ACT_SHIFT, is_moe, lower_moe
 
     if not _native.load() or not hasattr(torch.classes.topg, "DecodePlan"):
         raise Unsupported(f"native library not loaded ({_native.missing_reason('cpu')})")
@@ -232,8 +308,8 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     _probe_config(text)
     if len(kv_caches) != 2 * len(layers):
         raise Unsupported(f"{len(kv_caches)} KV tensors for {len(layers)} layers")
-    embed, embed_fmt = _embedding(base.embed_tokens, dtype)
-    final_norm, eps = _rms(base.norm, "model.norm")
+    embed, embed_fmt, embed_scale = _embedding(base.embed_tokens, dtype)
+    final_norm, eps, offset = _rms(base.norm, "model.norm")
     lm_head, _, head_fmt = _linear(model.lm_head, "lm_head", bias_ok=False)
     weights = [embed, final_norm, lm_head]
     formats = [embed_fmt, "", head_fmt]
@@ -241,19 +317,31 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
     scale = None
     empty = torch.empty(0, dtype=dtype)
     mults = _multipliers(text)
+    if embed_scale != 1.0:  # Gemma's sqrt(hidden): the embedding multiplier's one op
+        if mults[0] != 1.0:
+            raise Unsupported("embed_tokens scales its rows and embedding_multiplier is set")
+        mults[0] = embed_scale
     rotary = _rotary_layers(text, len(layers))
+    types = _rotary_types(base, text, len(layers))
+    tables = list(dict.fromkeys(types))  # a table per distinct layer type, first seen first
+    rotary = [r and tables.index(t) + 1 for r, t in zip(rotary, types, strict=True)]
+    softcap = None
     hidden = final_norm.shape[0]
     for i, layer in enumerate(layers):
         roles = _probe_layer(i, layer, hidden, mults[1])
         at, mlp = layer.self_attn, layer.mlp
         # pre-attention, pre-MLP, post-attention, post-MLP norms (absent: empty)
-        ln_in, ln_post, post_attn, post_ffw = (
-            _rms(getattr(layer, roles[r]), f"layers.{i}.{roles[r]}") if r in roles else (empty, eps)
+        norms = [
+            _rms(getattr(layer, roles[r]), f"layers.{i}.{roles[r]}")
+            if r in roles
+            else (empty, eps, offset)
             for r in ("pre_attn", "pre_ffw", "post_attn", "post_ffw")
-        )
-        if any(e != eps for e in (ln_in[1], ln_post[1], post_attn[1], post_ffw[1])):
+        ]
+        if any(e != eps for _, e, _ in norms):
             raise Unsupported("RMSNorm epsilons differ between layers")
-        ln_in, ln_post, post_attn, post_ffw = ln_in[0], ln_post[0], post_attn[0], post_ffw[0]
+        if any(o != offset for _, _, o in norms):
+            raise Unsupported("the model's RMSNorms apply w in some places, 1 + w in others")
+        ln_in, ln_post, post_attn, post_ffw = (w for w, _, _ in norms)
         wq, bq, fq = _linear(at.q_proj, f"layers.{i}.self_attn.q_proj", True)
         wk, bk, fk = _linear(at.k_proj, f"layers.{i}.self_attn.k_proj", True)
         wv, bv, fv = _linear(at.v_proj, f"layers.{i}.self_attn.v_proj", True)
@@ -264,14 +352,21 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
             if mod is None:
                 heads.append(empty)
                 continue
-            w, e = _rms(mod, f"layers.{i}.self_attn.{nm}")
-            if e != eps:
-                raise Unsupported(f"layers.{i}.self_attn.{nm}: epsilon differs from the layers'")
+            w, e, o = _rms(mod, f"layers.{i}.self_attn.{nm}")
+            if e != eps or o != offset:
+                raise Unsupported(f"layers.{i}.self_attn.{nm}: epsilon or 1 + w form differs "
+                                  "from the layers'")  # fmt: skip
             heads.append(w)
         s = float(at.scaling)
         if scale is not None and s != scale:
             raise Unsupported("attention scaling differs between layers")
         scale = s
+        # tanh(s / cap) * cap on the attention scores (Gemma 2): the module's, or the config's
+        cap = getattr(at, "attn_logit_softcapping", getattr(text, "attn_logit_softcapping", None))
+        cap = float(cap) if cap else 0.0
+        if softcap is not None and cap != softcap:
+            raise Unsupported("attention logit softcapping differs between layers")
+        softcap = cap
         # The window transformers passes to the attention function: the module's own
         # (Qwen2 / Qwen3: None on full-attention layers) or else the config's (Mistral).
         sw = getattr(at, "sliding_window", getattr(text, "sliding_window", None))
@@ -291,9 +386,10 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         wg, _, fg = _linear(mlp.gate_proj, f"layers.{i}.mlp.gate_proj", False)
         wu, _, fu = _linear(mlp.up_proj, f"layers.{i}.mlp.up_proj", False)
         wd, _, fd = _linear(mlp.down_proj, f"layers.{i}.mlp.down_proj", False)
+        act = _activation(mlp, f"layers.{i}.mlp") << ACT_SHIFT
         weights += [wg, wu, wd] + [empty] * 7 + [post_attn, post_ffw]
         formats += [fg, fu, fd] + [""] * 9
-        per_layer += [int(sw) - 1 if sw else -1, 0, 0, rotary[i]]
+        per_layer += [int(sw) - 1 if sw else -1, 0, act, rotary[i]]
     odd_t = [
         t
         for t, f in zip(weights, formats, strict=True)
@@ -308,12 +404,33 @@ def lower(model: torch.nn.Module, kv_caches: list[torch.Tensor], *, block_size: 
         raise Unsupported(f"KV cache tensors are {k0.dim()}-D, expected 4-D")
     hkv, d = (k0.shape[1], k0.shape[3]) if cache_layout == "bhsd" else (k0.shape[2], k0.shape[3])
     hq = layers[0].self_attn.q_proj.out_features // d
-    cos_sin = _rotary_table(base, text, max_positions, dtype)
+    cos_sin = _rotary_table(base, text, max_positions, dtype, tables)
     dims = [len(layers), hq, hkv, d, block_size, *per_layer]
+    params = [eps, scale, *mults, softcap or 0.0, float(offset)]
     with torch.inference_mode():
-        return torch.classes.topg.DecodePlan(
-            weights, formats, list(kv_caches), cos_sin, dims, [eps, scale, *mults], cache_layout
+        plan = torch.classes.topg.DecodePlan(
+            weights, formats, list(kv_caches), cos_sin, dims, params, cache_layout
         )
+    cap = getattr(text, "final_logit_softcapping", None)
+    return _CappedLogits(plan, float(cap), dtype) if cap else plan
+
+
+class _CappedLogits:
+    """A plan whose model caps its logits, ``tanh(logits / cap) * cap`` (Gemma 2's
+    ``final_logit_softcapping``): the three ops run after the native call on its
+    ``[rows, vocab]`` logits, as the same torch ops in the model dtype that the graph runs
+    (ATen's vectorised tanh, which the plan's kernels do not copy: computed there, the
+    logits would differ from the graph's in the last bits). Everything else is the plan's."""
+
+    def __init__(self, plan: Any, cap: float, dtype: torch.dtype) -> None:
+        self._plan, self._cap, self._dtype = plan, cap, dtype
+
+    def run(self, *args: torch.Tensor) -> torch.Tensor:
+        logits = self._plan.run(*args).to(self._dtype)  # the LM head's values, exactly
+        return (torch.tanh(logits / self._cap) * self._cap).float()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._plan, name)
 
 
 #: Names of the plan's profile phases (``TOPG_PROFILE=1``), in ``profile()`` order.

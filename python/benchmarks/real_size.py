@@ -172,6 +172,8 @@ def run_format(shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: 
             if k != "llama.cpp"
         },
         "read_limit_ms": limit_ms,
+        "read_bytes": nbytes,
+        "read_bandwidth": bw,
         "read_share": {k: limit_ms / v.median for k, v in figures.items()},
         "tensors": kinds,
         "file_bytes": path.stat().st_size,

@@ -77,6 +77,47 @@ def test_rehome_keeps_values_sharing_and_small_tensors():
     assert hugepages.is_advised(mod.table) == hugepages.enabled()
 
 
+def _mapping_rss(ptr: int) -> int:
+    """Resident bytes of the /proc/self/smaps mapping holding address ``ptr``."""
+    inside = False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping")
+
+
+def test_rehome_releases_a_read_only_file_mappings_pages(tmp_path):
+    # A GGUF file's tensors are views of a read-only mapping: once copied into huge pages
+    # the mapped pages are dropped (else a load's peak RSS is the weights twice), and a
+    # view still reading them gets the file's bytes again.
+    import numpy as np
+
+    want = torch.randn(1024, 1024)
+    path = tmp_path / "w.bin"
+    want.numpy().tofile(path)
+    mm = np.memmap(path, dtype=np.float32, mode="r", shape=(1024, 1024))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only array: torch warns it is not writable
+        src = torch.from_numpy(mm)
+    lin = torch.nn.Linear(1024, 1024, bias=False)
+    lin.weight = torch.nn.Parameter(src, requires_grad=False)
+    assert torch.equal(src, want)  # every page of the mapping read in
+    resident = _mapping_rss(src.data_ptr())
+    assert resident >= 4 << 20
+    moved = hugepages.rehome_(lin)
+    assert torch.equal(lin.weight, want)
+    if hugepages.enabled():
+        assert moved == 4 << 20 and lin.weight.data_ptr() != src.data_ptr()
+        assert _mapping_rss(src.data_ptr()) < resident // 8
+    assert torch.equal(src, want)  # faulted in again from the file
+
+
 def _engine_run(monkeypatch, on: bool):
     monkeypatch.setenv("TOPG_HUGEPAGES", "1" if on else "0")
     # every tiny tensor counts as big, so the tiny model takes the same paths as SmolLM2

@@ -67,15 +67,68 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
     return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def _read_only_file_maps() -> list[tuple[int, int]]:
+    """``(start, end)`` of this process' read-only file mappings (``/proc/self/maps``:
+    no ``w`` permission, a device and inode); empty where there is no such file."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 6 or "w" in parts[1] or parts[4] == "0":
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    except OSError:
+        return []
+    return out
+
+
+@functools.cache
+def _madvise() -> object | None:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _release_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of ``t``'s bytes from this process when they lie in a
+    read-only file mapping (``MADV_DONTNEED``: a later read faults them in from the file
+    again, so any view still reading them sees the same bytes). A GGUF file's tensors
+    are mapped; once copied into huge pages the mapped copy would otherwise stay
+    resident, and the peak RSS of a load would be twice the weights."""
+    fn = _madvise()
+    if fn is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    if not any(a <= lo and hi <= b for a, b in maps):
+        return
+    page = mmap.PAGESIZE
+    start, end = -(-lo // page) * page, hi // page * page
+    if end > start:
+        fn(start, end - start, mmap.MADV_DONTNEED)
+
+
 def rehome_(module: torch.nn.Module) -> int:
     """Moves ``module``'s contiguous CPU parameters and buffers of :data:`HUGE_PAGE` bytes or
     more into :func:`empty` memory, in place (``.data`` swapped, values unchanged; tensors
-    sharing storage, as tied embeddings, stay shared). Returns the bytes moved; 0 where
-    not :func:`enabled`."""
+    sharing storage, as tied embeddings, stay shared). A source in a read-only file
+    mapping (a GGUF file's tensor) has its pages released as soon as it is copied, so the
+    load's peak RSS is the weights once, not twice. Returns the bytes moved; 0 where not
+    :func:`enabled`."""
     if not enabled():
         return 0
     moved: dict[int, torch.Tensor] = {}
     total = 0
+    maps = _read_only_file_maps()
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             nbytes = t.numel() * t.element_size()
@@ -89,6 +142,7 @@ def rehome_(module: torch.nn.Module) -> int:
                 new = empty(t.shape, t.dtype).copy_(t)
                 moved[key] = new
                 total += nbytes
+                _release_file_pages(t, maps)
             t.data = new
     return total
 

@@ -12,8 +12,10 @@ each: ``python -m torch_topg serve --model FILE --quantization gguf`` (the BF16 
 ``--max-model-len`` = the context per slot, and ``llama-server -m FILE --parallel C
 -c C*ctx -t 2 -tb 2 --jinja`` (flash attention ``auto``, its default; the same KV pool:
 C slots of ctx tokens in 16-bit on both sides). Load time is measured from the process'
-start to the first token of a one-token request; peak RSS is the process' ``VmHWM``
-after the run. Then, after a warm-up at full concurrency, ``repeats`` rounds of the
+start to the first token of a one-token request, with the engine's metadata cache warm
+(the conversion of a file's config and tokenizer, once per file, is timed apart and
+reported beside it); peak RSS is the process' ``VmHWM`` after the run. Then, after a
+warm-up at full concurrency, ``repeats`` rounds of the
 ``chat`` dataset (``torch_topg.client.loadgen``: streamed chat completions, greedy,
 ``ignore_eos``, exactly ``--max-tokens`` each), each round to both servers in a rotated
 order. Output tokens/s per round; the median and the range are reported. The weights
@@ -117,8 +119,23 @@ def commands(path: Path, fmt: str, c: int, ctx: int, llama_server: str) -> dict[
     return {"topg": topg, "llama-server": llama}
 
 
+def first_read_s(path: Path) -> float:
+    """Seconds the engine's one-time conversion of a file's metadata (config, tokenizer)
+    takes, in a process of its own; afterwards it comes from the cache
+    (``~/.cache/torch_topg/gguf-meta``), so the server's load measured next is a
+    returning user's (this figure is added for a first load)."""
+    code = ("import sys, time; from torch_topg.engine.gguf_meta import config_and_tokenizer; "
+            "t = time.monotonic(); config_and_tokenizer(sys.argv[1]); "
+            "print(time.monotonic() - t)")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"reading {path.name}'s metadata failed: {p.stderr[-400:]}")
+    return float(p.stdout.split()[-1])
+
+
 def run_format(shape: str, fmt: str, path: Path, a: argparse.Namespace, llama_server: str) -> dict:
     cmds = commands(path, fmt, a.concurrency, a.ctx_per_slot, llama_server)
+    meta_s = first_read_s(path)
     servers: dict[str, Server] = {}
     rss: dict[str, int] = {}
     log_dir = Path(a.out)
@@ -162,6 +179,7 @@ def run_format(shape: str, fmt: str, path: Path, a: argparse.Namespace, llama_se
         "ratios": {"topg / llama-server": tps["topg"].scaled(1 / lc).to_dict()},
         "ttft_p50_ms": ttft,
         "load_s": {n: s.load_s for n, s in servers.items()},
+        "topg_metadata_conversion_s": meta_s,
         "peak_rss_bytes": rss,
         "cmds": {n: " ".join(c) for n, c in cmds.items()},
     }

@@ -19,7 +19,8 @@ of 512 tokens, the context limit the largest context plus the decode tokens); pe
 * llama.cpp: ``llama-bench -p ctx -n 0`` (prefill, no sampling) and ``llama-bench -p 0 -n
   N -d ctx`` (N decode steps after a ctx-token context), 2 threads, flash attention as
   ``--llama-fa`` says (both by default, the faster kept per figure; the 16k and 32k runs
-  take minutes per call, so they may name one).
+  take minutes per call, so they may name one; from 4,096 tokens llama-bench's prefill
+  runs without its warm-up pass, which would run the whole prompt once more).
 
 The weights are random: speed does not depend on their values.
 """
@@ -32,6 +33,7 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,6 +47,7 @@ from torch_topg.bench.record import git_commit, new_record, write_record  # noqa
 from torch_topg.bench.timing import summarize, timed  # noqa: E402
 
 THREADS = 2
+LONG = 4096  # contexts from here on: llama-bench's prefill without its warm-up pass
 
 
 class Topg:
@@ -70,6 +73,7 @@ class Topg:
         s = self.samples.setdefault(ctx, {"prefill_ms": [], "decode_ms": []})
         s["prefill_ms"].append(ttft)
         s["decode_ms"].append(dec)
+        print(f"  topg ctx {ctx}: TTFT {ttft:.0f} ms, decode {dec:.1f} ms/token", flush=True)
 
     def close(self) -> None:
         self.eng.shutdown()
@@ -91,56 +95,63 @@ class Llama:
         for row in json.loads(p.stdout):
             fa = int(bool(row.get("flash_attn")))
             s[key].setdefault(fa, []).extend(x / 1e6 / per for x in row["samples_ns"])
+            print(f"  llama.cpp ctx {ctx} fa {fa}: {key} {s[key][fa][-1]:.1f}", flush=True)
         self.cmds[f"{key} {ctx}"] = " ".join(cmd)
 
     def round(self, ctx: int) -> None:
-        self._run("prefill_ms", ["-p", str(ctx), "-n", "0"], 1, ctx)
+        # llama-bench's warm-up of a prompt test runs the whole prompt once more: at 16k
+        # tokens minutes, for a run whose first pass is compute-bound anyway
+        warm = ["--no-warmup"] if ctx >= LONG else []
+        self._run("prefill_ms", ["-p", str(ctx), "-n", "0", *warm], 1, ctx)
         self._run("decode_ms", ["-p", "0", "-n", str(self.n), "-d", str(ctx)], self.n, ctx)
 
 
-def run_format(fmt: str, path: Path, a: argparse.Namespace, bench: str) -> list[dict]:
+def run_format(fmt: str, path: Path, a: argparse.Namespace, bench: str) -> Iterator[dict]:
+    """Per context, its row, as soon as it is measured."""
     ctxs = [int(c) for c in a.contexts.split(",")]
     topg = Topg(path, fmt, max(ctxs) + a.decode_tokens + 16, a.decode_tokens)
     llama = Llama(bench, path, a.llama_fa, a.decode_tokens)
     sides = [topg, llama]
     try:
-        for ctx in ctxs:
+        for ctx in ctxs:  # the topg side runs first in even rounds, llama.cpp in odd ones
             for r in range(a.repeats):
                 for side in sides[r % 2 :] + sides[: r % 2]:
                     side.round(ctx)
+            yield _row(a, fmt, ctx, topg, llama)
     finally:
         topg.close()
-    rows = []
-    for ctx in ctxs:
-        figures: dict = {}
-        ratios: dict = {}
-        lc_fa: dict = {}
-        for key in ("prefill", "decode"):
-            t = summarize(topg.samples[ctx][key + "_ms"])
-            per_fa = {fa: summarize(v) for fa, v in llama.samples[ctx][key + "_ms"].items()}
-            fa = min(per_fa, key=lambda k: per_fa[k].median)
-            figures[f"topg {key}"] = t.to_dict()
-            figures[f"llama.cpp {key}"] = per_fa[fa].to_dict()
-            ratios[f"{key} topg / llama.cpp"] = t.scaled(1 / per_fa[fa].median).to_dict()
-            lc_fa[key] = {"best": fa, **{str(k): v.to_dict() for k, v in per_fa.items()}}
-        rows.append({
-            "key": f"{a.shape} | {fmt} | context {ctx}",
-            "shape": a.shape, "format": fmt, "context": ctx,
-            "unit": "ms (prefill), ms/token (decode)", "decode_tokens": a.decode_tokens,
-            "figures": figures, "ratios": ratios, "llama_by_flash_attn": lc_fa,
-            "topg_load_s": topg.load_s, "llama_cmds": llama.cmds,
-        })  # fmt: skip
-        f, r = figures, ratios
-        print(f"[{a.shape} {fmt} ctx {ctx}] prefill topg {f['topg prefill']['median']:.0f} ms, "
-              f"llama.cpp {f['llama.cpp prefill']['median']:.0f} ms "
-              f"({r['prefill topg / llama.cpp']['median']:.2f}x); decode topg "
-              f"{f['topg decode']['median']:.1f} ms/token, llama.cpp "
-              f"{f['llama.cpp decode']['median']:.1f} ({r['decode topg / llama.cpp']['median']:.2f}x)",
-              flush=True)  # fmt: skip
-    del topg, sides
-    torch._dynamo.reset()
-    gc.collect()
-    return rows
+        del topg, sides
+        torch._dynamo.reset()
+        gc.collect()
+
+
+def _row(a: argparse.Namespace, fmt: str, ctx: int, topg: Topg, llama: Llama) -> dict:
+    figures: dict = {}
+    ratios: dict = {}
+    lc_fa: dict = {}
+    for key in ("prefill", "decode"):
+        t = summarize(topg.samples[ctx][key + "_ms"])
+        per_fa = {fa: summarize(v) for fa, v in llama.samples[ctx][key + "_ms"].items()}
+        fa = min(per_fa, key=lambda k: per_fa[k].median)
+        figures[f"topg {key}"] = t.to_dict()
+        figures[f"llama.cpp {key}"] = per_fa[fa].to_dict()
+        ratios[f"{key} topg / llama.cpp"] = t.scaled(1 / per_fa[fa].median).to_dict()
+        lc_fa[key] = {"best": fa, **{str(k): v.to_dict() for k, v in per_fa.items()}}
+    row = {
+        "key": f"{a.shape} | {fmt} | context {ctx}",
+        "shape": a.shape, "format": fmt, "context": ctx,
+        "unit": "ms (prefill), ms/token (decode)", "decode_tokens": a.decode_tokens,
+        "figures": figures, "ratios": ratios, "llama_by_flash_attn": lc_fa,
+        "topg_load_s": topg.load_s, "llama_cmds": llama.cmds,
+    }  # fmt: skip
+    f, r = figures, ratios
+    print(f"[{a.shape} {fmt} ctx {ctx}] prefill topg {f['topg prefill']['median']:.0f} ms, "
+          f"llama.cpp {f['llama.cpp prefill']['median']:.0f} ms "
+          f"({r['prefill topg / llama.cpp']['median']:.2f}x); decode topg "
+          f"{f['topg decode']['median']:.1f} ms/token, llama.cpp "
+          f"{f['llama.cpp decode']['median']:.1f} ({r['decode topg / llama.cpp']['median']:.2f}x)",
+          flush=True)  # fmt: skip
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in a.formats.split(","):
         path = quantized_file(a.shape, fmt, bf16, Path(llama["llama-quantize"]))
         try:
-            rows = run_format(fmt, path, a, llama["llama-bench"])
+            for row in run_format(fmt, path, a, llama["llama-bench"]):
+                rec = new_record("real_size_context", [row], machine_info(), notes=[
+                    f"{THREADS} threads each; random prompts, greedy, ignore_eos",
+                    "random weights: speed does not depend on the weights' values"])  # fmt: skip
+                print(f"record {write_record(rec, a.out)} (commit {commit})", flush=True)
         finally:
             if fmt != "bf16" and not a.keep:
                 path.unlink(missing_ok=True)
-        rec = new_record("real_size_context", rows, machine_info(), notes=[
-            f"{THREADS} threads each; random prompts, greedy, ignore_eos",
-            "random weights: speed does not depend on the weights' values"])  # fmt: skip
-        print(f"record {write_record(rec, a.out)} (commit {commit})", flush=True)
     return 0
 
 

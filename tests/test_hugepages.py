@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from engine_utils import prompts, tiny
 from hypothesis import given
@@ -116,6 +117,28 @@ def test_rehome_releases_a_read_only_file_mappings_pages(tmp_path):
         assert moved == 4 << 20 and lin.weight.data_ptr() != src.data_ptr()
         assert _mapping_rss(src.data_ptr()) < resident // 8
     assert torch.equal(src, want)  # faulted in again from the file
+
+
+def _in_read_only_file_map(t: torch.Tensor) -> bool:
+    return any(a <= t.data_ptr() < b for a, b in hugepages._read_only_file_maps())
+
+
+def test_gguf_load_mapped_then_copied_equals_copied(monkeypatch):
+    # The engine builds a GGUF model from views of the mapped file, which rehome_ copies
+    # into huge pages (dropping the mapped pages): the same tokens as a load that copies
+    # every tensor, and no weight left in the read-only mapping (nothing can fault on a
+    # write). Every tensor counts as big here, so every one takes the mapped path.
+    if not hugepages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here: the engine copies every tensor")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    runs = []
+    for huge in (1 << 40, 4096):  # nothing mapped / everything mapped
+        monkeypatch.setattr(hugepages, "HUGE_PAGE", huge)
+        with Engine.from_pretrained(quantization="gguf", seed=0, compile=False) as eng:
+            tensors = [*eng.model.parameters(), *eng.model.buffers()]
+            assert not [t.shape for t in tensors if _in_read_only_file_map(t)]
+            runs.append(eng.generate(question, max_new_tokens=6, temperature=0)[0].token_ids)
+    assert runs[0] == runs[1]
 
 
 def _engine_run(monkeypatch, on: bool):

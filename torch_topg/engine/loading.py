@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torch_topg.engine.families import check_supported
+from torch_topg.utils import hugepages
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -112,7 +113,8 @@ def load(
     if gguf:  # a file transformers does not read (OLMoE) or misreads (Mixtral-type)
         from torch_topg.quant.gguf_direct import load_dequantized
 
-        m = load_dequantized(folder / gguf, config, dtype)
+        # mapped: the builder copies the weights into huge pages (hugepages.rehome_)
+        m = load_dequantized(folder / gguf, config, dtype, mapped=hugepages.enabled())
         if m is not None:
             return m.to(device).eval(), tok, None
     if gguf:  # the config as converted here (transformers' own drops Llama 3's RoPE scaling)
@@ -138,7 +140,8 @@ def load_gguf_packed(
     config, tok = _config_tokenizer(folder, name)
     act = resolve_quantization(quantization)[1]["int8_activations"]
     # a file configured from its metadata has no transformers path to fall back on
-    m = load_packed(path, config, dtype, int8_activations=act, strict=configured_here(config))
+    m = load_packed(path, config, dtype, int8_activations=act, strict=configured_here(config),
+                    mapped=hugepages.enabled())  # fmt: skip
     if m is None:  # the file de-quantised by transformers (config and tokenizer kept)
         m = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, gguf_file=name, config=config

@@ -48,6 +48,7 @@ from torch_topg.formats import BY_GGUF_TYPE, dequantize
 from torch_topg.quant.experts import QuantizedExperts, experts_activation, experts_problem
 from torch_topg.quant.gguf_arch import FileTensor, read_file
 from torch_topg.quant.modules import QuantizedEmbedding, QuantizedLinear, embedding_scale
+from torch_topg.utils import hugepages
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,14 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
+def _tensor(data: np.ndarray) -> torch.Tensor:
+    """``data`` as a tensor without a copy (a read-only mapped array: torch's warning that
+    it is not writable is expected; nothing writes packed weights)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
 def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -210,6 +219,7 @@ def load_packed(
     int8_activations: bool = False,
     file: tuple[dict[str, Any], list[FileTensor]] | None = None,
     strict: bool = False,
+    mapped: bool = False,
 ) -> torch.nn.Module | None:
     """The causal LM of ``config`` (loaded from the same file) with the file's tensors:
     quantised ones packed, the others in ``dtype`` (as are tensors in a block format
@@ -217,7 +227,11 @@ def load_packed(
     one of :data:`ARCHITECTURES` or a tensor has no place in the model (``strict``:
     raise ValueError saying which, instead). ``int8_activations``: for every packed
     linear, the LM head included (llama.cpp's semantics). ``file``: the file's :func:`~torch_topg.quant.gguf_arch.read_file`
-    if the caller has it."""
+    if the caller has it. ``mapped``: tensors of :data:`~torch_topg.utils.hugepages.HUGE_PAGE`
+    bytes or more (packed, or floats already in ``dtype``) stay views of the read-only
+    mapped file, for a caller that copies them out before anything could write them
+    (the engine: ``hugepages.rehome_``, which drops each one's mapped pages once copied,
+    so the load holds the weights once); else every tensor is a copy."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -254,7 +268,8 @@ def load_packed(
         value: Any = None
         shape = list(t.shape)
         float_type = _FLOAT_TYPES.get(t.tensor_type.name)
-        data = t.data if float_type is not None else np.array(t.data)
+        view = mapped and t.data.nbytes >= hugepages.HUGE_PAGE  # see the docstring
+        data = t.data if float_type is not None or view else np.array(t.data)
         if float_type is not None:  # a view of the mapped bytes, cast below once (no float32 copy)
             with warnings.catch_warnings():  # read-only on purpose: cast to a copy below
                 warnings.simplefilter("ignore", UserWarning)
@@ -271,12 +286,12 @@ def load_packed(
             path_, part = target.split(":")
             if fmt is not None and len(shape) != 3:
                 return refuse(f"tensor {t.name}: stacked experts of shape {shape}")
-            stack = value if fmt is None else torch.from_numpy(data).reshape(shape[0], shape[1], -1)  # fmt: skip
+            stack = value if fmt is None else _tensor(data).reshape(shape[0], shape[1], -1)
             experts.setdefault(path_, {})[part] = (stack, fmt)
             continue
         if fmt is not None and len(shape) != 2:
             return refuse(f"tensor {t.name}: {fmt} of shape {shape}")
-        rows = value if fmt is None else torch.from_numpy(data).reshape(shape[0], -1)
+        rows = value if fmt is None else _tensor(data).reshape(shape[0], -1)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if ARCHITECTURES[arch] and kind in heads:  # weights and biases alike
             rows = rows.index_select(0, _unpermute(rows.shape[0], heads[kind]))
@@ -285,8 +300,8 @@ def load_packed(
         else:
             if arch in _NORM_PLUS_ONE and target.endswith("norm.weight"):
                 rows = rows.float() - 1.0
-            # a copy in dtype (the mapped bytes are read-only and must not outlive the file)
-            floats[target] = rows.to(dtype, copy=True)
+            # a copy in dtype (the mapped bytes are read-only), unless the caller copies it
+            floats[target] = rows if view and rows.dtype == dtype else rows.to(dtype, copy=True)
     head_tied = "lm_head" not in packed and "lm_head.weight" not in floats
     for path_, parts in experts.items():
         why, note = _set_experts(model, path_, parts, dtype, int8_activations)
@@ -372,7 +387,7 @@ def _float_state(packed: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch
 
 
 def load_dequantized(
-    path: str | os.PathLike[str], config: Any, dtype: torch.dtype
+    path: str | os.PathLike[str], config: Any, dtype: torch.dtype, mapped: bool = False
 ) -> torch.nn.Module | None:
     """``quantization=None`` for a file of one of :data:`ARCHITECTURES`: built as
     :func:`load_packed` does, then every packed tensor de-quantised to ``dtype`` (the
@@ -390,7 +405,7 @@ def load_dequantized(
     file = read_file(path)
     if file[0].get("general.architecture") not in ARCHITECTURES:
         return None
-    packed = load_packed(path, config, dtype, file=file, strict=True)
+    packed = load_packed(path, config, dtype, file=file, strict=True, mapped=mapped)
     assert packed is not None  # strict: raised otherwise
     if not any(isinstance(m, _PACKED) for m in packed.modules()):
         return packed  # a float file: nothing to de-quantise (load_packed tied and checked it)

@@ -3,9 +3,13 @@
 // scalar form without AVX2. Per block: maddubs / madd into 8 int32 lanes, one FMA with the
 // block's scale, the constant term (minimum, -8 / -16 offset) summed in scalar code.
 // Multi-row: a block's codes are unpacked once for MR activation rows (Q8Acts), each row
-// with its own accumulator and constant term, summed as a one-row call sums them.
+// with its own accumulator and constant term, summed as a one-row call sums them. The
+// scalar sums are explicit std::fma: left to contraction, GCC vectorised two rows' terms
+// as a 2-lane multiply and add (no FMA), so rows 0-1 of a 2- or 3-row call differed
+// from the row alone (int4 with groups of 128).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -61,10 +65,8 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
     for (int r = 0; r < MR; ++r) {
       const float xd = x.d[r][b], dd = d * xd;
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), udot(u, load32(x.q[r] + 32 * b)), acc[r]);
-      if (has_min)
-        extra[r] += m * xd * x.s[r][b];
-      else
-        extra[r] -= off * dd * x.s[r][b];
+      extra[r] = has_min ? std::fma(m * xd, x.s[r][b], extra[r])
+                         : std::fma(-(off * dd), x.s[r][b], extra[r]);
     }
   };
   auto finish = [&] {
@@ -134,7 +136,8 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
         }
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
-          for (int64_t c = 0; c < sub; ++c) extra[r] += mw * x.d[r][x0 + c] * x.s[r][x0 + c];
+          for (int64_t c = 0; c < sub; ++c)
+            extra[r] = std::fma(mw * x.d[r][x0 + c], x.s[r][x0 + c], extra[r]);
       }
       return finish();
     }
@@ -145,7 +148,7 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
       const int64_t full = k / 32;
       alignas(32) uint8_t tail[32] = {};  // a row ending inside a block: no read past it
       if (k % 32) std::memcpy(tail, q + 32 * full, size_t(k % 32));
-      for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t b = 0; b < (k + 31) / 32; ++b) {
         const __m256i w = load32(b < full ? q + 32 * b : tail), uw = _mm256_sign_epi8(w, w);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)

@@ -14,6 +14,7 @@
 // Without AVX2: dot_row_q8_avx2's scalar loop (de-quantised weights, rounded activations).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -78,7 +79,7 @@ inline void dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const Q8A
                 _mm256_maddubs_epi16(h ? hi : lo, load32(x.q[r] + 256 * s + 32 * j));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * float(sc[j]) * d8[j]),
                                      _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), acc[r]);
-            extra[r] -= dmin * float(mn[j]) * d8[j] * x.s[r][8 * s + j];
+            extra[r] = std::fma(-(dmin * float(mn[j]) * d8[j]), x.s[r][8 * s + j], extra[r]);
           }
         }
       }

@@ -6,6 +6,7 @@
 // call sums them (MR = 1 is the same code).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -172,9 +173,10 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const float xd = x.d[r][b0], xs = x.s[r][b0], s = d * xd;
-      if constexpr (VnniLayout<R>::has_min) tail[r] += m * xd * xs;
-      if constexpr (R == VnniRow::q4_0) tail[r] += -8.f * s * xs;
-      if constexpr (R == VnniRow::q5_0) tail[r] += -16.f * s * xs;
+      // explicit fma: the same rounding however GCC vectorises the rows (quant_act_avx2.h)
+      if constexpr (VnniLayout<R>::has_min) tail[r] = std::fma(m * xd, xs, tail[r]);
+      if constexpr (R == VnniRow::q4_0) tail[r] = std::fma(-8.f * s, xs, tail[r]);
+      if constexpr (R == VnniRow::q5_0) tail[r] = std::fma(-16.f * s, xs, tail[r]);
       vnni_dot<R>(u, sw, x.q[r], b0, _mm256_set1_ps(s), a[0][r]);
     }
   }

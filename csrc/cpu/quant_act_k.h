@@ -147,6 +147,7 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_k_vnni(
         cterm[r] =
             _mm256_fnmadd_ps(dmn, _mm256_mul_ps(xdv, _mm256_loadu_ps(x.s[r] + 8 * s)), cterm[r]);
       }
+      asm("" : "+m"(sv));  // keep the broadcasts loads (GCC forwards the stores otherwise)
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         __m256i lo, hi;

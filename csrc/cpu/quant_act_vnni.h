@@ -144,13 +144,15 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
   for (; b0 + 8 <= nb; b0 += 8) {
     stream_ahead(p + VnniLayout<R>::bb * b0, 8 * VnniLayout<R>::bb);  // quant_kernels.h
     // the 8 blocks' scales of each activation row, kept in memory: each block's FMA takes
-    // its scale as a broadcast load (a lane permute per block and row cost a port-5 uop)
+    // its scale as a broadcast load (a lane permute per block and row is a port-5 uop)
     alignas(32) float sa[MR][8];
     __m256 d = zero, m = zero;
     vnni_head<R>(p, b0, d, m);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r)
       _mm256_store_ps(sa[r], vnni_scales<R>(d, m, b0, x.d[r], x.s[r], cterm[r]));
+    // GCC otherwise forwards the stores and broadcasts from registers (port-5 shuffles)
+    asm("" : "+m"(sa));
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m256i sw = _mm256_setzero_si256();

@@ -237,3 +237,68 @@ def test_int8_gemv_forms_match_reference(tmp_path):
                 err = (got - ref).abs()
                 assert (err <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f"{name} {f} {k}: {err.max()}"
             i += 1
+
+
+def _int8_rows(x, packed):
+    """linear_q with int8 activations: for each (weight, format, k) in packed, each of
+    x's first 16 rows alone and x[:m] for m = 1..16."""
+    import torch_topg
+
+    out = []
+    for q, f, k in packed:
+        xs = x[:16, :k].contiguous()
+        alone = [
+            torch_topg.ops.linear_q(xs[i : i + 1], q, f, int8_activations=True) for i in range(16)
+        ]
+        full = [torch_topg.ops.linear_q(xs[:m], q, f, int8_activations=True) for m in range(1, 17)]
+        out.append((alone, full))
+    return out
+
+
+@requires_kernel("linear_q")
+def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
+    """int8 activations, M <= 16: the GEMV unpacks each weight block once for up to 4
+    activation rows (quant_act.h), and every row's output must still be bitwise the
+    output of that row alone, for every M (the groups of 4 and the last 1..3 rows), every
+    format, in this CPU's form and in the AVX2 form (a subprocess with
+    TOPG_DISABLE_AVX512=1). The shapes have a group of 8 blocks and a tail (the VNNI
+    form's two loops), rows ending inside a block, two K-quant super-blocks, and 37
+    weight rows (two groups of 16 and 5)."""
+    import inspect
+    import os
+    import subprocess
+    import sys
+
+    g = Gen("cpu", seed=21)
+    x = g.randn(16, 512) * 2
+    x[3, :32] = 0.0  # a zero block: d = 0
+    shape = {"q4_k": 512, "q5_k": 512, "q6_k": 512, "int8": 357, "int4_g32": 357,
+             "int4_g64": 357, "int4_g128": 357}  # fmt: skip
+    packed = [(packed_weight(g, f, 37, shape.get(f, 352)), f, shape.get(f, 352)) for f in FORMATS]
+    script, inp, out = tmp_path / "rows.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    script.write_text(
+        "import sys, torch\n" + inspect.getsource(_int8_rows) + "\n"
+        "x, packed = torch.load(sys.argv[1])\n"
+        "torch.save(_int8_rows(x, packed), sys.argv[2])\n"
+    )
+    torch.save((x, packed), inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    forms = {
+        "this CPU's form": _int8_rows(x, packed),
+        "AVX2 form": torch.load(out, weights_only=False),
+    }
+    for name, results in forms.items():
+        for (_, f, k), (alone, full) in zip(packed, results, strict=True):
+            for m, got in enumerate(full, start=1):
+                for i in range(m):
+                    assert torch.equal(got[i : i + 1], alone[i]), (name, f, k, m, i)
+    # the forms differ only in fp32 summation order: both near the reference
+    for (q, f, k), here, avx2 in zip(
+        packed, forms["this CPU's form"], forms["AVX2 form"], strict=True
+    ):
+        ref = reference.linear_q(x[:, :k].contiguous(), q, f, int8_activations=True)
+        terms = quantize_activations(x[:, :k]).abs() @ dequantize(q, f, k).abs().T
+        for got in (here[1][-1], avx2[1][-1]):
+            assert ((got - ref).abs() <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f

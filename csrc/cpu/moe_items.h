@@ -71,11 +71,14 @@ struct ActRows {
 // sums[m] = row . a[rows[m]] for m < M (M <= kGemvRows), as linear_q's GEMV computes it.
 inline void gemv_rows(const Packed& w, const uint8_t* row, const ActRows& a, const int64_t* rows,
                       int64_t M, bool q8, float* sums, quant::RowsScratch& sc) {
-  if (q8) {
+  if (q8) {  // the row's blocks unpacked once per kActRows rows (quant_act.h)
     const int64_t nb = a.kp / 32;
-    for (int64_t m = 0; m < M; ++m)
-      sums[m] = quant::dot_row_q8(w.f, row, w.k, a.q + rows[m] * a.kp, a.d + rows[m] * nb,
-                                  a.s + rows[m] * nb);
+    quant::dot_rows_q8(
+        w.f, row, w.rb, 1, w.k, M,
+        [&](int64_t m, const int8_t*& q, const float*& d, const float*& s) {
+          q = a.q + rows[m] * a.kp, d = a.d + rows[m] * nb, s = a.s + rows[m] * nb;
+        },
+        sums, 1);
     return;
   }
   const float* xs[quant::kGemvRows];

@@ -14,6 +14,7 @@
 // Without AVX2: dot_row_q8_avx2's scalar loop (de-quantised weights, rounded activations).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -28,20 +29,34 @@ namespace topg::quant {
 #define TOPG_VNNI_BUILT 0
 #endif
 
+// The activation rows of one multi-row call (quant_act.h's dot_rows_q8): row r < MR's
+// int8 codes q[r] (blocks of 32), block scales d[r] and code sums s[r]. A call takes up to
+// kActRows rows: the weight block's codes are unpacked and its scales converted once,
+// then each row takes its own integer dot products and fp32 sums, in the order of a
+// one-row call (MR = 1 is the same code), so a row's result does not depend on MR.
+inline constexpr int kActRows = 4;
+struct Q8Acts {
+  const int8_t* q[kActRows];
+  const float* d[kActRows];
+  const float* s[kActRows];
+};
+
 #if TOPG_AVX2
 inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// The AVX2 form: sum over the row's nb super-blocks. u unsigned (maddubs's first operand).
-inline float dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const int8_t* xq,
-                               const float* xd, const float* xsum) {
+// The AVX2 form: out[r * ldo] = the row's sum over its nb super-blocks against activation
+// row r < MR. u unsigned (maddubs's first operand).
+template <int MR>
+inline void dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const Q8Acts& x, float* out,
+                              int64_t ldo) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  float extra = 0.f;
+  __m256 acc[MR];
+  float extra[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), extra[r] = 0.f;
   for (int64_t s = 0; s < nb; ++s) {
-    const int8_t* x = xq + 256 * s;
-    const float* d8 = xd + 8 * s;
     if (fmt != Fmt::q6_k) {  // q4_k, q5_k
       const int64_t bb = fmt == Fmt::q5_k ? 176 : 144;
       const uint8_t* p = row + bb * s;
@@ -57,11 +72,15 @@ inline float dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const in
           k45_runs<Fmt::q4_k>(p, c, lo, hi);
         for (int h = 0; h < 2; ++h) {
           const int j = 2 * c + h;
-          const __m256i p16 =
-              _mm256_maddubs_epi16(h ? hi : lo, _mm256_loadu_si256((const __m256i*)(x + 32 * j)));
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(d * float(sc[j]) * d8[j]),
-                                _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), acc);
-          extra -= dmin * float(mn[j]) * d8[j] * xsum[8 * s + j];
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const float* d8 = x.d[r] + 8 * s;
+            const __m256i p16 =
+                _mm256_maddubs_epi16(h ? hi : lo, load32(x.q[r] + 256 * s + 32 * j));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * float(sc[j]) * d8[j]),
+                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), acc[r]);
+            extra[r] = std::fma(-(dmin * float(mn[j]) * d8[j]), x.s[r][8 * s + j], extra[r]);
+          }
         }
       }
     } else {  // q6_k
@@ -73,35 +92,39 @@ inline float dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const in
       for (int h = 0; h < 2; ++h) {
         __m256i u[4];
         q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
-        for (int r = 0; r < 4; ++r) {
-          const int j = 4 * h + r;  // run j: weights 32 j.., scales sc[2 j], sc[2 j + 1]
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j));
-          // (u - 32) * x per pair: |.| <= 63 * 127 * 2 + 32 * 127 * 2 < 2^15
-          const __m256i p16 =
-              _mm256_sub_epi16(_mm256_maddubs_epi16(u[r], xv), _mm256_maddubs_epi16(k32, xv));
+        for (int q = 0; q < 4; ++q) {
+          const int j = 4 * h + q;  // run j: weights 32 j.., scales sc[2 j], sc[2 j + 1]
           const __m256i s16 =
               _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(d * d8[j]),
-                                _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, s16)), acc);
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = load32(x.q[r] + 256 * s + 32 * j);
+            // (u - 32) * x per pair: |.| <= 63 * 127 * 2 + 32 * 127 * 2 < 2^15
+            const __m256i p16 =
+                _mm256_sub_epi16(_mm256_maddubs_epi16(u[q], xv), _mm256_maddubs_epi16(k32, xv));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[r][8 * s + j]),
+                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, s16)), acc[r]);
+          }
         }
       }
     }
   }
-  return hsum(acc) + extra;
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]) + extra[r];
 }
 #endif
 
 #if TOPG_VNNI_BUILT
-// The VNNI form, R = q4_k, q5_k or q6_k.
-template <Fmt R>
-TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_k_vnni(
-    const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd, const float* xsum) {
+// The VNNI form, R = q4_k, q5_k or q6_k: out[r * ldo] for activation rows r < MR.
+template <Fmt R, int MR>
+TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_k_vnni(
+    const uint8_t* row, int64_t nb, const Q8Acts& x, float* out, int64_t ldo) {
   const __m256 zero = _mm256_setzero_ps();
-  __m256 a0 = zero, a1 = zero, cterm = zero;
+  __m256 a0[MR], a1[MR], cterm[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) a0[r] = zero, a1[r] = zero, cterm[r] = zero;
   for (int64_t s = 0; s < nb; ++s) {
-    const int8_t* x = xq + 256 * s;
-    const __m256 xdv = _mm256_loadu_ps(xd + 8 * s);  // the 8 runs' activation scales
-    if constexpr (R != Fmt::q6_k) {                  // q4_k, q5_k
+    if constexpr (R != Fmt::q6_k) {  // q4_k, q5_k
       constexpr int64_t bb = R == Fmt::q5_k ? 176 : 144;
       const uint8_t* p = row + bb * s;
       stream_ahead(p, bb);
@@ -112,19 +135,31 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_k_vnni(
       std::memcpy(&sc8, sc, 8), std::memcpy(&mn8, mn, 8);
       const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))));
       const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))));
-      const __m256 sv = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(p)), scv), xdv);
-      const __m256 xs = _mm256_loadu_ps(xsum + 8 * s);
-      cterm = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(p + 2)), mnv),
-                               _mm256_mul_ps(xdv, xs), cterm);
+      const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(half_at(p)), scv);
+      const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(half_at(p + 2)), mnv);
+      // the 8 runs' scales of each activation row, in memory: each run's FMA takes its
+      // scale as a broadcast load (not a lane permute, a port-5 uop)
+      alignas(32) float sv[MR][8];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xdv = _mm256_loadu_ps(x.d[r] + 8 * s);  // the runs' activation scales
+        _mm256_store_ps(sv[r], _mm256_mul_ps(dsc, xdv));
+        cterm[r] =
+            _mm256_fnmadd_ps(dmn, _mm256_mul_ps(xdv, _mm256_loadu_ps(x.s[r] + 8 * s)), cterm[r]);
+      }
+      asm("" : "+m"(sv));  // keep the broadcasts loads (GCC forwards the stores otherwise)
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         __m256i lo, hi;
         k45_runs<R>(p, c, lo, hi);
-        const __m256i dl = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, load32(x + 64 * c));
-        const __m256i dh = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, load32(x + 64 * c + 32));
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl),
-                             _mm256_permutexvar_ps(_mm256_set1_epi32(2 * c), sv), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh),
-                             _mm256_permutexvar_ps(_mm256_set1_epi32(2 * c + 1), sv), a1);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xr = x.q[r] + 256 * s + 64 * c;
+          const __m256i dl = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, load32(xr));
+          const __m256i dh = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, load32(xr + 32));
+          a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), _mm256_set1_ps(sv[r][2 * c]), a0[r]);
+          a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_set1_ps(sv[r][2 * c + 1]), a1[r]);
+        }
       }
     } else {  // q6_k
       const uint8_t* p = row + 210 * s;
@@ -139,34 +174,38 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline float dot_row_q8_k_vnni(
             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sc8))), d);
         __m256i u[4];
         q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
-        for (int r = 0; r < 4; ++r) {
-          const int j = 4 * h + r;
-          const __m256i xv = load32(x + 32 * j);
+        for (int q = 0; q < 4; ++q) {
+          const int j = 4 * h + q;
           // lanes 0-3: the run's first 16 weights, 4-7 the next 16
-          const __m256i dot =
-              _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u[r], xv),
-                               _mm256_dpbusd_epi32(_mm256_setzero_si256(), k32, xv));
-          const __m256i lanes = _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1,
-                                                  2 * r + 1, 2 * r + 1);
-          const __m256 sv = _mm256_mul_ps(_mm256_permutexvar_ps(lanes, scv),
-                                          _mm256_permutexvar_ps(_mm256_set1_epi32(j), xdv));
-          if (r & 1)
-            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a1);
-          else
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a0);
+          const __m256i lanes = _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1, 2 * q + 1,
+                                                  2 * q + 1, 2 * q + 1);
+          const __m256 scq = _mm256_permutexvar_ps(lanes, scv);
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = load32(x.q[r] + 256 * s + 32 * j);
+            const __m256i dot =
+                _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u[q], xv),
+                                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), k32, xv));
+            const __m256 sv = _mm256_mul_ps(scq, _mm256_set1_ps(x.d[r][8 * s + j]));
+            if (q & 1)
+              a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a1[r]);
+            else
+              a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a0[r]);
+          }
         }
       }
     }
   }
-  (void)xsum;
-  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), cterm));
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+    out[r * ldo] = hsum(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), cterm[r]));
 }
 
-template <Fmt R>
+// out[r * ldo + i] = dot_row_q8_k_vnni(w + i * rb) for weight rows i < n.
+template <Fmt R, int MR>
 TOPG_TARGET_VNNI void dot_rows_q8_k_vnni(const uint8_t* w, int64_t rb, int64_t n, int64_t nb,
-                                         const int8_t* xq, const float* xd, const float* xsum,
-                                         float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = dot_row_q8_k_vnni<R>(w + i * rb, nb, xq, xd, xsum);
+                                         const Q8Acts& x, float* out, int64_t ldo) {
+  for (int64_t i = 0; i < n; ++i) dot_row_q8_k_vnni<R, MR>(w + i * rb, nb, x, out + i, ldo);
 }
 #endif
 

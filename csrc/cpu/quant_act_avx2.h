@@ -1,0 +1,174 @@
+// The AVX2 form of the int8-activation GEMV (quant_act.h) for the formats with blocks of
+// 32 (q8_0, q4_0, q4_1, q5_0, q5_1, int4, int8; the K-quants in quant_act_k.h), and the
+// scalar form without AVX2. Per block: maddubs / madd into 8 int32 lanes, one FMA with the
+// block's scale, the constant term (minimum, -8 / -16 offset) summed in scalar code.
+// Multi-row: a block's codes are unpacked once for MR activation rows (Q8Acts), each row
+// with its own accumulator and constant term, summed as a one-row call sums them. The
+// scalar sums are explicit std::fma: left to contraction, GCC vectorised two rows' terms
+// as a 2-lane multiply and add (no FMA), so rows 0-1 of a 2- or 3-row call differed
+// from the row alone (int4 with groups of 128).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "quant_act_k.h"
+#include "quant_kernels.h"
+
+namespace topg::quant {
+
+#if TOPG_AVX2
+// sum over 32 of w[i] * x[i] as float, w unsigned 0..127 or 0..15 (maddubs takes the
+// first operand unsigned), x int8.
+inline __m256 udot(__m256i uw, __m256i sx) {
+  const __m256i p16 = _mm256_maddubs_epi16(uw, sx);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+#endif
+
+// One row, one activation row, without SIMD: the activations de-quantised.
+inline float dot_row_q8_scalar(const Format& f, const uint8_t* row, int64_t k, const int8_t* xq,
+                               const float* xd) {
+  float x[256], total = 0.f;
+  if (f.block == 0) {
+    float s;
+    std::memcpy(&s, row, 4);
+    for (int64_t i = 0; i < k; ++i)
+      total += float(int8_t(row[4 + i])) * (float(xq[i]) * xd[i / 32]);
+    return total * s;
+  }
+  float w[256];
+  for (int64_t b = 0; b < f.blocks(k); ++b) {
+    dequant_block(f, row + b * f.block_bytes, f.block, w);
+    for (int64_t i = 0; i < f.block; ++i)
+      x[i] = float(xq[b * f.block + i]) * xd[(b * f.block + i) / 32];
+    for (int64_t i = 0; i < f.block; ++i) total += w[i] * x[i];
+  }
+  return total;
+}
+
+// out[r * ldo] = sum over the row's k weights of w * x_r for activation rows r < MR.
+template <int MR>
+inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, const Q8Acts& x,
+                            float* out, int64_t ldo) {
+  const int64_t nb = f.blocks(k);
+#if TOPG_AVX2
+  __m256 acc[MR];
+  float extra[MR];  // the minimum's (or the -8 / -16 offset's) share, per block
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), extra[r] = 0.f;
+  // block b of a 4- or 5-bit format: u the codes, d and m the scale and minimum (has_min)
+  // or d the scale and off the offset (m unused)
+  auto block45 = [&](int64_t b, __m256i u, float d, float m, bool has_min, float off) {
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const float xd = x.d[r][b], dd = d * xd;
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), udot(u, load32(x.q[r] + 32 * b)), acc[r]);
+      extra[r] = has_min ? std::fma(m * xd, x.s[r][b], extra[r])
+                         : std::fma(-(off * dd), x.s[r][b], extra[r]);
+    }
+  };
+  auto finish = [&] {
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]) + extra[r];
+  };
+  switch (f.fmt) {
+    case Fmt::q8_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 34 * b;
+        const float d = half_at(p);
+        const __m256i w = load32(p + 2), uw = _mm256_sign_epi8(w, w);  // |w|
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[r][b]),
+                                   udot(uw, _mm256_sign_epi8(load32(x.q[r] + 32 * b), w)), acc[r]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]);
+      return;
+    case Fmt::q4_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 18 * b;
+        block45(b, unpack16(p + 2), half_at(p), 0.f, false, 8.f);
+      }
+      return finish();
+    case Fmt::q4_1:  // int4 with groups of 32 computes the same (the general loop below)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 20 * b;
+        block45(b, unpack16(p + 4), half_at(p), half_at(p + 2), true, 0.f);
+      }
+      return finish();
+    case Fmt::q5_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 22 * b;
+        block45(b, unpack_q5(p + 2, p + 6), half_at(p), 0.f, false, 16.f);
+      }
+      return finish();
+    case Fmt::q5_1:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 24 * b;
+        block45(b, unpack_q5(p + 4, p + 8), half_at(p), half_at(p + 2), true, 0.f);
+      }
+      return finish();
+    case Fmt::int4: {
+      const int64_t g = f.block, bb = f.block_bytes, sub = g / 32;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + bb * b;
+        const float dw = half_at(p), mw = half_at(p + 2);
+        const int64_t x0 = b * sub;  // first activation block of the group
+        if (g == 32) {
+          block45(x0, unpack16(p + 4), dw, mw, true, 0.f);
+          continue;
+        }
+        const int64_t half = sub / 2;  // runs of 32 bytes: low nibbles block c, high c + half
+        for (int64_t c = 0; c < half; ++c) {
+          __m256i lo, hi;
+          unpack32(p + 4 + 32 * c, lo, hi);
+          const int64_t bl = x0 + c, bh = x0 + half + c;
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[r][bl]),
+                                     udot(lo, load32(x.q[r] + 32 * bl)), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[r][bh]),
+                                     udot(hi, load32(x.q[r] + 32 * bh)), acc[r]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          for (int64_t c = 0; c < sub; ++c)
+            extra[r] = std::fma(mw * x.d[r][x0 + c], x.s[r][x0 + c], extra[r]);
+      }
+      return finish();
+    }
+    case Fmt::int8: {
+      float s;
+      std::memcpy(&s, row, 4);
+      const uint8_t* q = row + 4;
+      const int64_t full = k / 32;
+      alignas(32) uint8_t tail[32] = {};  // a row ending inside a block: no read past it
+      if (k % 32) std::memcpy(tail, q + 32 * full, size_t(k % 32));
+      for (int64_t b = 0; b < (k + 31) / 32; ++b) {
+        const __m256i w = load32(b < full ? q + 32 * b : tail), uw = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.d[r][b]),
+                                   udot(uw, _mm256_sign_epi8(load32(x.q[r] + 32 * b), w)), acc[r]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]) * s;
+      return;
+    }
+    case Fmt::q4_k:
+    case Fmt::q5_k:
+    case Fmt::q6_k:
+      return dot_row_q8_k_avx2<MR>(f.fmt, row, nb, x, out, ldo);
+    default:
+      break;
+  }
+#endif
+  (void)nb;
+  for (int r = 0; r < MR; ++r) out[r * ldo] = dot_row_q8_scalar(f, row, k, x.q[r], x.d[r]);
+}
+
+}  // namespace topg::quant

@@ -18,7 +18,7 @@ markers (``BLOCKS``); where none does, it is left out. Blocks and the pages that
   (docs/parallel.md): the latest record of ``eager_enable.py``, ``offload.py``, ``tp.py``.
 
 Links in a block are written relative to the file that holds it. It also redraws
-``docs/bench_cpu.png`` (the README's plot) from the newest ops record.
+``docs/bench_cpu.png`` (the ops plot in docs/benchmarks.md) from the newest ops record.
 """
 
 from __future__ import annotations

@@ -288,9 +288,19 @@ class ModelRunner:
         ever dropped).
         """
         bs = self.block_size
-        cases = [[(7, 0, 7, True), (5, 0, 5, False), (3, 0, 3, True)], [(3, 2, 1, True)]]
+        one, multi = [(3, 2, 1, True)], [(7, 0, 7, True), (5, 0, 5, False), (3, 0, 3, True)]
+        # The other order only where the plan will run the one-token steps: a model the
+        # plan refuses, or offloaded layers (their weights move between steps, so the plan
+        # is dropped at the first step), compile the one-token class first, as before (with
+        # offloaded layers the other order recompiled three times while serving).
+        offloaded = "_topg_offload" in self.model.__dict__
+        may_skip = self._plan_wanted is True and self.device.type == "cpu" and not offloaded
+        if may_skip:
+            self.relower()  # whether the model lowers at all (again after compiling)
+            may_skip = self.plan is not None
+        cases = [multi, one] if may_skip else [one, multi]
         for case in cases:
-            if len(case) == 1 and self._plan_wanted is True and self.device.type == "cpu":
+            if case is one and may_skip:
                 self.relower()
                 if self.plan is not None:
                     return

@@ -151,8 +151,8 @@ at::Tensor linear_cpu(const at::Tensor& input_, const at::Tensor& weight,
     // bf16 GEMM on CPUs with AVX-512 BF16 (and AMX): aten's, which runs oneDNN's bf16
     // kernels (AMX tiles where there are), fp32 accumulation rounded once, the bias
     // inside that rounding (addmm). The packed path below runs bf16 at the fp32 FMA rate:
-    // measured 2 threads, Intel Xeon with AMX, [512, 2048] x [8192, 2048]: 160 ms against
-    // 16-26 ms (a 1B model's prefill of 2,048 tokens took 20.8 s, llama.cpp 23.7 s).
+    // about 10x slower at [512, 2048] x [8192, 2048], 2 threads, Intel Xeon with AMX; a 1B
+    // model's prefill of 2,048 tokens went from 20.8 s to 4.3 s (docs/cpu-kernels.md).
     at::Tensor o2 = out.view({M, N});
     const at::Tensor x2 = input.view({M, K});
     if (bias.defined()) {

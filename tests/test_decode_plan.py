@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from engine_utils import Seqs, prompts, tiny
+from engine_utils import Seqs, hf_greedy, prompts, tiny
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -67,6 +67,20 @@ def _quantised_runner(preset: str, fmt: str, dtype: torch.dtype) -> ModelRunner:
     packed = quantize_weight(emb.weight.detach(), "q8_0")
     model.model.embed_tokens = QuantizedEmbedding(packed, "q8_0", emb.embedding_dim)
     return _model_runner(model.to(dtype))
+
+
+def _engine_greedy_on_plan_equals_transformers(model, ps: list[list[int]]) -> None:
+    """fp32, alone and in a batch: the engine's decode steps ran on the plan (its stats say
+    so, not assumed) and its greedy tokens are transformers' generate (8 new tokens)."""
+    want = [hf_greedy(model, p, 8) for p in ps]
+    with Engine.from_model(model, block_size=4) as eng:
+        alone = eng.generate([ps[0]], max_new_tokens=8, temperature=0, ignore_eos=True)
+        batch = eng.generate(ps, max_new_tokens=8, temperature=0, ignore_eos=True)
+        dp = eng.stats()["decode_plan"]
+    assert dp["active"] and dp["reason"] == "", dp
+    assert dp["steps"] >= 14, dp  # 7 decode steps for each generate call
+    assert alone[0].token_ids == want[0]
+    assert [o.token_ids for o in batch] == want
 
 
 def _compare_decode_and_verify(r: ModelRunner, seed: int, steps: int, verify: list[list[int]]):

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import hf_greedy, prompts
-from test_decode_plan import _compare_decode_and_verify, _model_runner
+from engine_utils import prompts
+from test_decode_plan import (
+    _compare_decode_and_verify,
+    _engine_greedy_on_plan_equals_transformers,
+    _model_runner,
+)
 from test_decode_plan_moe import _build
 
 from torch_topg import _native
 from torch_topg.compile.decode_plan import Unsupported, lower
-from torch_topg.engine import Engine
 from torch_topg.engine.model_runner import ModelRunner
 
 pytest.importorskip("transformers")
@@ -58,15 +61,7 @@ def test_engine_greedy_through_the_plan_equals_transformers(family):
     and the greedy tokens are transformers' generate."""
     model = _family(family)
     ps = prompts(41, [5, 11, 3])
-    want = [hf_greedy(model, p, 8) for p in ps]
-    with Engine.from_model(model, block_size=4) as eng:
-        alone = eng.generate([ps[0]], max_new_tokens=8, temperature=0, ignore_eos=True)
-        batch = eng.generate(ps, max_new_tokens=8, temperature=0, ignore_eos=True)
-        dp = eng.stats()["decode_plan"]
-    assert dp["active"] and dp["reason"] == "", dp
-    assert dp["steps"] >= 14, dp  # 7 decode steps for each generate call
-    assert alone[0].token_ids == want[0]
-    assert [o.token_ids for o in batch] == want
+    _engine_greedy_on_plan_equals_transformers(model, ps)
 
 
 def _lower(model) -> None:

@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS
 from quantized_llama import EngineSide
 
 from torch_topg.bench.machine import machine_info, read_bandwidth_stats
-from torch_topg.bench.record import git_commit, load_record, new_record, write_record
+from torch_topg.bench.record import load_record, new_record, write_record
 from torch_topg.bench.timing import summarize
 
 FORMATS = {"bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M",
@@ -82,6 +83,33 @@ def quantized_file(shape: str, fmt: str, bf16: Path, quantize: Path) -> Path:
             raise RuntimeError(f"llama-quantize exited {p.returncode}: {p.stderr[-500:]}")
         tmp.rename(out)
     return out
+
+
+def format_files(
+    shape: str, formats: str, keep: bool
+) -> Iterator[tuple[str, Path, dict[str, str]]]:
+    """``(format, its GGUF file, llama.cpp's binaries)`` per format of the comma-separated
+    ``formats``: llama.cpp built once, the shape's BF16 GGUF written once, each quantised
+    file made before its turn and deleted after it unless ``keep``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llama_cpp_build import ensure_llama_cpp, llama_cpp_sources
+
+    llama = {k: str(v) for k, v in ensure_llama_cpp().items()}
+    bf16 = bf16_file(shape, llama_cpp_sources(), keep)
+    for fmt in formats.split(","):
+        path = quantized_file(shape, fmt, bf16, Path(llama["llama-quantize"]))
+        try:
+            yield fmt, path, llama
+        finally:
+            if fmt != "bf16" and not keep:
+                path.unlink(missing_ok=True)
+
+
+def save_rows(benchmark: str, rows: list[dict], notes: list[str], out: str) -> None:
+    """One record of ``rows`` (this machine, this commit), its path printed."""
+    notes = [*notes, "random weights: speed does not depend on the weights' values"]
+    rec = new_record(benchmark, rows, machine_info(), notes=notes)
+    print(f"record {write_record(rec, out)}", flush=True)
 
 
 def read_bytes(path: Path, context: int) -> tuple[int, dict[str, int]]:
@@ -236,25 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.table:
         print(table(Path(a.out)))
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from llama_cpp_build import ensure_llama_cpp, llama_cpp_sources
-
-    llama = {k: str(v) for k, v in ensure_llama_cpp().items()}
-    bf16 = bf16_file(a.shape, llama_cpp_sources(), a.keep)
     bw = read_bandwidth_stats(THREADS)
     print(f"read bandwidth {bw.scaled(1e-9).fmt('.1f')} GB/s", flush=True)
-    commit, _ = git_commit()
-    for fmt in a.formats.split(","):
-        path = quantized_file(a.shape, fmt, bf16, Path(llama["llama-quantize"]))
-        try:
-            row = run_format(a.shape, fmt, path, llama, a.repeats, bw.median)
-        finally:
-            if fmt != "bf16" and not a.keep:
-                path.unlink(missing_ok=True)
-        rec = new_record("real_size", [row], machine_info(), notes=[
-            f"read bandwidth {bw.scaled(1e-9).fmt('.1f')} GB/s ({THREADS} threads)",
-            "random weights: speed does not depend on the weights' values"])  # fmt: skip
-        print(f"record {write_record(rec, a.out)} (commit {commit})", flush=True)
+    for fmt, path, llama in format_files(a.shape, a.formats, a.keep):
+        row = run_format(a.shape, fmt, path, llama, a.repeats, bw.median)
+        save_rows("real_size", [row], [f"read bandwidth {bw.scaled(1e-9).fmt('.1f')} GB/s "
+                                       f"({THREADS} threads)"], a.out)  # fmt: skip
     return 0
 
 

@@ -40,10 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from real_size import bf16_file, quantized_file  # noqa: E402
+from real_size import format_files, save_rows  # noqa: E402
 
-from torch_topg.bench.machine import machine_info  # noqa: E402
-from torch_topg.bench.record import git_commit, new_record, write_record  # noqa: E402
 from torch_topg.bench.timing import summarize, timed  # noqa: E402
 
 THREADS = 2
@@ -165,22 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the quantised files")
     ap.add_argument("--out", default="bench_results")
     a = ap.parse_args(argv)
-    from llama_cpp_build import ensure_llama_cpp, llama_cpp_sources
-
-    llama = {k: str(v) for k, v in ensure_llama_cpp().items()}
-    bf16 = bf16_file(a.shape, llama_cpp_sources(), a.keep)
-    commit, _ = git_commit()
-    for fmt in a.formats.split(","):
-        path = quantized_file(a.shape, fmt, bf16, Path(llama["llama-quantize"]))
-        try:
-            for row in run_format(fmt, path, a, llama["llama-bench"]):
-                rec = new_record("real_size_context", [row], machine_info(), notes=[
-                    f"{THREADS} threads each; random prompts, greedy, ignore_eos",
-                    "random weights: speed does not depend on the weights' values"])  # fmt: skip
-                print(f"record {write_record(rec, a.out)} (commit {commit})", flush=True)
-        finally:
-            if fmt != "bf16" and not a.keep:
-                path.unlink(missing_ok=True)
+    for fmt, path, llama in format_files(a.shape, a.formats, a.keep):
+        for row in run_format(fmt, path, a, llama["llama-bench"]):
+            save_rows("real_size_context", [row],
+                      [f"{THREADS} threads each; random prompts, greedy, ignore_eos"], a.out)  # fmt: skip
     return 0
 
 

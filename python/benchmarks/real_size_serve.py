@@ -26,23 +26,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from real_size import bf16_file, quantized_file  # noqa: E402
-from serving import free_port  # noqa: E402
+from real_size import format_files, save_rows  # noqa: E402
+from serving import free_port, wait_healthy  # noqa: E402
 
-from torch_topg.bench.machine import machine_info  # noqa: E402
-from torch_topg.bench.record import git_commit, new_record, write_record  # noqa: E402
 from torch_topg.bench.timing import summarize  # noqa: E402
 from torch_topg.client.datasets import make_requests  # noqa: E402
 from torch_topg.client.loadgen import run_level, served_model  # noqa: E402
@@ -70,27 +66,13 @@ class Server:
             lf.write(f"$ {' '.join(cmd)}\n")
             lf.flush()
             self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(t0 + 1800)
+        wait_healthy(self.url, self.proc, log, 1800.0)
         self.model = served_model(self.url)
         first = self.level(make_requests("chat", 1, seed=7), 1, 1)
         if first["completed"] != 1:
             raise RuntimeError(f"{name}: the first request failed: {first['errors']}; log {log}")
         self.load_s = time.monotonic() - t0
         self.rounds: list[dict] = []
-
-    def _wait_healthy(self, deadline: float) -> None:
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode}; log {self.log}"
-                )
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not healthy in time; log {self.log}")
-            time.sleep(0.25)
 
     def level(self, reqs: list, concurrency: int, max_tokens: int) -> dict:
         extra = {"temperature": 0, "ignore_eos": True}
@@ -202,23 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the quantised files")
     ap.add_argument("--out", default="bench_results")
     a = ap.parse_args(argv)
-    from llama_cpp_build import ensure_llama_cpp, llama_cpp_sources
-
-    llama = {k: str(v) for k, v in ensure_llama_cpp().items()}
-    bf16 = bf16_file(a.shape, llama_cpp_sources(), a.keep)
-    commit, _ = git_commit()
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    for fmt in a.formats.split(","):
-        path = quantized_file(a.shape, fmt, bf16, Path(llama["llama-quantize"]))
-        try:
-            row = run_format(a.shape, fmt, path, a, llama["llama-server"])
-        finally:
-            if fmt != "bf16" and not a.keep:
-                path.unlink(missing_ok=True)
-        rec = new_record("real_size_serve", [row], machine_info(), notes=[
-            f"{THREADS} threads per server; chat dataset, greedy, ignore_eos",
-            "random weights: speed does not depend on the weights' values"])  # fmt: skip
-        print(f"record {write_record(rec, a.out)} (commit {commit})", flush=True)
+    for fmt, path, llama in format_files(a.shape, a.formats, a.keep):
+        row = run_format(a.shape, fmt, path, a, llama["llama-server"])
+        save_rows("real_size_serve", [row],
+                  [f"{THREADS} threads per server; chat dataset, greedy, ignore_eos"], a.out)  # fmt: skip
     return 0
 
 

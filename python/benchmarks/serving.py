@@ -63,6 +63,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Return once ``GET url/health`` answers 200; RuntimeError naming the log if ``proc``
+    exits first or ``timeout`` seconds pass."""
+    name = proc.args[0] if isinstance(proc.args, list) else proc.args
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; log: {log}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} not healthy after {timeout:.0f} s; log: {log}")
+        time.sleep(0.25)
+
+
 @contextlib.contextmanager
 def server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None,
            timeout: float = 1200.0) -> Iterator[str]:  # fmt: skip
@@ -73,17 +90,7 @@ def server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = No
         lf.flush()
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; log: {log}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{cmd[0]} not healthy after {timeout:.0f} s; log: {log}")
-            time.sleep(0.5)
+        wait_healthy(url, proc, log, timeout)
         yield url
     finally:
         proc.terminate()

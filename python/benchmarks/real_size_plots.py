@@ -47,6 +47,20 @@ def newest_rows(results: Path, benchmark: str) -> tuple[dict, list[str]]:
     return rows, commits
 
 
+def _series(rows: dict, by: str) -> list[tuple[tuple[str, str], list[dict]]]:
+    """The rows per (shape, format), sorted, each series ordered by its ``by`` field."""
+    series: dict = {}
+    for row, _ in rows.values():
+        series.setdefault((row["shape"], row["format"]), []).append(row)
+    return [(k, sorted(v, key=lambda r: r[by])) for k, v in sorted(series.items())]
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def _topg_name(fig: dict) -> str:
     return min((k for k in fig if not k.startswith("llama")), key=lambda k: fig[k]["median"])
 
@@ -97,10 +111,7 @@ def decode_plot(results: Path, out: Path, plt) -> Path | None:
     b.set_title("share of the measured read bandwidth")
     b.legend(fontsize=8)
     fig.suptitle(f"Real-size shapes, random weights; commits {', '.join(commits)}", fontsize=9)
-    fig.tight_layout()
-    path = out / "real_size_decode.png"
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, out / "real_size_decode.png")
 
 
 def context_plot(results: Path, out: Path, plt) -> Path | None:
@@ -108,11 +119,7 @@ def context_plot(results: Path, out: Path, plt) -> Path | None:
     if not rows:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
-    series: dict = {}
-    for row, _ in rows.values():
-        series.setdefault((row["shape"], row["format"]), []).append(row)
-    for (shape, fmt), rs in sorted(series.items()):
-        rs.sort(key=lambda r: r["context"])
+    for (shape, fmt), rs in _series(rows, "context"):
         ctx = [r["context"] for r in rs]
         for ax, key in ((a, "decode"), (b, "prefill")):
             scale = 1.0 if key == "decode" else 1e-3
@@ -128,10 +135,7 @@ def context_plot(results: Path, out: Path, plt) -> Path | None:
     b.set_ylabel("s")
     b.set_title("time to first token (prefill of the context)")
     fig.suptitle(f"2 threads each, random weights; commits {', '.join(commits)}", fontsize=9)
-    fig.tight_layout()
-    path = out / "real_size_context.png"
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, out / "real_size_context.png")
 
 
 def serve_plot(results: Path, out: Path, plt) -> Path | None:
@@ -139,11 +143,7 @@ def serve_plot(results: Path, out: Path, plt) -> Path | None:
     if not rows:
         return None
     fig, a = plt.subplots(figsize=(7, 4.6))
-    series: dict = {}
-    for row, _ in rows.values():
-        series.setdefault((row["shape"], row["format"]), []).append(row)
-    for i, ((shape, fmt), rs) in enumerate(sorted(series.items())):
-        rs.sort(key=lambda r: r["concurrency"])
+    for i, ((shape, fmt), rs) in enumerate(_series(rows, "concurrency")):
         c = [r["concurrency"] for r in rs]
         dash = ["-", "--", ":", "-."][i % 4]
         for side, color in (("topg", TOPG), ("llama-server", LLAMA)):
@@ -154,10 +154,7 @@ def serve_plot(results: Path, out: Path, plt) -> Path | None:
     a.set_ylabel("output tokens / s")
     a.set_title(f"serve vs llama-server, 2 threads each; commits {', '.join(commits)}", fontsize=9)
     a.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "real_size_serve.png"
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, out / "real_size_serve.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,12 +54,55 @@ def test_greedy_matches_transformers_alone_and_batched(preset):
 
 def test_compiled_once_nothing_while_serving():
     with Engine.from_model(tiny("llama-tiny"), compile=True, block_size=4) as eng:
+        assert eng.runner.wait_compiled(timeout=600)  # the multi-token class, in the background
         ready = eng.stats()["compile"]["compilations"]
         assert ready >= 1
         ps = prompts(2, [1, 2, 3, 30, 5, 64])
         eng.generate(ps, max_new_tokens=5, **GREEDY)
         eng.generate(ps[:1], max_new_tokens=3, **GREEDY)
         assert eng.stats()["compile"]["compilations"] == ready
+
+
+def test_background_compile_serves_uncompiled_until_compiled(monkeypatch):
+    """background_compile: the engine is ready before its multi-token graph compiles;
+    until then such steps run the model un-compiled (one-token steps on the plan), the
+    compiled graph takes over after, and greedy outputs equal transformers' throughout.
+    The compile thread is held until the first requests are done, so the un-compiled
+    path surely runs; deterministic=True keeps the warm-up synchronous."""
+    from torch_topg.engine import model_runner
+
+    eager_calls, release = [], threading.Event()
+    step, compile_step = model_runner.model_step, model_runner.ModelRunner._compile_in_background
+
+    def counted(*args):
+        eager_calls.append(args[1].shape[1])
+        return step(*args)
+
+    def held(self, b):
+        release.wait(600)
+        compile_step(self, b)
+
+    monkeypatch.setattr(model_runner, "model_step", counted)
+    monkeypatch.setattr(model_runner.ModelRunner, "_compile_in_background", held)
+    ref = tiny("llama-tiny")
+    ps = prompts(3, [9, 23, 4])
+    want = [hf_greedy(ref, p, 8) for p in ps]
+    with Engine.from_model(tiny("llama-tiny"), block_size=4) as eng:
+        assert eng.stats()["compile"]["background"] == "compiling"
+        assert eng.stats()["decode_plan"]["active"]
+        got = [r.token_ids for r in eng.generate(ps, max_new_tokens=8, **GREEDY)]
+        assert got == want and max(eager_calls) > 1  # prefill steps ran un-compiled
+        release.set()
+        assert eng.runner.wait_compiled(timeout=600)
+        n = len(eager_calls)
+        got = [r.token_ids for r in eng.generate(ps, max_new_tokens=8, **GREEDY)]
+        assert got == want and len(eager_calls) == n  # the compiled graph from here on
+        st = eng.stats()["compile"]
+        assert st["background"] == "done" and st["compilations"] >= 1, st
+        assert st["while_serving"] == 0, st
+    release.set()
+    with Engine.from_model(tiny("llama-tiny"), block_size=4, deterministic=True) as eng:
+        assert eng.stats()["compile"]["background"] == "off"
 
 
 def test_chunked_prefill_and_preemption_keep_outputs():

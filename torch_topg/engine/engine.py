@@ -124,7 +124,7 @@ class Engine:
         self.constraints = Constraints(GrammarCompiler(tokenizer, logits_width(model), self._eos))
         self._rng = random.Random(args.seed)
         self._ids = itertools.count()
-        self._on_shutdown = [*(on_shutdown or []), self.kv.close]
+        self._on_shutdown = [*(on_shutdown or []), self.kv.close, self.runner.wait_compiled]
         # inbox (guarded by _cv)
         self._cv = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -138,10 +138,9 @@ class Engine:
         if args.deterministic:
             self._on_shutdown.append(batch_invariant_mode())
         t0 = time.perf_counter()
-        self.runner.warmup()
+        self.runner.warmup(background=args.background_compile and not args.deterministic)
         self.proposer.warmup(args.max_batch_size, config.max_num_batched_tokens)
         self._stats.time["warmup_s"] = time.perf_counter() - t0
-        self._compiles_at_ready = self.runner.compilations
         depth = getattr(self.runner, "pipeline_depth", 1)  # micro-batches in flight
         self._pipeline = PipelinedSteps(self, depth) if depth > 1 else None
         self._thread = threading.Thread(target=self._loop, name="topg-engine", daemon=True)
@@ -611,6 +610,7 @@ class Engine:
             "compile": {
                 "enabled": self.runner.compiled,
                 "compilations": self.runner.compilations,
-                "while_serving": self.runner.compilations - self._compiles_at_ready,
+                "while_serving": self.runner.compilations_while_serving,
+                "background": self.runner.background_state,
             },
         }

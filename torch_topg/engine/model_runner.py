@@ -9,12 +9,17 @@ one row ``[1, T]``; the LM head runs only on the rows that are sampled
 With ``compile=True`` the step is ``torch.compile(..., backend="topg")`` with the token
 and sequence dimensions dynamic, compiled in :meth:`warmup` for the two shape classes a
 step can have (a single decode token; anything else), so nothing compiles while
-serving; :attr:`compilations` counts the graphs dynamo produced.
+serving; :attr:`compilations` counts the graphs dynamo produced. ``warmup(background=True)``
+compiles the multi-token class on a thread of its own while the first steps run the
+model un-compiled (:meth:`execute_graph`), where the decode plan runs the one-token steps.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
+import threading
 import types
 from typing import Any
 
@@ -26,6 +31,8 @@ from torch_topg.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from torch_topg.engine.batch import PackedBatch
 from torch_topg.engine.cuda_graphs import CaptureFailed, DecodeGraphs
 from torch_topg.utils import hugepages
+
+log = logging.getLogger(__name__)
 
 #: Tokens a step may have to run on the decode plan (csrc/cpu/decode_plan.h kMaxTokens).
 PLAN_MAX_TOKENS = 16
@@ -86,6 +93,13 @@ class ModelRunner:
         self._set_attention(model)
         self.compilations = 0
         self.compiled = compile
+        # A step holds the lock; the compile's passes take it too, since they re-point
+        # weights (fused QKV / gate-up buffers) that a step running meanwhile could read.
+        self._lock = threading.RLock()
+        self._background: threading.Thread | None = None  # compiling (warmup(background=True))
+        self._background_error: BaseException | None = None
+        self.background_state = "off"  # "compiling", "done", "failed: ..."
+        self.warm_compilations = 0  # graphs compiled by the warm-up (background included)
         # The decode plan: True = lower after warm-up; a string = off, and why.
         self._plan_wanted = decode_plan
         self._plan_tried = False
@@ -177,7 +191,8 @@ class ModelRunner:
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
             self.compilations += 1
-            return topg_backend(gm, example_inputs)
+            with self._lock:  # between steps (the passes may re-point weights)
+                return topg_backend(gm, example_inputs)
 
         return backend
 
@@ -185,21 +200,74 @@ class ModelRunner:
         """Run one step; returns float32 logits ``[R, vocab]`` of the sampled rows.
         A step of at most 16 tokens runs on the decode plan when there is one, else on
         the graph."""
-        if b.fits_plan and self._plan_wanted is True and not self._warming:
-            logits = self._run_plan(b)
-            if logits is not None:
-                return logits
-        return self.execute_graph(b)
+        with self._lock:
+            if self._background is not None and not self._background.is_alive():
+                self._background_finished()
+            if b.fits_plan and self._plan_wanted is True and not self._warming:
+                logits = self._run_plan(b)
+                if logits is not None:
+                    return logits
+            return self.execute_graph(b)
 
     def execute_graph(self, b: PackedBatch) -> torch.Tensor:
-        """One step on the (compiled) model graph, whatever the batch."""
+        """One step on the (compiled) model graph, whatever the batch; on the model
+        un-compiled while the graph compiles in the background."""
         args = (self.model, b.input_ids, b.positions, b.logits_indices, self.kv_caches, b.slot_mapping,
                 b.block_tables, b.seq_lens, b.cu_seqlens_q)  # fmt: skip
-        if self.compiled:
+        step = model_step if self._background is not None else self._step
+        if self.compiled and step is self._step:
             _mark_dynamic(b)
         with torch.inference_mode():
-            logits = self._step(*args)
+            logits = step(*args)
         return logits.float()
+
+    # --- compiling in the background (warmup(background=True)) --------------------------
+    def _compile_in_background(self, b: PackedBatch) -> None:
+        """The compile thread: the warm-up batch through the compiled step, its KV written
+        to caches of its own (uncommitted memory but for the few blocks it writes), so
+        the steps running meanwhile keep theirs."""
+        try:
+            caches = [_empty(t.shape, t.dtype, t.device) if t.numel() else t for t in self.kv_caches]
+            args = (self.model, b.input_ids, b.positions, b.logits_indices, caches, b.slot_mapping,
+                    b.block_tables, b.seq_lens, b.cu_seqlens_q)  # fmt: skip
+            _mark_dynamic(b)
+            with torch.inference_mode():
+                self._step(*args)
+        except BaseException as e:  # reported by the step that finds the thread done
+            self._background_error = e
+
+    def _background_finished(self) -> None:
+        """On the stepping thread, between steps: the compiled graph takes over, and the
+        decode plan is lowered again (the compile's passes may have re-pointed weights)."""
+        assert self._background is not None
+        self._background.join()
+        self._background = None
+        self.warm_compilations = self.compilations
+        if self._background_error is not None:  # compiles on first use instead, and raises there
+            e, self._background_error = self._background_error, None
+            self.background_state = f"failed: {type(e).__name__}: {e}"
+            log.warning("topg engine: the background compile failed (%s); the step compiles "
+                        "on first use instead", self.background_state)  # fmt: skip
+        else:
+            self.background_state = "done"
+        if self._plan_wanted is True:
+            self.relower()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile (if any) to end; whether it has. The compiled
+        graph takes over at the next step."""
+        t = self._background
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
+    @property
+    def compilations_while_serving(self) -> int:
+        """Graphs compiled since the warm-up ended (0 while it compiles in the background)."""
+        if self._background is not None:
+            return 0
+        return self.compilations - self.warm_compilations
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV block ``src`` to ``dst`` in every layer (copy-on-write of a fork)."""
@@ -274,7 +342,7 @@ class ModelRunner:
             decode=decode and fits_plan,
         )
 
-    def warmup(self) -> None:
+    def warmup(self, background: bool = False) -> None:
         """Run (and with ``compile``, compile) both shape classes a step can have.
 
         Dynamo specialises sizes 0 and 1, so a step with one token (a batch-1 decode: T,
@@ -286,6 +354,12 @@ class ModelRunner:
         one-token step runs on the plan and that class is not compiled (about half of the
         warm-up, seconds of a 1B model's load; it compiles on first use if the plan is
         ever dropped).
+
+        ``background``: where the one-token class runs on the plan, the multi-token class
+        compiles on a thread of its own (:meth:`_compile_in_background`) and this returns
+        at once; until it is done, multi-token steps run the model un-compiled (seconds
+        sooner to a first token; their rounding is eager PyTorch's). Only for this class
+        itself (a subclass's ``execute`` may run collectives the thread could not join).
         """
         bs = self.block_size
         one, multi = [(3, 2, 1, True)], [(7, 0, 7, True), (5, 0, 5, False), (3, 0, 3, True)]
@@ -303,6 +377,7 @@ class ModelRunner:
             if case is one and may_skip:
                 self.relower()
                 if self.plan is not None:
+                    self.warm_compilations = self.compilations
                     return
             items, samples, nxt = [], [], 0
             for length, start, n, sample in case:
@@ -312,6 +387,17 @@ class ModelRunner:
                 nxt += k
             if nxt > self.num_blocks:
                 continue  # a pool this small is a test's; it compiles on first use
+            own = type(self).execute is ModelRunner.execute
+            if background and may_skip and case is multi and self.compiled and own:
+                b = self.pack(items, samples)
+                self._background = threading.Thread(
+                    target=self._compile_in_background, args=(b,), name="topg-compile", daemon=True
+                )
+                self.background_state = "compiling"
+                # an interpreter that exits mid-compile aborts: wait for the thread first
+                atexit.register(self._background.join)
+                self._background.start()  # the plan (lowered above) runs the one-token steps
+                return
             # execute (not execute_graph): a subclass's execute may do more (TP: send the
             # batch to the other ranks first)
             self._warming = True
@@ -319,6 +405,7 @@ class ModelRunner:
                 self.execute(self.pack(items, samples))
             finally:
                 self._warming = False
+        self.warm_compilations = self.compilations
         if self._plan_wanted is True:
             self.relower()  # after compiling: the passes may re-point weights
 

@@ -316,6 +316,13 @@ class EngineArgs:
         _bool,
     )
     compile: bool = option(True, 'compile the step with `backend="topg"` (once, at load).', _bool)
+    background_compile: bool = option(
+        True,
+        "where the decode plan runs one-token steps (CPU, not `deterministic`), compile the "
+        "multi-token step on a thread of its own while the first such steps run the model "
+        "un-compiled: the engine is ready seconds sooner ([engine.md](engine.md)).",
+        _bool,
+    )  # fmt: skip
     decode_plan: bool = option(
         True,
         "run steps of at most 16 tokens as one native call ([decode-step.md](decode-step.md)) "

@@ -321,13 +321,14 @@ def load_packed(
             new: torch.nn.Module = QuantizedEmbedding(rows, fmt, k, embedding_scale(old))
             new.dtype_ref = torch.empty(0, dtype=dtype)
             if head_tied:
-                head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype,
+                head = QuantizedLinear(k, rows.shape[0], fmt, bias=False, dtype=dtype, device="meta",
                                        int8_activations=int8_activations)  # fmt: skip
                 head.qweight = rows  # one buffer for both
                 _set(model, "lm_head", head)
         else:
+            # on meta: its buffers are the file's (a zero-filled allocation first cost ~0.5 s at 1B)
             new = QuantizedLinear(k, old.out_features, fmt, bias=old.bias is not None,
-                                  dtype=dtype, int8_activations=int8_activations)  # fmt: skip
+                                  dtype=dtype, device="meta", int8_activations=int8_activations)  # fmt: skip
             new.qweight = rows
             if old.bias is not None:
                 bias = floats.pop(f"{name}.bias", None)

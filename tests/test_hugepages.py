@@ -127,18 +127,34 @@ def test_gguf_load_mapped_then_copied_equals_copied(monkeypatch):
     # The engine builds a GGUF model from views of the mapped file, which rehome_ copies
     # into huge pages (dropping the mapped pages): the same tokens as a load that copies
     # every tensor, and no weight left in the read-only mapping (nothing can fault on a
-    # write). Every tensor counts as big here, so every one takes the mapped path.
+    # write). Every tensor counts as big here, so every one takes the mapped path. With
+    # the compile in the background, the first steps run on the mapped tensors and the
+    # copy happens on the compile thread, between steps: the tokens of an un-compiled
+    # engine before, those of a compiled one after (int8 activations: the compiled
+    # graph's fused ops round the activations from other inputs, and this prompt's
+    # first three tokens lie within 0.4 nats of each other).
     if not hugepages.enabled():
         pytest.skip("no MADV_HUGEPAGE here: the engine copies every tensor")
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    runs = []
-    for huge in (1 << 40, 4096):  # nothing mapped / everything mapped
+
+    def tokens(eng):
+        return eng.generate(question, max_new_tokens=6, temperature=0)[0].token_ids
+
+    runs: dict[str, list[int]] = {}
+    for huge, compile, background in ((1 << 40, False, False), (4096, False, False),
+                                      (4096, True, False), (4096, True, True)):  # fmt: skip
         monkeypatch.setattr(hugepages, "HUGE_PAGE", huge)
-        with Engine.from_pretrained(quantization="gguf", seed=0, compile=False) as eng:
+        with Engine.from_pretrained(quantization="gguf", seed=0, compile=compile,
+                                    background_compile=background) as eng:  # fmt: skip
+            if background:  # during the background warm-up, then after it
+                runs["during"] = tokens(eng)
+                assert eng.runner.wait_compiled(timeout=600)
             tensors = [*eng.model.parameters(), *eng.model.buffers()]
             assert not [t.shape for t in tensors if _in_read_only_file_map(t)]
-            runs.append(eng.generate(question, max_new_tokens=6, temperature=0)[0].token_ids)
-    assert runs[0] == runs[1]
+            runs[f"{huge}-{compile}-{background}"] = tokens(eng)
+    eager, compiled = runs[f"{1 << 40}-False-False"], runs["4096-True-False"]
+    assert runs["4096-False-False"] == eager and runs["during"] == eager, runs
+    assert runs["4096-True-True"] == compiled, runs
 
 
 def _engine_run(monkeypatch, on: bool):
@@ -147,6 +163,7 @@ def _engine_run(monkeypatch, on: bool):
     monkeypatch.setattr(hugepages, "HUGE_PAGE", 4096)
     with Engine.from_model(tiny("llama-tiny"), block_size=4) as eng:
         out = eng.generate(prompts(3, [5, 11]), max_new_tokens=6, temperature=0, ignore_eos=True)
+        assert eng.runner.wait_compiled(timeout=600)  # the copy is on the compile thread
         r = eng.runner
         big = [p for p in r.model.parameters() if p.numel() * p.element_size() >= 4096]
         if on:

@@ -42,8 +42,6 @@ def from_model(cls: type, model: torch.nn.Module, tokenizer: Any = None, **optio
     dtype = args.dtype or args.replace(dtype=first.dtype).dtype  # checked as an option
     model = model.to(device=device, dtype=dtype).eval()
     model = apply_quantization(model, args.quantization)  # None leaves it as it is
-    if device.type == "cpu":  # the decode step streams the weights: huge pages
-        hugepages.rehome_(model)
     spec = _resolve_speculative(args, model, tokenizer, device, dtype)
     cfg = resolve(args, model.config, device=device, dtype=dtype, speculative=spec)
     return cls(model, tokenizer, cfg)
@@ -85,8 +83,6 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         m, tok, folder = load(model, dtype, torch.device("cpu") if depth else device)
         m = apply_quantization(m, args.quantization)
     cleanup = []
-    if device.type == "cpu" and not depth:  # the decode step streams them: huge pages
-        hugepages.rehome_(m)
     if depth:
         from torch_topg.offload import offload
 
@@ -96,7 +92,9 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         handle = offload(m, device=device, source=source, prefetch_depth=depth)
         cleanup.append(handle.close)
     spec = _resolve_speculative(args, m, tok, device, dtype)
-    cfg = resolve(args, m.config, device=device, dtype=dtype, speculative=spec)
+    # a GGUF file's mapped tensors move into huge pages during the warm-up (Engine)
+    reserved = hugepages.file_mapped_bytes(m) if device.type == "cpu" and not depth else 0
+    cfg = resolve(args, m.config, device=device, dtype=dtype, speculative=spec, reserved=reserved)
     return cls(m, tok, cfg, on_shutdown=cleanup)
 
 

@@ -58,6 +58,7 @@ def resolve(
     kv_heads: int | None = None,
     speculative: Any = None,
     num_layers: int | None = None,
+    reserved: int = 0,
 ) -> EngineConfig:
     """Everything the options imply for a model of ``model_config``.
 
@@ -65,7 +66,9 @@ def resolve(
     :func:`dtype_of`); ``kv_heads``: KV heads the pool holds per layer (tensor parallel:
     the ranks' sum on the CPU); ``num_layers``: layers whose KV the pool holds (a pipeline
     stage's; default all); ``speculative``: the resolved speculative config (a draft
-    model's KV is counted in each block).
+    model's KV is counted in each block); ``reserved``: bytes the model will still take
+    from the available memory (its file-mapped weights, copied into huge pages during the
+    warm-up), left out of a budget given as a share of it.
     """
     device = device or device_of(args)
     dtype = dtype or dtype_of(args, device)
@@ -80,7 +83,7 @@ def resolve(
     if speculative is not None and speculative.method == "draft":  # its own KV per block
         per_block += ModelRunner.bytes_per_block(speculative.model.config, args.block_size, dtype)
     wanted = per_block * args.max_batch_size * -(-max_model_len // args.block_size)
-    budget = kv_budget(args.kv_cache_memory, device, wanted)
+    budget = kv_budget(args.kv_cache_memory, device, wanted, reserved)
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ParameterError(
@@ -137,14 +140,14 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def kv_budget(spec: int | str | None, device: torch.device, wanted: int) -> int:
+def kv_budget(spec: int | str | None, device: torch.device, wanted: int, reserved: int = 0) -> int:
     """Bytes for a KV pool. ``spec`` (checked by ``EngineArgs``): bytes, ``"40%"`` of the
-    available memory, or None: ``wanted`` (every sequence slot at full length) capped at
-    40% of it."""
+    available memory (less ``reserved`` bytes still to be taken), or None: ``wanted``
+    (every sequence slot at full length) capped at 40% of it."""
     if spec is None:
-        return min(wanted, int(0.4 * available_memory(device)))
+        return min(wanted, int(0.4 * max(0, available_memory(device) - reserved)))
     if isinstance(spec, str):
-        return _percent_of(spec, available_memory(device))
+        return _percent_of(spec, max(0, available_memory(device) - reserved))
     return spec
 
 

@@ -9,6 +9,7 @@ blocks a step and a step never waits for a caller.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import threading
@@ -48,6 +49,7 @@ from torch_topg.engine.stats import EngineStats
 from torch_topg.engine.structured import GrammarCompiler, Structured
 from torch_topg.engine.structured_step import Constraints
 from torch_topg.modes import batch_invariant_mode
+from torch_topg.utils import hugepages
 
 __all__ = ["Engine", "QueueFull"]
 
@@ -138,7 +140,18 @@ class Engine:
         if args.deterministic:
             self._on_shutdown.append(batch_invariant_mode())
         t0 = time.perf_counter()
-        self.runner.warmup(background=args.background_compile and not args.deterministic)
+        # The decode step streams the weights: on the CPU they move into huge pages, on
+        # the compile thread when the warm-up compiles in the background (a GGUF file's
+        # mapped tensors serve the first steps meanwhile), else first.
+        rehome = None
+        if (
+            runner is None
+            and self.runner.device.type == "cpu"
+            and "_topg_offload" not in model.__dict__
+        ):
+            rehome = functools.partial(hugepages.rehome_, model)
+        self.runner.warmup(background=args.background_compile and not args.deterministic,
+                           prepare=rehome)  # fmt: skip
         self.proposer.warmup(args.max_batch_size, config.max_num_batched_tokens)
         self._stats.time["warmup_s"] = time.perf_counter() - t0
         depth = getattr(self.runner, "pipeline_depth", 1)  # micro-batches in flight

@@ -21,6 +21,7 @@ import itertools
 import logging
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,6 +101,7 @@ class ModelRunner:
         self._background_error: BaseException | None = None
         self.background_state = "off"  # "compiling", "done", "failed: ..."
         self.warm_compilations = 0  # graphs compiled by the warm-up (background included)
+        self._prepare: Callable[[threading.RLock], Any] | None = None
         # The decode plan: True = lower after warm-up; a string = off, and why.
         self._plan_wanted = decode_plan
         self._plan_tried = False
@@ -223,11 +225,16 @@ class ModelRunner:
 
     # --- compiling in the background (warmup(background=True)) --------------------------
     def _compile_in_background(self, b: PackedBatch) -> None:
-        """The compile thread: the warm-up batch through the compiled step, its KV written
-        to caches of its own (uncommitted memory but for the few blocks it writes), so
-        the steps running meanwhile keep theirs."""
+        """The compile thread: ``prepare`` (the weights into huge pages), then the warm-up
+        batch through the compiled step, its KV written to caches of its own (uncommitted
+        memory but for the few blocks it writes), so the steps running meanwhile keep
+        theirs."""
         try:
-            caches = [_empty(t.shape, t.dtype, t.device) if t.numel() else t for t in self.kv_caches]
+            if self._prepare is not None:
+                self._prepare(self._lock)
+            caches = [
+                _empty(t.shape, t.dtype, t.device) if t.numel() else t for t in self.kv_caches
+            ]
             args = (self.model, b.input_ids, b.positions, b.logits_indices, caches, b.slot_mapping,
                     b.block_tables, b.seq_lens, b.cu_seqlens_q)  # fmt: skip
             _mark_dynamic(b)
@@ -342,7 +349,9 @@ class ModelRunner:
             decode=decode and fits_plan,
         )
 
-    def warmup(self, background: bool = False) -> None:
+    def warmup(
+        self, background: bool = False, prepare: Callable[[threading.RLock], Any] | None = None
+    ) -> None:
         """Run (and with ``compile``, compile) both shape classes a step can have.
 
         Dynamo specialises sizes 0 and 1, so a step with one token (a batch-1 decode: T,
@@ -360,6 +369,9 @@ class ModelRunner:
         at once; until it is done, multi-token steps run the model un-compiled (seconds
         sooner to a first token; their rounding is eager PyTorch's). Only for this class
         itself (a subclass's ``execute`` may run collectives the thread could not join).
+        ``prepare(lock)``: work on the weights before the compile (the engine: moving them
+        into huge pages), on the compile thread where there is one (swapping tensors under
+        ``lock``, between steps), else first, here.
         """
         bs = self.block_size
         one, multi = [(3, 2, 1, True)], [(7, 0, 7, True), (5, 0, 5, False), (3, 0, 3, True)]
@@ -372,6 +384,15 @@ class ModelRunner:
         if may_skip:
             self.relower()  # whether the model lowers at all (again after compiling)
             may_skip = self.plan is not None
+        own = type(self).execute is ModelRunner.execute
+        background = background and may_skip and self.compiled and own
+        multi_fits = sum(-(-(s + n) // bs) for _, s, n, _ in multi) <= self.num_blocks
+        background = background and multi_fits
+        self._prepare = prepare if background else None
+        if prepare is not None and not background:
+            prepare(self._lock)
+            if may_skip:
+                self.relower()  # the weights may have moved
         cases = [multi, one] if may_skip else [one, multi]
         for case in cases:
             if case is one and may_skip:
@@ -387,8 +408,7 @@ class ModelRunner:
                 nxt += k
             if nxt > self.num_blocks:
                 continue  # a pool this small is a test's; it compiles on first use
-            own = type(self).execute is ModelRunner.execute
-            if background and may_skip and case is multi and self.compiled and own:
+            if background and may_skip and case is multi:
                 b = self.pack(items, samples)
                 self._background = threading.Thread(
                     target=self._compile_in_background, args=(b,), name="topg-compile", daemon=True

@@ -18,13 +18,16 @@ has no ``MADV_HUGEPAGE``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGE", "empty", "enabled", "is_advised", "rehome_"]
+__all__ = ["HUGE_PAGE", "empty", "enabled", "file_mapped_bytes", "is_advised", "rehome_"]
 
 #: Bytes of one huge page (x86-64 and aarch64 with 4 KiB base pages); smaller tensors stay
 #: on torch's allocator.
@@ -117,15 +120,37 @@ def _release_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
         fn(start, end - start, mmap.MADV_DONTNEED)
 
 
-def rehome_(module: torch.nn.Module) -> int:
+def file_mapped_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers that :func:`rehome_` would copy out of
+    read-only file mappings (a GGUF file's tensors): memory the copy will take, which the
+    system counts as available (page cache) until then. 0 where not :func:`enabled`."""
+    if not enabled():
+        return 0
+    maps = _read_only_file_maps()
+    seen: set[int] = set()
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or nbytes < HUGE_PAGE or t.data_ptr() in seen:
+            continue
+        lo = t.data_ptr()
+        if any(a <= lo and lo + nbytes <= b for a, b in maps):
+            seen.add(lo)
+            total += nbytes
+    return total
+
+
+def rehome_(module: torch.nn.Module, lock: AbstractContextManager[Any] | None = None) -> int:
     """Moves ``module``'s contiguous CPU parameters and buffers of :data:`HUGE_PAGE` bytes or
     more into :func:`empty` memory, in place (``.data`` swapped, values unchanged; tensors
     sharing storage, as tied embeddings, stay shared). A source in a read-only file
     mapping (a GGUF file's tensor) has its pages released as soon as it is copied, so the
-    load's peak RSS is the weights once, not twice. Returns the bytes moved; 0 where not
-    :func:`enabled`."""
+    load's peak RSS is the weights once, not twice. ``lock``: held around each swap (not
+    the copy), for a model that runs steps meanwhile on another thread (the engine's
+    background warm-up). Returns the bytes moved; 0 where not :func:`enabled`."""
     if not enabled():
         return 0
+    lock = lock if lock is not None else contextlib.nullcontext()
     moved: dict[int, torch.Tensor] = {}
     total = 0
     maps = _read_only_file_maps()
@@ -142,8 +167,13 @@ def rehome_(module: torch.nn.Module) -> int:
                 new = empty(t.shape, t.dtype).copy_(t)
                 moved[key] = new
                 total += nbytes
-                _release_file_pages(t, maps)
-            t.data = new
+                src = t.detach()  # the old bytes (t.data is swapped below)
+                with lock:
+                    t.data = new
+                    _release_file_pages(src, maps)
+                continue
+            with lock:
+                t.data = new
     return total
 
 

@@ -202,6 +202,26 @@ def _layer_counts(name: str, v: Any) -> list[int] | None:
     return [int(c) for c in v]
 
 
+def _zmq_endpoint(name: str, v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ParameterError(name, f"expected a ZMQ endpoint like 'tcp://*:5557', got {v!r}")
+    from torch_topg.engine.kv_publisher import zmq_available
+
+    if not zmq_available():
+        raise ParameterError(
+            name, "needs pyzmq, in the cluster extra: pip install 'torch_topg[cluster]'"
+        )
+    return v
+
+
+def _text(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ParameterError(name, f"expected a string, got {v!r}")
+    return v
+
+
 # --- command-line parsers: a flag's text -> the option's value ----------------------------
 def _parse_memory(s: str) -> int | str:
     return int(s) if s.strip().isdigit() else s
@@ -398,6 +418,16 @@ class EngineArgs:
         "([cluster.md](cluster.md)).",
         _bool,
     )  # fmt: skip
+    kv_events_endpoint: str | None = option(
+        None,
+        "publish the KV events on a ZMQ PUB socket, as vLLM's `\"zmq\"` publisher "
+        "(`\"tcp://*:5557\"` binds; a host's address connects to a collector); turns "
+        "`kv_events` on; needs the `cluster` extra ([cluster.md](cluster.md)).",
+        _zmq_endpoint, parse=str,
+    )  # fmt: skip
+    kv_events_topic: str = option(
+        "", "the ZMQ topic (first frame) of the published KV events.", _text, parse=str
+    )
     scheduling_policy: str = option(
         "fcfs",
         "`\"fcfs\"`: requests are served in arrival order; `\"priority\"`: by each request's "

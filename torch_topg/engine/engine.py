@@ -22,7 +22,7 @@ import torch
 
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.config import EngineConfig
-from torch_topg.engine.errors import ParameterError, QueueFull
+from torch_topg.engine.errors import EngineDeadError, ParameterError, QueueFull
 from torch_topg.engine.inputs import eos_ids, new_token_limit, split_inputs, tokenize
 from torch_topg.engine.kv_cache import KVCacheManager
 from torch_topg.engine.kv_publisher import event_feed
@@ -209,6 +209,8 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("Engine: submit after shutdown()")
+            if (lost := self.runner.broken) is not None:  # refused, not queued to fail
+                raise EngineDeadError(f"Engine: refused, the engine is dead: {lost}")
             limit = self.config.args.max_queue
             if limit is not None and self._queued >= limit:
                 raise QueueFull(

@@ -227,7 +227,9 @@ class ModelRunner:
         to caches of its own (uncommitted memory but for the few blocks it writes), so
         the steps running meanwhile keep theirs."""
         try:
-            caches = [_empty(t.shape, t.dtype, t.device) if t.numel() else t for t in self.kv_caches]
+            caches = [
+                _empty(t.shape, t.dtype, t.device) if t.numel() else t for t in self.kv_caches
+            ]
             args = (self.model, b.input_ids, b.positions, b.logits_indices, caches, b.slot_mapping,
                     b.block_tables, b.seq_lens, b.cu_seqlens_q)  # fmt: skip
             _mark_dynamic(b)
@@ -261,6 +263,13 @@ class ModelRunner:
             t.join(timeout)
             return not t.is_alive()
         return True
+
+    @property
+    def broken(self) -> str | None:
+        """Why this runner can run no more steps (a lost worker or node), or None. A
+        one-process runner never breaks; the multi-process ones say what their group
+        lost."""
+        return None
 
     @property
     def compilations_while_serving(self) -> int:

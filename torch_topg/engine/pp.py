@@ -38,6 +38,7 @@ engine is broken and later steps raise the same error, as with ``tp.py``.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -117,6 +118,10 @@ class PipelineRunner(StageRunner):
         self.times = StageTimes()
         self._pending: list[tuple[Any, torch.Tensor]] = []
 
+    @property
+    def broken(self) -> str | None:
+        return self.group.broken
+
     # --- the pipe -------------------------------------------------------------------
     def _check(self) -> None:
         g = self.group
@@ -146,10 +151,7 @@ class PipelineRunner(StageRunner):
         try:
             w.wait(timedelta(seconds=g.timeout_s))
         except Exception as e:
-            who = f"node_rank {last} (rank {g.topo.leader(last)})"
-            timed_out = "timed out" in str(e).lower()
-            why = f"no answer within {g.timeout_s:g} s (dist_timeout)" if timed_out else str(e)
-            raise RuntimeError(f"{what} from {who}: {why}") from e
+            raise RuntimeError(f"{what}: {lost_node(e, last, g.topo, g.timeout_s)}") from e
 
     def dispatch(self, b: PackedBatch) -> Ticket:
         """Send the step down the pipeline and run stage 0; returns at once after."""
@@ -239,6 +241,19 @@ class PipelineRunner(StageRunner):
             d["comm_s_per_step"] = d["comm_s"] / d["steps"] if d["steps"] else 0.0
             stages.append(d)
         return {"stages": stages}
+
+
+def lost_node(err: BaseException, node: int, topo: Topology, timeout_s: float) -> str:
+    """What a failed wait on ``node`` says: it did not answer within ``dist_timeout`` (a
+    node that hangs, or a host gone without closing its connections), or it is lost (its
+    connection closed: the process died, ``SIGKILL`` included, or its host rebooted).
+    gloo's own words follow, without its source path and advice."""
+    who = f"node_rank {node} (rank {topo.leader(node)})"
+    text = str(err)
+    if "timed out" in text.lower() or isinstance(err, TimeoutError):
+        return f"{who} did not answer within {timeout_s:g} s (dist_timeout)"
+    short = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0].strip()
+    return f"{who} is lost: its connection closed ({short})"
 
 
 def start_pp_engine(cls: type, model: Any, args: Any) -> Any:

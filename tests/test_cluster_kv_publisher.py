@@ -1,14 +1,13 @@
 """The KV events on ZMQ (``kv_events_endpoint``, vLLM's ``"zmq"`` publisher): a SUB socket
 on the loopback receives, after requests, numbered msgpack batches that decode to exactly
-the events the engine recorded in process; the payload is the bytes vLLM 0.33 sends for
-the same batch; a full queue drops and counts, never blocks, and says so to the
+the events the engine recorded in process; the payload holds the msgpack values vLLM 0.33
+sends for the same batch; a full queue drops and counts, never blocks, and says so to the
 subscriber. Skipped only where pyzmq (the ``cluster`` extra) is absent."""
 
 from __future__ import annotations
 
 import time
 
-import msgpack
 import pytest
 from engine_utils import prompts, tiny, wait_idle
 
@@ -24,6 +23,7 @@ from torch_topg.engine.kv_events import (
 )
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (the cluster extra)")
+msgpack = pytest.importorskip("msgpack", reason="msgpack is not installed (the cluster extra)")
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

@@ -161,10 +161,13 @@ def test_event_log_wire_format_and_overflow() -> None:
     log = KVEventLog(block_size=16, capacity=3)
     log.stored([b"a" * 16, b"b" * 16], None, list(range(32)), "GPU")
     wire = to_wire(log.since(0)[1])
-    # msgspec's array_like + tag layout, as vLLM's publisher encodes it
+    # vLLM 0.33's layout: the batch array-like, each event a map tagged by "type"
+    # (test_cluster_kv_publisher.py holds it against vLLM's own bytes)
     assert wire[1] == [
-        ["BlockStored", [b"a" * 16, b"b" * 16], None, list(range(32)), 16, None, "GPU"]
-    ]
+        {"type": "BlockStored", "block_hashes": [b"a" * 16, b"b" * 16],
+         "parent_block_hash": None, "token_ids": list(range(32)), "block_size": 16,
+         "lora_id": None, "medium": "GPU", "lora_name": None}
+    ]  # fmt: skip
     assert len(wire) == 2  # data_parallel_rank omitted while None
     log.removed([b"a" * 16], "GPU")
     log.cleared()

@@ -88,8 +88,11 @@ def test_background_compile_serves_uncompiled_until_compiled(monkeypatch):
     ps = prompts(3, [9, 23, 4])
     want = [hf_greedy(ref, p, 8) for p in ps]
     with Engine.from_model(tiny("llama-tiny"), block_size=4) as eng:
+        if not eng.stats()["decode_plan"]["active"]:  # no native plan (the reference lane):
+            release.set()  # the one-token class compiles too, so the warm-up is synchronous
+            assert eng.stats()["compile"]["background"] == "off"
+            return
         assert eng.stats()["compile"]["background"] == "compiling"
-        assert eng.stats()["decode_plan"]["active"]
         got = [r.token_ids for r in eng.generate(ps, max_new_tokens=8, **GREEDY)]
         assert got == want and max(eager_calls) > 1  # prefill steps ran un-compiled
         release.set()

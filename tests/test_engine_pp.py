@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -75,16 +76,20 @@ def node1(llama):
     proc.wait(30)
 
 
-def _run_pipeline(llama, reference, node1, index: int) -> None:
+def _run_pipeline(llama, reference, node1, index: int, **node0: Any) -> None:
+    """``node0``: node 0's own options (``pp_layers`` is read there only)."""
     ps, want = reference
     proc, runs = node1
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     threads = torch.get_num_threads()
-    eng = Engine.from_pretrained(llama, nnodes=2, compile=index == 0, **runs[index])
+    eng = Engine.from_pretrained(llama, nnodes=2, compile=index == 0, **runs[index], **node0)
     procs = list(eng.runner.group.procs)
+    # by bytes: 2 layers + 1 layer and the LM head (a third of a layer here); by hand: 1 + 2
+    split = [[0, 2], [2, 3]] if "pp_layers" not in node0 else [[0, 1], [1, 3]]
     try:
-        assert eng.runner.stage.layers == range(0, 1)  # node 0: layer 0; node 1: 1, 2
-        assert [c.numel() > 0 for c in eng.runner.kv_caches] == [True, True] + [False] * 4
+        assert eng.runner.stage.layers == range(*split[0])
+        held = [c.numel() > 0 for c in eng.runner.kv_caches]  # K and V of each layer
+        assert held == [True] * 2 * split[0][1] + [False] * 2 * (3 - split[0][1])
         with whole_pool(eng):
             handles, streams = [], []
             for p in ps:  # late arrivals: each joins while the others decode
@@ -101,7 +106,7 @@ def _run_pipeline(llama, reference, node1, index: int) -> None:
         assert max(st["steps"]["batch_sizes"]) > 1
         assert st["decode_plan"]["reason"].startswith("nnodes > 1")
         figures = eng.runner.pipeline_stats()["stages"]
-        assert [f["layers"] for f in figures] == [[0, 1], [1, 3]]
+        assert [f["layers"] for f in figures] == split
         assert all(f["steps"] == figures[0]["steps"] > 0 for f in figures)
     finally:
         eng.shutdown()
@@ -122,7 +127,7 @@ def test_nnodes2_pipeline_equals_one_process(llama, reference, node1):
 
 def test_nnodes2_tp2_equals_one_process(llama, reference, node1):
     """Two nodes of two tensor-parallel ranks each (4 processes)."""
-    _run_pipeline(llama, reference, node1, 1)
+    _run_pipeline(llama, reference, node1, 1, pp_layers=[1, 2])
     node1[0].wait(60)
     assert node1[0].returncode == 0
 
@@ -146,14 +151,20 @@ def test_options_are_checked_and_are_serve_flags(llama):
         Engine.from_pretrained(llama, nnodes=2, speculative={"method": "ngram"})
     with pytest.raises(ParameterError, match="master_port"):
         Engine.from_pretrained(llama, nnodes=2, master_port=70000)
+    with pytest.raises(ParameterError, match=r"pp_layers: expected one layer count per node \(nnodes=2\), got 3"):  # fmt: skip
+        Engine.from_pretrained(llama, nnodes=2, pp_layers=[1, 1, 1])
+    with pytest.raises(ParameterError, match=r"pp_layers: expected a list of layer counts >= 1.*\[2, 0\]"):  # fmt: skip
+        Engine.from_pretrained(llama, nnodes=2, pp_layers=[2, 0])
+    with pytest.raises(ParameterError, match=r"pp_layers: \[2, 2\] sums to 4 layers; the model has 3"):  # fmt: skip
+        Engine.from_pretrained(llama, nnodes=2, pp_layers=[2, 2], master_port=free_port())
     from torch_topg.engine.options import from_cli_args
     from torch_topg.serve.cli import parser
 
     argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port",
-            "29600", "--dist-timeout", "30"]  # fmt: skip
+            "29600", "--dist-timeout", "30", "--pp-layers", "19,11"]  # fmt: skip
     got = from_cli_args(parser().parse_args(argv))
     assert got == dict(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600,
-                       dist_timeout=30.0)  # fmt: skip
+                       dist_timeout=30.0, pp_layers=[19, 11])  # fmt: skip
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -199,3 +210,56 @@ def test_stages_read_only_their_tensors_and_chain_to_the_model(tmp_path, tied):
         assert ("lm_head.weight" in got) == (st.last and not tied)
     with pytest.raises(ValueError, match="cannot be split"):
         split_layers(2, 3)
+
+
+def _best_by_brute_force(sizes: list[int], head: int, stages: int) -> tuple[int, int]:
+    """The reference: every split into consecutive non-empty stages; the least largest
+    stage, and the least sum of squares among the splits that reach it."""
+    import itertools
+
+    best = None
+    for cuts in itertools.combinations(range(1, len(sizes)), stages - 1):
+        bounds = [0, *cuts, len(sizes)]
+        costs = [sum(sizes[a:b]) for a, b in itertools.pairwise(bounds)]
+        costs[-1] += head
+        key = (max(costs), sum(c * c for c in costs))
+        best = key if best is None else min(best, key)
+    return best
+
+
+def test_stages_balanced_by_bytes_llama_1b_shape():
+    """Llama-3.2-1B's shapes (16 layers, hidden 2048, MLP 8192, 8 KV heads of 64, a tied
+    128256-row head) in bf16: the LM head weighs 4.3 layers, so the last stage gets 6
+    layers and the first 10; the table is the hand count and the split the best of every
+    possible split."""
+    from transformers import LlamaConfig
+
+    from torch_topg.parallel import empty_model
+    from torch_topg.parallel.pipeline import balance_layers, byte_table, split_layers
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      tie_word_embeddings=True)  # fmt: skip
+    layers, head = byte_table(empty_model(cfg, torch.bfloat16))
+    h, kv, mlp = 2048, 8 * 64, 8192
+    layer = 2 * (2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h)  # q, o, k, v, MLP, 2 norms
+    assert layers == [layer] * 16 and head == 2 * (128256 * h + h)  # + the final norm
+    stages = balance_layers(layers, head, 2)
+    assert [(s.start, s.end) for s in stages] == [(0, 10), (10, 16)]
+    for n in (2, 3, 4):  # the split's worst stage and evenness equal the exhaustive best
+        got = balance_layers(layers, head, n)
+        costs = [sum(layers[s.start : s.end]) for s in got]
+        costs[-1] += head
+        assert (max(costs), sum(c * c for c in costs)) == _best_by_brute_force(layers, head, n)
+    # uneven layers (a quantised layer is smaller), and the old count rule as a special case
+    sizes = [5, 9, 1, 7, 3, 3, 8, 2]
+    for n in (2, 3, 5):
+        got = balance_layers(sizes, 6, n)
+        assert [g.start for g in got] == [0] + [g.end for g in got[:-1]]
+        assert got[-1].end == len(sizes) and all(g.end > g.start for g in got)
+        costs = [sum(sizes[s.start : s.end]) for s in got]
+        costs[-1] += 6
+        assert (max(costs), sum(c * c for c in costs)) == _best_by_brute_force(sizes, 6, n)
+    assert [(s.start, s.end) for s in split_layers(5, 2)] == [(0, 2), (2, 5)]
+    with pytest.raises(ValueError, match="cannot be split"):
+        balance_layers([1, 1], 0, 3)

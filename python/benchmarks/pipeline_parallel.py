@@ -4,6 +4,7 @@ each stage's idle fraction and communication time per step.
 
     python python/benchmarks/pipeline_parallel.py            # SmolLM2-135M-shaped, random
     python python/benchmarks/pipeline_parallel.py --layers 8 --new-tokens 32   # shorter
+    python python/benchmarks/pipeline_parallel.py --pp-layers 15,15   # split by hand
 
 The model has SmolLM2-135M's shapes (30 layers, hidden 576, 9 / 3 heads, vocab 49152)
 with random weights, saved as safetensors. Every system runs in its own process; node 0
@@ -73,7 +74,10 @@ def role(a: argparse.Namespace) -> None:
         Engine.from_pretrained(a.folder, nnodes=2, node_rank=1, master_port=a.port, **opts)
         return
     if a.role == "node0":
-        eng = Engine.from_pretrained(a.folder, nnodes=2, master_port=a.port, **opts)
+        split = [int(x) for x in a.pp_layers.split(",")] if a.pp_layers else None
+        eng = Engine.from_pretrained(
+            a.folder, nnodes=2, master_port=a.port, pp_layers=split, **opts
+        )
     else:
         eng = Engine.from_pretrained(a.folder, decode_plan=a.role == "single", **opts)
     with eng:
@@ -87,6 +91,8 @@ def _run(a: argparse.Namespace, folder: str, name: str, threads: int, port: int 
             str(a.prompt), "--new-tokens", str(a.new_tokens), "--layers", str(a.layers)]  # fmt: skip
     if a.compile:
         argv.append("--compile")
+    if a.pp_layers:
+        argv += ["--pp-layers", a.pp_layers]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
 
 
@@ -109,6 +115,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per stream")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--compile", action="store_true", help='backend="topg" (slow to start)')
+    ap.add_argument("--pp-layers", default=None,
+                    help="layers per stage, e.g. 15,15 (default: balanced by bytes)")  # fmt: skip
     a = ap.parse_args()
     if a.role:
         role(a)

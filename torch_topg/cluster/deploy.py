@@ -157,6 +157,10 @@ def cluster_main(
     if args.replicas < 1:
         print(f"--replicas: expected an int >= 1, got {args.replicas}")
         return 2
+    if engine_options.get("kv_events_endpoint") is not None:  # one endpoint, N publishers
+        print("--kv-events-endpoint: not with --replicas (every replica would publish on the "
+              "same endpoint); the router reads the replicas' events itself (docs/cluster.md)")  # fmt: skip
+        return 2
     try:
         import ray
         from ray import serve

@@ -23,9 +23,10 @@ import torch
 
 from torch_topg.engine.block_pool import BlockPool
 from torch_topg.engine.config import EngineConfig
-from torch_topg.engine.errors import ParameterError, QueueFull
+from torch_topg.engine.errors import EngineDeadError, ParameterError, QueueFull
 from torch_topg.engine.inputs import eos_ids, new_token_limit, split_inputs, tokenize
 from torch_topg.engine.kv_cache import KVCacheManager
+from torch_topg.engine.kv_publisher import event_feed
 from torch_topg.engine.model_runner import ModelRunner
 from torch_topg.engine.options import runtime_names
 from torch_topg.engine.outputs import Delta, RequestHandle, RequestOutput, TokenLogprob
@@ -107,7 +108,7 @@ class Engine:
             disk_blocks=config.disk_kv_blocks,
             disk_shared=args.disk_kv_shared,
             disk_cap=config.disk_kv_bytes,
-            kv_events=args.kv_events,
+            kv_events=args.kv_events or args.kv_events_endpoint is not None,
             session_ttl=args.session_ttl,
             session_share=args.session_kv_share,
         )
@@ -127,6 +128,9 @@ class Engine:
         self._rng = random.Random(args.seed)
         self._ids = itertools.count()
         self._on_shutdown = [*(on_shutdown or []), self.kv.close, self.runner.wait_compiled]
+        self._kv_feed = event_feed(self.kv.events, args.kv_events_endpoint, args.kv_events_topic)
+        if self._kv_feed is not None:  # after the loop: its last events are sent
+            self._on_shutdown.insert(0, self._kv_feed.close)
         # inbox (guarded by _cv)
         self._cv = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -218,6 +222,8 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("Engine: submit after shutdown()")
+            if (lost := self.runner.broken) is not None:  # refused, not queued to fail
+                raise EngineDeadError(f"Engine: refused, the engine is dead: {lost}")
             limit = self.config.args.max_queue
             if limit is not None and self._queued >= limit:
                 raise QueueFull(
@@ -368,6 +374,8 @@ class Engine:
                     self._pipeline.step() if self._pipeline else self._step()
                 except Exception as e:  # a bug outside the model call: never a silent hang
                     self._fail_all(e)
+            if self._kv_feed is not None:  # never waits (kv_publisher.py)
+                self._kv_feed.pump()
 
     def _fail_all(self, err: BaseException) -> None:
         """The loop itself raised: fail every request with the error (pool made whole)."""
@@ -612,6 +620,7 @@ class Engine:
                 **self.kv.stats(),
             },
             "time": dict(st.time),
+            **({"kv_events": self._kv_feed.stats()} if self._kv_feed is not None else {}),
             **({"speculative": spec} if (spec := self.proposer.summary()) is not None else {}),
             "structured": self.constraints.stats(),
             "decode_plan": {

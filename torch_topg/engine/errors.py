@@ -15,5 +15,10 @@ class ParameterError(ValueError):
         self.param = param
 
 
+class EngineDeadError(RuntimeError):
+    """``submit`` to an engine whose workers or nodes are lost (vLLM's name): the engine
+    runs no more steps; its message says what was lost. ``shutdown()`` still works."""
+
+
 class QueueFull(RuntimeError):
     """``submit`` found ``max_queue`` requests already waiting."""

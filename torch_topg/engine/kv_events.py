@@ -14,10 +14,14 @@ written for vLLM can read them:
 - ``BlockRemoved(block_hashes, medium)``; ``AllBlocksCleared()``.
 - ``KVEventBatch(ts, events, data_parallel_rank)``.
 
-On the wire (:func:`encode`) a batch is msgpack in msgspec's ``array_like`` layout with
-tagged events, as vLLM's publisher writes it: ``[ts, [["BlockStored", hashes, parent,
-tokens, block_size, lora_id, medium], ...]]`` (``data_parallel_rank`` omitted while
-None, as ``omit_defaults`` does). Hashes are 16 bytes (msgpack bin).
+On the wire (:func:`encode`) a batch is msgpack exactly as vLLM 0.33's publisher encodes
+its msgspec structs: the batch array-like, the events maps tagged by ``"type"``:
+``[ts, [{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ...,
+"token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name":
+None}, ...], data_parallel_rank]`` (the rank left out while None, as ``omit_defaults``
+does). Hashes are 16 bytes (msgpack bin). :func:`decode` also reads the array-like
+events of earlier vLLM releases. ``kv_publisher.py`` sends the batches on a ZMQ PUB
+socket, as vLLM's ``"zmq"`` publisher does.
 
 ``medium`` names the tier: the device pool is ``"GPU"`` on CUDA and ``"CPU"`` on the
 CPU; the host tier ``"CPU"`` beside a CUDA pool and ``"HOST"`` beside a CPU pool (so
@@ -74,16 +78,23 @@ def mediums(device_type: str) -> dict[str, str]:
 
 # --- the wire format -----------------------------------------------------------------
 def to_wire(batch: KVEventBatch) -> list[Any]:
-    """The batch as msgspec's array-like, tagged layout (plain lists)."""
+    """The batch as vLLM 0.33's msgspec structs encode it, as plain msgpack values: the
+    batch array-like ``[ts, events(, data_parallel_rank)]``, each event a map tagged by
+    ``"type"`` with its fields in declaration order (the fields vLLM gives a default,
+    ``extra_keys``, ``group_idx``, ..., are left out, as ``omit_defaults`` does for
+    their default)."""
     events: list[Any] = []
     for e in batch.events:
         if isinstance(e, BlockStored):
-            events.append(["BlockStored", list(e.block_hashes), e.parent_block_hash,
-                           list(e.token_ids), e.block_size, e.lora_id, e.medium])  # fmt: skip
+            events.append({"type": "BlockStored", "block_hashes": list(e.block_hashes),
+                           "parent_block_hash": e.parent_block_hash,
+                           "token_ids": list(e.token_ids), "block_size": e.block_size,
+                           "lora_id": e.lora_id, "medium": e.medium, "lora_name": None})  # fmt: skip
         elif isinstance(e, BlockRemoved):
-            events.append(["BlockRemoved", list(e.block_hashes), e.medium])
+            events.append({"type": "BlockRemoved", "block_hashes": list(e.block_hashes),
+                           "medium": e.medium})  # fmt: skip
         elif isinstance(e, AllBlocksCleared):
-            events.append(["AllBlocksCleared"])
+            events.append({"type": "AllBlocksCleared"})
         else:
             raise TypeError(f"to_wire: not a KV event: {e!r}")
     out: list[Any] = [batch.ts, events]
@@ -92,26 +103,38 @@ def to_wire(batch: KVEventBatch) -> list[Any]:
     return out
 
 
+def _event(e: Any) -> KVEvent:
+    """One event: a tagged map (vLLM 0.33), or a tagged array (earlier vLLM releases,
+    whose events were ``array_like``: ``["BlockStored", hashes, parent, ...]``)."""
+    if isinstance(e, dict):
+        tag, get = e.get("type"), e.get
+        if tag == "BlockStored" and "block_hashes" in e and "block_size" in e:
+            return BlockStored([bytes(h) if isinstance(h, bytes | bytearray) else h
+                                for h in e["block_hashes"]], get("parent_block_hash"),
+                               list(get("token_ids") or []), int(e["block_size"]),
+                               get("lora_id"), get("medium"))  # fmt: skip
+        if tag == "BlockRemoved" and "block_hashes" in e:
+            return BlockRemoved(list(e["block_hashes"]), get("medium"))
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared()
+    elif isinstance(e, list | tuple) and e:
+        tag = e[0]
+        if tag == "BlockStored" and len(e) >= 5:
+            return BlockStored(list(e[1]), e[2], list(e[3]), int(e[4]),
+                               e[5] if len(e) > 5 else None, e[6] if len(e) > 6 else None)  # fmt: skip
+        if tag == "BlockRemoved" and len(e) >= 2:
+            return BlockRemoved(list(e[1]), e[2] if len(e) > 2 else None)
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared()
+    raise ValueError(f"KV event batch: unknown or malformed event {e!r:.80}")
+
+
 def from_wire(data: list[Any]) -> KVEventBatch:
     """The inverse of :func:`to_wire` (a ValueError naming what is malformed)."""
     if not isinstance(data, list | tuple) or len(data) not in (2, 3):
         raise ValueError(f"KV event batch: expected [ts, events(, rank)], got {data!r:.80}")
-    events: list[KVEvent] = []
-    for e in data[1]:
-        tag = e[0] if isinstance(e, list | tuple) and e else None
-        if tag == "BlockStored" and len(e) >= 5:
-            lora = e[5] if len(e) > 5 else None
-            medium = e[6] if len(e) > 6 else None
-            events.append(BlockStored([bytes(h) if isinstance(h, bytes | bytearray) else h
-                                       for h in e[1]], e[2], list(e[3]), int(e[4]), lora, medium))  # fmt: skip
-        elif tag == "BlockRemoved" and len(e) >= 2:
-            events.append(BlockRemoved(list(e[1]), e[2] if len(e) > 2 else None))
-        elif tag == "AllBlocksCleared":
-            events.append(AllBlocksCleared())
-        else:
-            raise ValueError(f"KV event batch: unknown or malformed event {e!r:.80}")
     rank = data[2] if len(data) == 3 else None
-    return KVEventBatch(float(data[0]), events, rank)
+    return KVEventBatch(float(data[0]), [_event(e) for e in data[1]], rank)
 
 
 def encode(batch: KVEventBatch) -> bytes:

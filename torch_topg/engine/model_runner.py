@@ -270,6 +270,13 @@ class ModelRunner:
         return True
 
     @property
+    def broken(self) -> str | None:
+        """Why this runner can run no more steps (a lost worker or node), or None. A
+        one-process runner never breaks; the multi-process ones say what their group
+        lost."""
+        return None
+
+    @property
     def compilations_while_serving(self) -> int:
         """Graphs compiled since the warm-up ended (0 while it compiles in the background)."""
         if self._background is not None:

@@ -190,6 +190,38 @@ def _quantization(name: str, v: Any) -> Any:
     return v
 
 
+def _layer_counts(name: str, v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    ok = isinstance(v, (list, tuple)) and len(v) > 0
+    ok = ok and all(
+        not isinstance(c, bool) and isinstance(c, numbers.Integral) and c >= 1 for c in v
+    )
+    if not ok:
+        raise ParameterError(name, f"expected a list of layer counts >= 1, one per node, got {v!r}")
+    return [int(c) for c in v]
+
+
+def _zmq_endpoint(name: str, v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ParameterError(name, f"expected a ZMQ endpoint like 'tcp://*:5557', got {v!r}")
+    from torch_topg.engine.kv_publisher import zmq_available
+
+    if not zmq_available():
+        raise ParameterError(
+            name, "needs pyzmq, in the cluster extra: pip install 'torch_topg[cluster]'"
+        )
+    return v
+
+
+def _text(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ParameterError(name, f"expected a string, got {v!r}")
+    return v
+
+
 # --- command-line parsers: a flag's text -> the option's value ----------------------------
 def _parse_memory(s: str) -> int | str:
     return int(s) if s.strip().isdigit() else s
@@ -203,6 +235,17 @@ def _parse_spec(s: str) -> Any:
         except json.JSONDecodeError as e:
             raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
     return None if s.strip().lower() in ("none", "") else s
+
+
+def _parse_counts(s: str) -> list[int] | None:
+    """``19,11`` or ``[19, 11]``; ``none``: the byte-balanced split."""
+    text = s.strip().strip("[]")
+    if text.lower() in ("none", ""):
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer counts like 19,11, got {s!r}") from None
 
 
 def option(
@@ -267,6 +310,14 @@ class EngineArgs:
         "seconds node 0 waits for the other nodes to join (one that does not is an error "
         "naming it), and a step waits for another node's answer.",
         _number(0, what="seconds "),
+    )  # fmt: skip
+    pp_layers: list[int] | None = option(
+        None,
+        "decoder layers of each node's stage, in node order (`[19, 11]`; a flag takes "
+        "`19,11`), read on node 0. None: split so that each stage reads about the same "
+        "weight bytes per decode step, the LM head counted on the last stage "
+        "([cluster.md](cluster.md)).",
+        _layer_counts, shown="byte-balanced", parse=_parse_counts,
     )  # fmt: skip
     prefetch_depth: int = option(
         0,
@@ -367,6 +418,16 @@ class EngineArgs:
         "([cluster.md](cluster.md)).",
         _bool,
     )  # fmt: skip
+    kv_events_endpoint: str | None = option(
+        None,
+        "publish the KV events on a ZMQ PUB socket, as vLLM's `\"zmq\"` publisher "
+        "(`\"tcp://*:5557\"` binds; a host's address connects to a collector); turns "
+        "`kv_events` on; needs the `cluster` extra ([cluster.md](cluster.md)).",
+        _zmq_endpoint, parse=str,
+    )  # fmt: skip
+    kv_events_topic: str = option(
+        "", "the ZMQ topic (first frame) of the published KV events.", _text, parse=str
+    )
     scheduling_policy: str = option(
         "fcfs",
         "`\"fcfs\"`: requests are served in arrival order; `\"priority\"`: by each request's "
@@ -431,6 +492,12 @@ class EngineArgs:
             raise ParameterError(
                 "node_rank",
                 f"expected a node index in [0, nnodes={self.nnodes}), got {self.node_rank}",
+            )
+        if self.pp_layers is not None and len(self.pp_layers) != self.nnodes:
+            raise ParameterError(
+                "pp_layers",
+                f"expected one layer count per node (nnodes={self.nnodes}), got "
+                f"{len(self.pp_layers)}: {self.pp_layers}",
             )
         if self.tp_size == 1 and self.nnodes == 1:
             return

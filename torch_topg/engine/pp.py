@@ -4,7 +4,8 @@ Every node runs the same command with its own ``node_rank`` (SGLang's ``--nnodes
 ``--node-rank`` / ``--dist-init-addr``): node 0 (``node_rank=0``) builds the engine, the
 others are headless (``from_pretrained`` runs their stage and returns None once node 0
 shuts down; ``serve`` starts no HTTP server there). The decoder layers are split into
-``nnodes`` consecutive stages, one per node (``torch_topg.parallel.pipeline``); inside a
+``nnodes`` consecutive stages, one per node, balanced by the weight bytes each reads per
+decode step or as ``pp_layers`` says (:func:`plan_stages`); inside a
 node, ``tp_size`` ranks shard the stage by tensor parallelism as on one machine
 (``tp.py``). World: ``nnodes * tp_size`` ranks; node ``n`` holds ranks
 ``[n * tp_size, (n + 1) * tp_size)``; rank 0 is the engine.
@@ -37,6 +38,7 @@ engine is broken and later steps raise the same error, as with ``tp.py``.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -64,7 +66,7 @@ from torch_topg.engine.pp_node import (
     wait_keys,
 )
 from torch_topg.engine.tp import CMD_COPY, CMD_STOP, TPGroup, _active, encode
-from torch_topg.parallel.pipeline import split_layers
+from torch_topg.parallel.pipeline import Stage, balance_layers, byte_table, stages_of
 
 
 @dataclass
@@ -116,6 +118,10 @@ class PipelineRunner(StageRunner):
         self.times = StageTimes()
         self._pending: list[tuple[Any, torch.Tensor]] = []
 
+    @property
+    def broken(self) -> str | None:
+        return self.group.broken
+
     # --- the pipe -------------------------------------------------------------------
     def _check(self) -> None:
         g = self.group
@@ -145,10 +151,7 @@ class PipelineRunner(StageRunner):
         try:
             w.wait(timedelta(seconds=g.timeout_s))
         except Exception as e:
-            who = f"node_rank {last} (rank {g.topo.leader(last)})"
-            timed_out = "timed out" in str(e).lower()
-            why = f"no answer within {g.timeout_s:g} s (dist_timeout)" if timed_out else str(e)
-            raise RuntimeError(f"{what} from {who}: {why}") from e
+            raise RuntimeError(f"{what}: {lost_node(e, last, g.topo, g.timeout_s)}") from e
 
     def dispatch(self, b: PackedBatch) -> Ticket:
         """Send the step down the pipeline and run stage 0; returns at once after."""
@@ -240,6 +243,19 @@ class PipelineRunner(StageRunner):
         return {"stages": stages}
 
 
+def lost_node(err: BaseException, node: int, topo: Topology, timeout_s: float) -> str:
+    """What a failed wait on ``node`` says: it did not answer within ``dist_timeout`` (a
+    node that hangs, or a host gone without closing its connections), or it is lost (its
+    connection closed: the process died, ``SIGKILL`` included, or its host rebooted).
+    gloo's own words follow, without its source path and advice."""
+    who = f"node_rank {node} (rank {topo.leader(node)})"
+    text = str(err)
+    if "timed out" in text.lower() or isinstance(err, TimeoutError):
+        return f"{who} did not answer within {timeout_s:g} s (dist_timeout)"
+    short = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0].strip()
+    return f"{who} is lost: its connection closed ({short})"
+
+
 def start_pp_engine(cls: type, model: Any, args: Any) -> Any:
     """Node 0 of a pipeline-parallel engine (see the module docstring)."""
     from torch_topg.engine.config import device_of, dtype_of, resolve
@@ -249,10 +265,10 @@ def start_pp_engine(cls: type, model: Any, args: Any) -> Any:
 
     folder, config = check_checkpoint(model, args)
     nnodes, tp = args.nnodes, args.tp_size
-    stages = split_layers(config.get_text_config().num_hidden_layers, nnodes)
     kv = _kv_split(config, tp) if tp > 1 else (None,)
     device = device_of(args)
     dtype = dtype_of(args, device)
+    stages = plan_stages(config, args, dtype)
     if dist.is_available() and dist.is_initialized():
         raise ValueError(
             f"Engine: nnodes={nnodes} starts its own process group; this process already "
@@ -317,6 +333,23 @@ def start_pp_engine(cls: type, model: Any, args: Any) -> Any:
     except BaseException:
         group.close(graceful=False)
         raise
+
+
+def plan_stages(config: Any, args: Any, dtype: torch.dtype) -> list[Stage]:
+    """The stages: ``pp_layers`` as given (checked against the model), else balanced by
+    the bytes each stage reads per decode step (``balance_layers`` over the model's
+    ``byte_table``, measured on a meta copy: no weights read)."""
+    from torch_topg.engine.errors import ParameterError
+    from torch_topg.parallel import empty_model
+
+    num_layers = config.get_text_config().num_hidden_layers
+    if args.pp_layers is not None:
+        try:
+            return stages_of(args.pp_layers, num_layers)
+        except ValueError as e:
+            raise ParameterError("pp_layers", str(e).removeprefix("pp_layers: ")) from None
+    layer_bytes, head_bytes = byte_table(empty_model(config, dtype))
+    return balance_layers(layer_bytes, head_bytes, args.nnodes)
 
 
 def _wait_for_nodes(group: PipelineGroup, store: Any, args: Any, world: int) -> None:

@@ -247,6 +247,10 @@ class TPModelRunner(ModelRunner):
         super().__init__(model, **kw)
         self.group = group
 
+    @property
+    def broken(self) -> str | None:
+        return self.group.broken
+
     def execute(self, b: PackedBatch) -> torch.Tensor:
         g = self.group
         with g.lock:

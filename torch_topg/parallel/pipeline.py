@@ -27,6 +27,7 @@ the families of the tensor-parallel plans (``PLANS``) all do.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,20 +61,108 @@ class Stage:
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[Stage]:
-    """Consecutive, as even as possible; the extra layers go to the later stages (the
-    first stage's process also runs the scheduler and the sampler)."""
-    if num_stages < 1 or num_layers < num_stages:
+    """Consecutive, as even as possible by count; the extra layers go to the later stages
+    (the first stage's process also runs the scheduler and the sampler). The engine
+    splits by bytes instead (:func:`balance_layers`); this is that rule for layers of
+    equal size and no LM head."""
+    return balance_layers([1] * max(num_layers, 0), 0, num_stages)
+
+
+def stages_of(counts: Sequence[int], num_layers: int, name: str = "pp_layers") -> list[Stage]:
+    """The stages of an explicit split: ``counts[i]`` layers on stage ``i``, in order.
+    A ValueError naming ``name`` when the counts are not positive or do not sum to
+    ``num_layers``."""
+    counts = list(counts)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"{name}: expected a list of layer counts >= 1, one per stage, got {counts!r}")  # fmt: skip
+    if sum(counts) != num_layers:
         raise ValueError(
-            f"pipeline: {num_layers} decoder layers cannot be split over {num_stages} "
-            "stages (every stage needs at least one layer)"
+            f"{name}: {counts} sums to {sum(counts)} layers; the model has {num_layers} "
+            "decoder layers (the counts, one per stage, must add up to them)"
         )
-    base, extra = divmod(num_layers, num_stages)
-    sizes = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
     stages, start = [], 0
-    for i, n in enumerate(sizes):
-        stages.append(Stage(i, num_stages, start, start + n))
+    for i, n in enumerate(counts):
+        stages.append(Stage(i, len(counts), start, start + n))
         start += n
     return stages
+
+
+def balance_layers(layer_bytes: Sequence[int], head_bytes: int, num_stages: int) -> list[Stage]:
+    """Consecutive stages whose bytes read per decode step are as equal as possible.
+
+    ``layer_bytes[i]``: decoder layer ``i``'s weights (packed bytes where quantised);
+    ``head_bytes``: what only the last stage reads whole every step (the LM head and the
+    final norm). The token embedding is not counted: a step reads only the rows of its
+    tokens. The split minimises the largest stage (the pipeline runs at the speed of its
+    slowest stage); among the splits that reach it, the one whose stages are most even
+    (least sum of squares); among those, the one with the earlier stages lighter (node 0
+    also schedules and samples). Decode at these sizes is bound by reading the weights,
+    so bytes are what a stage's time follows."""
+    sizes = [int(b) for b in layer_bytes]
+    n, s = len(sizes), num_stages
+    if s < 1 or n < s:
+        raise ValueError(
+            f"pipeline: {n} decoder layers cannot be split over {s} stages "
+            "(every stage needs at least one layer)"
+        )
+    if any(b < 0 for b in sizes) or head_bytes < 0:
+        raise ValueError(f"pipeline: byte counts must be >= 0, got {sizes} and head {head_bytes}")
+    prefix = [0]
+    for b in sizes:
+        prefix.append(prefix[-1] + b)
+
+    def cost(stage: int, start: int, end: int) -> int:  # layers [start, end) on `stage`
+        return prefix[end] - prefix[start] + (head_bytes if stage == s - 1 else 0)
+
+    inf = float("inf")
+
+    def ends(i: int, j: int) -> range:  # where stage i, starting at layer j, may end
+        return range(j + 1, n - (s - i - 1) + 1)
+
+    # worst[i][j]: the least possible largest stage of stages i.. over layers j..
+    worst = [[inf] * (n + 1) for _ in range(s + 1)]
+    worst[s][n] = 0
+    for i in range(s - 1, -1, -1):
+        for j in range(i, n - (s - i) + 1):
+            worst[i][j] = min(max(cost(i, j, k), worst[i + 1][k]) for k in ends(i, j))
+    bound = worst[0][0]
+    # squares[i][j]: the least sum of squared stage bytes of stages i.. over layers j..,
+    # every stage within the bound
+    squares = [[inf] * (n + 1) for _ in range(s + 1)]
+    squares[s][n] = 0
+    for i in range(s - 1, -1, -1):
+        for j in range(i, n - (s - i) + 1):
+            for k in ends(i, j):
+                if (c := cost(i, j, k)) <= bound:
+                    squares[i][j] = min(squares[i][j], c * c + squares[i + 1][k])
+    stages, start = [], 0
+    for i in range(s):  # each stage as light as the optimum allows
+        k = next(k for k in ends(i, start) if cost(i, start, k) <= bound
+                 and cost(i, start, k) ** 2 + squares[i + 1][k] == squares[i][start])  # fmt: skip
+        stages.append(Stage(i, s, start, k))
+        start = k
+    return stages
+
+
+def byte_table(model: nn.Module) -> tuple[list[int], int]:
+    """``(layer_bytes, head_bytes)`` of a transformers decoder (meta parameters count
+    as what they will hold), for :func:`balance_layers`: each decoder layer's parameters
+    and buffers (a quantised layer's packed tensors), and the LM head's weight (the
+    embedding's when tied) plus the final norm."""
+
+    def size(m: nn.Module) -> int:
+        seen, total = set(), 0
+        for t in [*m.parameters(), *m.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    base = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings()
+    norm = getattr(base, "norm", None)
+    head_bytes = (size(head) if head is not None else 0) + (size(norm) if norm is not None else 0)
+    return [size(layer) for layer in base.layers], head_bytes
 
 
 def check_pipeline_family(config: Any) -> None:

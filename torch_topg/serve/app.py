@@ -158,6 +158,9 @@ def create_app(
     async def health() -> JSONResponse:
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
+        lost = getattr(getattr(state.engine, "runner", None), "broken", None)
+        if lost is not None:  # a lost worker or node: restart the service (cluster.md)
+            return JSONResponse({"status": "dead", "error": lost}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -46,7 +46,7 @@ from torch_topg.engine.sampling import (
 from torch_topg.engine.scheduler import Scheduler, SchedulerOutput
 from torch_topg.engine.sequence import Request, Sequence, Status
 from torch_topg.engine.setup import cache_salt, decode_plan_wanted, logits_width, tp_rank
-from torch_topg.engine.stats import EngineStats
+from torch_topg.engine.stats import EngineStats, engine_stats
 from torch_topg.engine.structured import GrammarCompiler, Structured
 from torch_topg.engine.structured_step import Constraints
 from torch_topg.modes import batch_invariant_mode
@@ -600,39 +600,4 @@ class Engine:
     # --- introspection -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """What the engine did, one section per subsystem (the server's metrics read it)."""
-        st = self._stats
-        return {
-            "requests": {**st.requests, **self.scheduler.stats()},
-            "tokens": dict(st.tokens),
-            "steps": {
-                "count": st.steps,
-                "batch_sizes": dict(sorted(st.batch_sizes.items())),
-                "mean_batch_size": (
-                    sum(k * v for k, v in st.batch_sizes.items()) / st.steps if st.steps else 0.0
-                ),
-                "mean_tokens_per_step": st.tokens_per_step / st.steps if st.steps else 0.0,
-            },
-            "kv": {
-                "blocks_total": self.pool.num_blocks,
-                "blocks_used": self.pool.num_used,
-                "block_size": self.pool.block_size,
-                "bytes": self.runner.kv_bytes,
-                **self.kv.stats(),
-            },
-            "time": dict(st.time),
-            **({"kv_events": self._kv_feed.stats()} if self._kv_feed is not None else {}),
-            **({"speculative": spec} if (spec := self.proposer.summary()) is not None else {}),
-            "structured": self.constraints.stats(),
-            "decode_plan": {
-                "active": self.runner.plan is not None,
-                "kind": "cuda_graphs" if self.runner.device.type == "cuda" else "plan",
-                "reason": self.runner.plan_reason,
-                "steps": self.runner.plan_steps,
-            },
-            "compile": {
-                "enabled": self.runner.compiled,
-                "compilations": self.runner.compilations,
-                "while_serving": self.runner.compilations_while_serving,
-                "background": self.runner.background_state,
-            },
-        }
+        return engine_stats(self)

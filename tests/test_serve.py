@@ -404,7 +404,12 @@ def test_health_loading_then_ready(engine) -> None:
         r = c.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         app.state.topg.set_engine(engine)
-        assert c.get("/health").status_code == 200
+        r = c.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        # "warm": false only while the warm-up compiles in the background
+        assert r.json()["warm"] == (engine.runner.background_state != "compiling")
+        assert engine.runner.wait_compiled(timeout=600)
+        assert c.get("/health").json()["warm"] is True
 
 
 def _samples(text: str) -> dict[str, float]:

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from real_size import format_files, save_rows  # noqa: E402
-from serving import free_port, wait_healthy  # noqa: E402
+from serving import free_port, wait_healthy, wait_warm  # noqa: E402
 
 from torch_topg.bench.timing import summarize  # noqa: E402
 from torch_topg.client.datasets import make_requests  # noqa: E402
@@ -72,6 +72,7 @@ class Server:
         if first["completed"] != 1:
             raise RuntimeError(f"{name}: the first request failed: {first['errors']}; log {log}")
         self.load_s = time.monotonic() - t0
+        wait_warm(self.url)  # the rounds measure the steady state
         self.rounds: list[dict] = []
 
     def level(self, reqs: list, concurrency: int, max_tokens: int) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import socket
@@ -80,6 +81,20 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
         time.sleep(0.25)
 
 
+def wait_warm(url: str, timeout: float = 600.0) -> None:
+    """Return once ``GET url/health`` no longer says ``"warm": false`` (topg's warm-up
+    compiles in the background while it already serves: steady-state figures wait for it;
+    llama-server's health has no such field)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if json.load(r).get("warm", True):
+                    return
+        time.sleep(0.25)
+    raise RuntimeError(f"{url}: still warming up after {timeout:.0f} s")
+
+
 @contextlib.contextmanager
 def server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None,
            timeout: float = 1200.0) -> Iterator[str]:  # fmt: skip
@@ -91,6 +106,7 @@ def server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = No
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(url, proc, log, timeout)
+        wait_warm(url, timeout)
         yield url
     finally:
         proc.terminate()

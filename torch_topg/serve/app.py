@@ -161,7 +161,10 @@ def create_app(
         lost = getattr(getattr(state.engine, "runner", None), "broken", None)
         if lost is not None:  # a lost worker or node: restart the service (cluster.md)
             return JSONResponse({"status": "dead", "error": lost}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        # warm: the warm-up's background compile is done (or there is none); a benchmark
+        # waits for it, a client need not (requests are served meanwhile)
+        state_ = getattr(getattr(state.engine, "runner", None), "background_state", "off")
+        return JSONResponse({"status": "ok", "warm": state_ != "compiling"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -97,6 +97,7 @@ def test_background_compile_serves_uncompiled_until_compiled(monkeypatch):
         assert got == want and max(eager_calls) > 1  # prefill steps ran un-compiled
         release.set()
         assert eng.runner.wait_compiled(timeout=600)
+        assert eng.stats()["compile"]["background"] == "done"  # before any step adopts it
         n = len(eager_calls)
         got = [r.token_ids for r in eng.generate(ps, max_new_tokens=8, **GREEDY)]
         assert got == want and len(eager_calls) == n  # the compiled graph from here on

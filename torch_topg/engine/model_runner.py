@@ -99,7 +99,7 @@ class ModelRunner:
         self._lock = threading.RLock()
         self._background: threading.Thread | None = None  # compiling (warmup(background=True))
         self._background_error: BaseException | None = None
-        self.background_state = "off"  # "compiling", "done", "failed: ..."
+        self._background_state = "off"  # "compiling", "done", "failed: ..."
         self.warm_compilations = 0  # graphs compiled by the warm-up (background included)
         self._prepare: Callable[[threading.RLock], Any] | None = None
         # The decode plan: True = lower after warm-up; a string = off, and why.
@@ -252,13 +252,23 @@ class ModelRunner:
         self.warm_compilations = self.compilations
         if self._background_error is not None:  # compiles on first use instead, and raises there
             e, self._background_error = self._background_error, None
-            self.background_state = f"failed: {type(e).__name__}: {e}"
+            self._background_state = f"failed: {type(e).__name__}: {e}"
             log.warning("topg engine: the background compile failed (%s); the step compiles "
-                        "on first use instead", self.background_state)  # fmt: skip
+                        "on first use instead", self._background_state)  # fmt: skip
         else:
-            self.background_state = "done"
+            self._background_state = "done"
         if self._plan_wanted is True:
             self.relower()
+
+    @property
+    def background_state(self) -> str:
+        """``"off"`` (no background compile), ``"compiling"``, ``"done"`` or ``"failed: ..."``
+        (the thread's outcome as soon as it ends; the graph takes over at the next step)."""
+        t = self._background
+        if t is not None and not t.is_alive():
+            e = self._background_error
+            return "done" if e is None else f"failed: {type(e).__name__}: {e}"
+        return self._background_state
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background compile (if any) to end; whether it has. The compiled
@@ -420,7 +430,7 @@ class ModelRunner:
                 self._background = threading.Thread(
                     target=self._compile_in_background, args=(b,), name="topg-compile", daemon=True
                 )
-                self.background_state = "compiling"
+                self._background_state = "compiling"
                 # an interpreter that exits mid-compile aborts: wait for the thread first
                 atexit.register(self._background.join)
                 self._background.start()  # the plan (lowered above) runs the one-token steps

@@ -7,13 +7,16 @@
 //      int8_activations the rows of x and of h are rounded to int8 per block of 32
 //      first, as linear_q does for its input;
 //   3. down: out[tok[r]] += weight[r] * h[r] Wd^T into an fp32 output.
-// An expert with at most kGemvRows rows (decode) takes linear_q's GEMV: each packed row
-// read once for all its rows (quant::dot_rows, or integer dot products against int8
-// activations); its work is split over intermediate features (gate/up) and output columns
-// (down), so every output element has one writer. An expert with more rows (prefill)
-// de-quantises its weights in chunks and multiplies with at::mm (quant::gemm_dequant), one
-// expert at a time. In batch-invariant mode every expert takes the GEMV (a row's sums then
-// do not depend on how many rows share its expert). Experts not hit are never read.
+// An expert with at most kGemvRows rows (decode) takes work items (moe_items.h) split over
+// intermediate features (gate/up) and output columns (down), so every output element has
+// one writer; in an item, linear_q's choice for the expert's row count: the integer GEMM
+// on its strip of weight rows (int8 activations, quant::use_gemm_q8: VNNI, at least
+// kQ8GemmRows rows) or the GEMV, each packed row read once for all its rows. An expert
+// with more rows (prefill) runs linear_q's GEMM over the whole expert (int8 activations
+// on VNNI: gemm_q8_vnni, every format) or de-quantises its weights in chunks and
+// multiplies with at::mm (quant::gemm_dequant), one expert at a time. In batch-invariant
+// mode every expert takes the GEMV (a row's sums then do not depend on how many rows
+// share its expert). Experts not hit are never read.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>

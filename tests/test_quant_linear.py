@@ -141,10 +141,10 @@ def test_native_int8_gemm_matches_reference(fmt, m, n, blocks, tail, seed):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_native_int8_rows_by_mode(fmt):
     """int8 activations. In batch-invariant mode linear_q at M = 16 takes the GEMV for
-    every M, so each row equals that row alone, bitwise. Outside it M >= GEMM_ROWS takes
-    the integer GEMM on a VNNI CPU, whose rows do not depend on M either (each
-    (weight row, activation row) sum has the same operations in any tile): the first 5
-    rows are the same at M = 5, 16 and 64."""
+    every M, so each row equals that row alone, bitwise. Outside it the integer GEMM runs
+    from GEMM_ROWS rows on a VNNI CPU (from 8 in the AVX2 form), whose rows do not depend
+    on M either (each (weight row, activation row) sum has the same operations in any
+    tile): the first 5 rows are the same at M = 5 (8), 16 and 64."""
     f = FORMATS[fmt]
     k = 512 if fmt in K_QUANTS else 2 * (f.block or 32) + (7 if f.pads else 0)
     g = Gen("cpu", seed=31)
@@ -157,7 +157,11 @@ def test_native_int8_rows_by_mode(fmt):
             assert torch.equal(full[i : i + 1], one), i
     finally:
         torch.ops.topg._set_batch_invariant(previous)
-    rows = [torch_topg.ops.linear_q(x[:m], w, fmt, int8_activations=True)[:5] for m in (5, 16, 64)]
+    vnni = "avx512_vnni" in torch_topg.modes.cpu_kernels()
+    if not vnni and fmt in ("q8_0", "int8"):
+        return  # no AVX2 integer GEMM for them: de-quantise + at::mm above 16 rows
+    ms = (5, 16, 64) if vnni else (8, 16, 64)  # the AVX2 form: from 8 rows
+    rows = [torch_topg.ops.linear_q(x[:m], w, fmt, int8_activations=True)[:5] for m in ms]
     assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
 
 
@@ -263,6 +267,7 @@ def test_native_int8_rounding_is_quantize_activations(m, blocks, seed):
 _AVX2_Q8_SCRIPT = """
 import sys, torch, torch_topg
 x, packed = torch.load(sys.argv[1])
+torch.ops.topg._set_batch_invariant(True)  # the GEMV at every M (the GEMM from 8 rows)
 out = [torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f, int8_activations=True)
        for q, f, k in packed for m in (1, 5, 16)]
 torch.save(out, sys.argv[2])
@@ -394,3 +399,45 @@ def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
         terms = quantize_activations(x[:, :k]).abs() @ dequantize(q, f, k).abs().T
         for got in (here[1][-1], avx2[1][-1]):
             assert ((got - ref).abs() <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f
+
+
+_AVX2_GEMM_SCRIPT = """
+import sys, torch, torch_topg
+x, packed = torch.load(sys.argv[1])
+out = [torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f, int8_activations=True)
+       for q, f, k in packed for m in (8, 16, 33)]
+torch.save(out, sys.argv[2])
+"""
+
+
+@requires_kernel("linear_q")
+def test_int8_gemm_avx2_form_matches_reference(tmp_path):
+    """The AVX2 form of the integer GEMM (gemm_q8_avx2.h: 8 weight rows per ymm, maddubs
+    / madd, taken from 8 rows on CPUs without VNNI, not for q8_0 / int8) in a subprocess
+    with TOPG_DISABLE_AVX512=1: near the reference at M = 8, 16 and 33, and each row the
+    same at every M (a GEMM row's sum does not depend on M). N = 37: groups of 8 and a
+    last group of 5; the 4-, 5- and 6-bit formats, int4 rows ending inside a group, two
+    K-quant super-blocks (q6_k: scale blocks of 16)."""
+    import os
+    import subprocess
+    import sys
+
+    g = Gen("cpu", seed=51)
+    x = g.randn(33, 600) * 2
+    cases = [("q4_0", 320), ("q4_1", 96), ("q5_0", 288), ("q5_1", 320), ("int4_g32", 357),
+             ("int4_g64", 357), ("int4_g128", 600), ("q4_k", 512), ("q5_k", 512), ("q6_k", 512)]  # fmt: skip
+    packed = [(packed_weight(g, f, 37, k), f, k) for f, k in cases]
+    script, inp, out = tmp_path / "gemm.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    script.write_text(_AVX2_GEMM_SCRIPT)
+    torch.save((x, packed), inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    avx2 = iter(torch.load(out, weights_only=False))
+    for q, f, k in packed:
+        got = {m: next(avx2) for m in (8, 16, 33)}
+        xs = x[:, :k].contiguous()
+        _assert_int8_close(
+            got[33], reference.linear_q(xs, q, f, int8_activations=True), xs, q, f, k
+        )
+        assert torch.equal(got[8], got[33][:8]) and torch.equal(got[16], got[33][:16]), f

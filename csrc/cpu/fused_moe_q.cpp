@@ -71,7 +71,7 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   for (const Expert& ex : hit) {  // many rows: de-quantise and multiply, expert by expert
     if (ex.gemv) continue;
     at::Tensor gu = at::empty({ex.rows, 2 * I}, at::kFloat);
-    if (q8_gu && quant::int8_gemm(wgu.f.fmt) && quant::use_vnni()) {  // int8 blocks, gathered
+    if (q8_gu && quant::use_gemm_q8(wgu.f.fmt, ex.rows)) {  // int8 blocks, gathered
       const int64_t kp = xa.kp, nb = kp / 32;
       std::vector<int8_t> q(size_t(ex.rows * kp));
       std::vector<float> d(size_t(ex.rows * nb)), s(size_t(ex.rows * nb));
@@ -129,7 +129,7 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   for (const Expert& ex : hit) {
     if (ex.gemv) continue;
     at::Tensor y = at::empty({ex.rows, H}, at::kFloat);
-    if (q8_d && quant::int8_gemm(wd.f.fmt) && quant::use_vnni()) {  // h rows consecutive
+    if (q8_d && quant::use_gemm_q8(wd.f.fmt, ex.rows)) {  // h rows consecutive
       const int64_t nb = Ip / 32;
       const quant::VnniActs acts{hq.data() + ex.row0 * Ip, hd.data() + ex.row0 * nb,
                                  hs.data() + ex.row0 * nb, Ip, nb};

@@ -51,6 +51,19 @@ struct AlignedBuf {
   }
 };
 
+// The activations of the GEMM (quant::quantize_act's output): int8 codes (row r at
+// q + r * kp), and per block of 32 the scale xd and the code sum xsum (at r * nb). Row m
+// of the product is row idx[m] of these (idx null: row m). xs16: q6_k's code sums per
+// 16 (gemm_q8_sums16; row m at m * padded(K) / 16), set by the entry points.
+struct VnniActs {
+  const int8_t* q;
+  const float *xd, *xsum;
+  int64_t kp, nb;
+  const int64_t* idx = nullptr;
+  const float* xs16 = nullptr;
+  int64_t row(int64_t m) const { return idx ? idx[m] : m; }
+};
+
 // One thread's GEMM scratch (gemm_q8_vnni.h).
 struct GemmQ8Scratch {
   AlignedBuf codes, scales, sums16, out;
@@ -129,9 +142,9 @@ inline void gemm_block(const Format& f, const uint8_t* row, int64_t k, int64_t b
 }
 
 // Super-block s of a q4_k / q5_k / q6_k row: its 256 codes u and the (dw, cw) of its
-// scale blocks (8 of 32 codes, q6_k 16 of 16) at dw[j * 16], cw[j * 16].
+// scale blocks (8 of 32 codes, q6_k 16 of 16) at dw[j * ld], cw[j * ld].
 inline void gemm_super_block(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u, float* dw,
-                             float* cw) {
+                             float* cw, int64_t ld = 16) {
   auto store = [&](int64_t at, __m256i v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + at), v);
   };
@@ -139,7 +152,7 @@ inline void gemm_super_block(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u,
     const uint8_t* p = row + 210 * s;
     const float d = half_at(p + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-    for (int i = 0; i < 16; ++i) dw[16 * i] = d * float(sc[i]), cw[16 * i] = -32.f * dw[16 * i];
+    for (int i = 0; i < 16; ++i) dw[ld * i] = d * float(sc[i]), cw[ld * i] = -32.f * dw[ld * i];
     for (int h = 0; h < 2; ++h) {
       __m256i v[4];
       q6k_runs(p + 64 * h, p + 128 + 32 * h, v);
@@ -152,7 +165,7 @@ inline void gemm_super_block(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u,
   const float d = half_at(p), dmin = half_at(p + 2);
   uint8_t sc[8], mn[8];
   k_scales(p + 4, sc, mn);
-  for (int j = 0; j < 8; ++j) dw[16 * j] = d * float(sc[j]), cw[16 * j] = -(dmin * float(mn[j]));
+  for (int j = 0; j < 8; ++j) dw[ld * j] = d * float(sc[j]), cw[ld * j] = -(dmin * float(mn[j]));
   for (int c = 0; c < 4; ++c) {
     __m256i lo, hi;
     if (fmt == Fmt::q5_k)

@@ -1,5 +1,6 @@
 // linear_q's int8-activation GEMM on CPUs with AVX-512 VNNI: M >= kQ8GemmRows activation
 // rows (prefill, verify steps, decode steps of a batch), outside batch-invariant mode.
+// Without VNNI, the AVX2 form (gemm_q8_avx2.h) from kQ8GemmRowsAvx2 rows.
 //
 // The math, per scale block of SB codes along K (SB = 32; q6_k 16). The weights are
 // written w = dw * u + cw with u an unsigned code (gemm_q8_pack.h lists dw, cw per
@@ -40,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gemm_q8_avx2.h"
 #include "gemm_q8_pack.h"
 #include "gemv_avx512.h"
 #include "modes.h"
@@ -49,31 +51,26 @@
 namespace topg::quant {
 
 // Activation rows from which linear_q, the decode plan and fused_moe_q's experts take the
-// GEMM instead of the GEMV (int8 activations, VNNI, not batch-invariant); measured in
-// docs/cpu-kernels.md.
+// GEMM instead of the GEMV (int8 activations, not batch-invariant): with AVX-512 VNNI, and
+// in the AVX2 form (gemm_q8_avx2.h); measured in docs/cpu-kernels.md.
 inline constexpr int64_t kQ8GemmRows = 4;
+inline constexpr int64_t kQ8GemmRowsAvx2 = 8;
 
 // Whether M activation rows against a weight in format f take the integer GEMM.
 inline bool use_gemm_q8(Fmt f, int64_t M) {
-  return M >= kQ8GemmRows && int8_gemm(f) && use_vnni() && !batch_invariant();
+#if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
+  if (!int8_gemm(f) || batch_invariant()) return false;
+  if (use_vnni()) return M >= kQ8GemmRows;
+  return M >= kQ8GemmRowsAvx2 && !avx2_signed(f);
+#else
+  (void)f, (void)M;
+  return false;
+#endif
 }
-
-// The activations of the GEMM (quant::quantize_act's output): int8 codes (row r at
-// q + r * kp), and per block of 32 the scale xd and the code sum xsum (at r * nb). Row m
-// of the product is row idx[m] of these (idx null: row m). xs16: q6_k's code sums per
-// 16 (gemm_q8_sums16; row m at m * padded(K) / 16), set by the entry points.
-struct VnniActs {
-  const int8_t* q;
-  const float *xd, *xsum;
-  int64_t kp, nb;
-  const int64_t* idx = nullptr;
-  const float* xs16 = nullptr;
-  int64_t row(int64_t m) const { return idx ? idx[m] : m; }
-};
 
 #if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
 // out[m * kw / 16 + i] = the sum of codes [16 i, 16 i + 16) of row m of x, m < M.
-TOPG_TARGET_VNNI inline void gemm_q8_sums16(const VnniActs& x, int64_t M, int64_t kw, float* out) {
+inline void gemm_q8_sums16(const VnniActs& x, int64_t M, int64_t kw, float* out) {
   const __m128i flip = _mm_set1_epi8(char(0x80)), zero = _mm_setzero_si128();
   for (int64_t m = 0; m < M; ++m) {
     const int8_t* q = x.q + x.row(m) * x.kp;
@@ -166,6 +163,7 @@ TOPG_TARGET_VNNI void vnni_strip(const uint32_t* codes, const float* dw, const f
 inline void gemm_q8_strip(const Format& f, const uint8_t* w, int64_t rb, int64_t k, int64_t cols,
                           const VnniActs& x, int64_t M, GemmQ8Scratch& sc, float* out,
                           int64_t ldo) {
+  if (!use_vnni()) return gemm_q8_strip_avx2(f, w, rb, k, cols, x, M, sc, out, ldo);
   const int64_t kw = f.padded(k), sb = gemm_scale_block(f.fmt), nsb = kw / sb;
   const int64_t gcodes = (kw + 63) / 64 * 16 * 16, gscales = nsb * 16;  // per group of 16
   uint32_t* codes = sc.codes.fit<uint32_t>(2 * gcodes);
@@ -207,7 +205,7 @@ inline void gemm_q8_rows(const Format& f, const uint8_t* w, int64_t rb, int64_t 
 
 // out [M, N] (fp32, row stride N) = the activations x (M rows) times the packed weight
 // [N, row_bytes(K)], + bias (fp32 or null), strips of 32 weight rows over the threads.
-// Callers check use_vnni() and int8_gemm(f.fmt).
+// Callers check use_gemm_q8 (or int8_gemm, for more than 16 rows).
 inline void gemm_q8_vnni(const Format& f, VnniActs x, int64_t M, int64_t K, const uint8_t* w,
                          int64_t N, const float* bias, float* out) {
   const int64_t rb = f.row_bytes(K), kw = f.padded(K);
@@ -228,12 +226,12 @@ inline void gemm_q8_vnni(const Format& f, VnniActs x, int64_t M, int64_t K, cons
 #else
 inline void gemm_q8_vnni(const Format&, VnniActs, int64_t, int64_t, const uint8_t*, int64_t,
                          const float*, float*) {
-  TORCH_CHECK(false, "linear_q: the VNNI GEMM is not built for this CPU");
+  TORCH_CHECK(false, "linear_q: the integer GEMM is not built for this CPU");
 }
 template <typename Emit>
 inline void gemm_q8_rows(const Format&, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
                          VnniActs, int64_t, GemmQ8Scratch&, Emit&&) {
-  TORCH_CHECK(false, "linear_q: the VNNI GEMM is not built for this CPU");
+  TORCH_CHECK(false, "linear_q: the integer GEMM is not built for this CPU");
 }
 #endif
 

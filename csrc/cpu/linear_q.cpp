@@ -107,13 +107,13 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
       return;
     }
     const int64_t Kp = f.padded(K);
-    const bool vnni = int8_activations && quant::use_gemm_q8(f.fmt, M);
-    const bool gemv = !vnni && (M <= kQuantDotRows || batch_invariant());
-    Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, !vnni);
+    const bool igemm = int8_activations && quant::use_gemm_q8(f.fmt, M);
+    const bool gemv = !igemm && (M <= kQuantDotRows || batch_invariant());
+    Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, !igemm);
     const uint8_t* w = cptr<uint8_t>(weight);
     if (gemv) {
       linear_q_dot(f, rows, K, w, N, b, o);
-    } else if (vnni) {
+    } else if (igemm) {
       std::vector<float> b32(b ? size_t(N) : 0);
       for (size_t n = 0; n < b32.size(); ++n) b32[n] = to_float(b[n]);
       at::Tensor o32 =

@@ -12,10 +12,15 @@
 //   q6_k              u = code (0..63), dw = d sc_i, cw = -32 dw per 16     (SB = 16)
 // The K-quants' 6-bit scales (q4_k, q5_k) are decoded once per super-block.
 //
-// Packing runs in chunks of 256 codes: the 16 rows' codes of a chunk are unpacked with
-// the GEMV's vector helpers (quant_kernels.h) into 16 rows of bytes (4 KiB, L1), then
-// each 64 codes of the 16 rows (16 rows x 16 dwords) are transposed in registers (4
-// rounds of 16 shuffles) into 16 of the layout's 64-byte vectors.
+// Two ways to pack. q4_0, q4_1 / int4 with groups of 32, q8_0, q4_k and q6_k
+// (gemm_pack_fast): the packed bytes of the 16 rows are transposed first (t16) and the
+// codes unpacked in the transposed domain, the headers and K-quant scales read with one
+// gather per field. The other formats, in chunks of 256 codes: the 16 rows' codes of a
+// chunk are unpacked with the GEMV's vector helpers (quant_kernels.h) into 16 rows of
+// bytes (4 KiB, L1), then each 64 codes of the 16 rows (16 rows x 16 dwords) are
+// transposed in registers (4 rounds of 16 shuffles) into 16 of the layout's vectors.
+// (Row by row for every format, the pack made the GEMM at 4 rows 2.2 ms against the
+// GEMV's 1.4; the transposed-bytes form 1.05: docs/cpu-kernels.md.)
 #pragma once
 
 #include <cstdint>

@@ -75,8 +75,8 @@ inline void gemm_pack_group8(const Format& f, const uint8_t* w, int64_t rb, int6
 }
 
 // out[(m0 + c) * ldo + 8 r + j] (c < C activation rows, r < R groups of 8 rows; columns
-// from 8 r + j >= cols not written) = the rows' sums.
-template <int R, int C, int SB>
+// from 8 r + j >= cols not written) = the rows' sums. OFF: as vnni_tile's.
+template <int R, int C, int SB, int OFF>
 inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, int64_t gcodes,
                       int64_t gscales, int64_t nsb, const VnniActs& x, int64_t m0, float* out,
                       int64_t ldo, int64_t cols) {
@@ -100,8 +100,10 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
   };
   for (int64_t b = 0; b < nsb; ++b) {
     __m256i ia[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) ia[r][c] = _mm256_setzero_si256();
+    for (int c = 0; c < C; ++c) {
+      const __m256i init = _mm256_set1_epi32(OFF * int(xs[c][b]));
+      for (int r = 0; r < R; ++r) ia[r][c] = init;
+    }
     for (int64_t s = b * (SB / 4); s < (b + 1) * (SB / 4); s += 2) {
       __m256i w0[R], w1[R];
       for (int r = 0; r < R; ++r) w0[r] = code(r, s), w1[r] = code(r, s + 1);
@@ -121,7 +123,8 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
         const float xdb = xd[c][b * SB / 32];
         const __m256 sv = _mm256_mul_ps(d, _mm256_set1_ps(xdb));
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][c]), sv, acc[r][c]);
-        acc[r][c] = _mm256_fmadd_ps(m, _mm256_set1_ps(xdb * xs[c][b]), acc[r][c]);
+        if constexpr (OFF == 0)
+          acc[r][c] = _mm256_fmadd_ps(m, _mm256_set1_ps(xdb * xs[c][b]), acc[r][c]);
       }
     }
   }
@@ -136,19 +139,21 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
 }
 
 // All M activation rows against groups [0, R) of 8 rows, 3 activation rows at a time.
-template <int R, int SB>
+template <int R, int SB, int OFF>
 inline void avx2_strip(const uint32_t* codes, const float* dw, const float* cw, int64_t gcodes,
                        int64_t gscales, int64_t nsb, const VnniActs& x, int64_t M, float* out,
                        int64_t ldo, int64_t cols) {
   constexpr int C = 3;
   int64_t m = 0;
   for (; m + C <= M; m += C)
-    avx2_tile<R, C, SB>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
-  if (M - m == 2) avx2_tile<R, 2, SB>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
-  if (M - m == 1) avx2_tile<R, 1, SB>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+    avx2_tile<R, C, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+  if (M - m == 2)
+    avx2_tile<R, 2, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+  if (M - m == 1)
+    avx2_tile<R, 1, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
 }
 
-template <int SB>
+template <int SB, int OFF>
 inline void avx2_groups(const uint32_t* codes, const float* dw, const float* cw, int64_t gcodes,
                         int64_t gscales, int64_t nsb, const VnniActs& x, int64_t M, float* out,
                         int64_t ldo, int64_t cols) {
@@ -157,9 +162,9 @@ inline void avx2_groups(const uint32_t* codes, const float* dw, const float* cw,
     const uint32_t* cg = codes + g * gcodes;
     const float *dg = dw + g * gscales, *mg = cw + g * gscales;
     if (left > 8)
-      avx2_strip<2, SB>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
+      avx2_strip<2, SB, OFF>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
     else
-      avx2_strip<1, SB>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
+      avx2_strip<1, SB, OFF>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
   }
 }
 
@@ -177,8 +182,16 @@ inline void gemm_q8_strip_avx2(const Format& f, const uint8_t* w, int64_t rb, in
   for (int64_t g = 0; g < groups; ++g)
     gemm_pack_group8(f, w + 8 * g * rb, rb, std::min<int64_t>(8, cols - 8 * g), k,
                      codes + g * gcodes, dw + g * gscales, cw + g * gscales);
-  if (sb == 16) return avx2_groups<16>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
-  avx2_groups<32>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+  switch (gemm_offset(f.fmt)) {
+    case -32:
+      return avx2_groups<16, -32>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+    case -8:
+      return avx2_groups<32, -8>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+    case -16:
+      return avx2_groups<32, -16>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+    default:
+      return avx2_groups<32, 0>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+  }
 }
 #endif
 

@@ -36,6 +36,31 @@ namespace topg::quant {
 // Codes per scale block: 16 for q6_k (a scale per 16 weights), 32 for the other formats.
 inline int64_t gemm_scale_block(Fmt f) { return f == Fmt::q6_k ? 16 : 32; }
 
+// The formats whose constant term is a fixed multiple of the scale, cw = OFF * dw (the
+// GEMM adds OFF * sum(q) to the integer sums instead of an FMA per block); 0 for those
+// with a minimum per block (q4_1, q5_1, int4, q4_k, q5_k).
+inline int gemm_offset(Fmt f) {
+  switch (f) {
+    case Fmt::q4_0:
+      return -8;
+    case Fmt::q5_0:
+      return -16;
+    case Fmt::q6_k:
+      return -32;
+    case Fmt::q8_0:
+    case Fmt::int8:
+      return -128;
+    default:
+      return 0;
+  }
+}
+
+// A (scale-block length, offset) pair as a type: the GEMM's tile instantiations.
+template <int SB, int OFF>
+struct SbOff {
+  static constexpr int first = SB, second = OFF;
+};
+
 // 64-byte aligned scratch that only grows (one per thread: the packed strip, the
 // activations' 16-code sums, the strip's sums).
 struct AlignedBuf {

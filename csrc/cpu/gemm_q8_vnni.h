@@ -85,8 +85,10 @@ inline void gemm_q8_sums16(const VnniActs& x, int64_t M, int64_t kw, float* out)
 }
 
 // out[(m0 + c) * ldo + 16 r + j] (c < C activation rows, r < R groups, j < 16 rows of a
-// group; columns from 16 r + j >= cols not written) = the rows' sums.
-template <int R, int C, int SB>
+// group; columns from 16 r + j >= cols not written) = the rows' sums. OFF (gemm_offset):
+// cw = OFF * dw, so the block's constant term joins its integer sum exactly (the int32
+// sums start at OFF * sum(q)); 0: cw a block minimum, one more FMA per block.
+template <int R, int C, int SB, int OFF>
 TOPG_TARGET_VNNI void vnni_tile(const uint32_t* codes, const float* dw, const float* cw,
                                 int64_t gcodes, int64_t gscales, int64_t nsb, const VnniActs& x,
                                 int64_t m0, float* out, int64_t ldo, int64_t cols) {
@@ -101,8 +103,10 @@ TOPG_TARGET_VNNI void vnni_tile(const uint32_t* codes, const float* dw, const fl
   }
   for (int64_t b = 0; b < nsb; ++b) {
     __m512i ia[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) ia[r][c] = _mm512_setzero_si512();
+    for (int c = 0; c < C; ++c) {
+      const __m512i init = _mm512_set1_epi32(OFF * int(xs[c][b]));  // code sums: exact
+      for (int r = 0; r < R; ++r) ia[r][c] = init;
+    }
     for (int64_t s = b * (SB / 4); s < (b + 1) * (SB / 4); ++s) {
       __m512i wv[R];
       for (int r = 0; r < R; ++r) wv[r] = _mm512_load_si512(codes + r * gcodes + 16 * s);
@@ -120,7 +124,8 @@ TOPG_TARGET_VNNI void vnni_tile(const uint32_t* codes, const float* dw, const fl
         const float xdb = xd[c][b * SB / 32];
         const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(xdb));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][c]), s, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(xdb * xs[c][b]), acc[r][c]);
+        if constexpr (OFF == 0)
+          acc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(xdb * xs[c][b]), acc[r][c]);
       }
     }
   }
@@ -134,18 +139,18 @@ TOPG_TARGET_VNNI void vnni_tile(const uint32_t* codes, const float* dw, const fl
 }
 
 // All M activation rows against groups [0, R) of a packed strip, 6 rows at a time.
-template <int R, int SB>
+template <int R, int SB, int OFF>
 TOPG_TARGET_VNNI void vnni_strip(const uint32_t* codes, const float* dw, const float* cw,
                                  int64_t gcodes, int64_t gscales, int64_t nsb, const VnniActs& x,
                                  int64_t M, float* out, int64_t ldo, int64_t cols) {
   constexpr int C = 6;
   int64_t m = 0;
   for (; m + C <= M; m += C)
-    vnni_tile<R, C, SB>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+    vnni_tile<R, C, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
   switch (M - m) {
 #define TOPG_VNNI_TAIL(n) \
   case n:                 \
-    return vnni_tile<R, n, SB>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+    return vnni_tile<R, n, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
     TOPG_VNNI_TAIL(1)
     TOPG_VNNI_TAIL(2)
     TOPG_VNNI_TAIL(3)
@@ -173,12 +178,24 @@ inline void gemm_q8_strip(const Format& f, const uint8_t* w, int64_t rb, int64_t
   for (int r = 0; r < R; ++r)
     gemm_pack_group(f, w + 16 * r * rb, rb, std::min<int64_t>(16, cols - 16 * r), k,
                     codes + r * gcodes, dw + r * gscales, cw + r * gscales);
-  if (sb == 16) {
-    if (R == 2) return vnni_strip<2, 16>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
-    return vnni_strip<1, 16>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+  auto run = [&](auto sb_off) {
+    constexpr int SB = decltype(sb_off)::first, OFF = decltype(sb_off)::second;
+    if (R == 2)
+      return vnni_strip<2, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+    vnni_strip<1, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+  };
+  switch (gemm_offset(f.fmt)) {
+    case -32:
+      return run(SbOff<16, -32>{});
+    case -8:
+      return run(SbOff<32, -8>{});
+    case -16:
+      return run(SbOff<32, -16>{});
+    case -128:
+      return run(SbOff<32, -128>{});
+    default:
+      return run(SbOff<32, 0>{});
   }
-  if (R == 2) return vnni_strip<2, 32>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
-  vnni_strip<1, 32>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
 }
 
 // emit(m, n, sum) for weight rows [n0, n1) of the packed weight w (rb bytes a row, k

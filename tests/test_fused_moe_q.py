@@ -140,3 +140,27 @@ def test_native_skips_experts_not_hit():
     a = torch_topg.ops.fused_moe_q(x, wgu, wd, tw, ids, "q8_0")
     b = torch_topg.ops.fused_moe_q(x, poisoned_gu, poisoned_d, tw, ids, "q8_0")
     assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+@requires_kernel("fused_moe_q")
+@pytest.mark.parametrize("fmt,down", [("q4_0", None), ("q8_0", "int4_g32"), ("q4_k", "q6_k"),
+                                      ("q5_k", None), ("int8", None)])  # fmt: skip
+def test_native_int8_expert_items_match_reference(fmt, down):
+    """int8 activations, experts with 4 to 16 rows (a decode step of a batch): the work
+    items take linear_q's integer GEMM on their strip of rows on a VNNI CPU
+    (moe_items.h, quant::use_gemm_q8), the GEMV elsewhere; both near the reference."""
+    h, i = sizes(fmt, 2, 5), sizes(down or fmt, 1, 9)
+    g = Gen("cpu", seed=41)
+    e = 2
+    wgu, wd = experts(g, fmt, e, 2 * i, h), experts(g, down or fmt, e, h, i)
+    for tokens in (8, 24, 32):  # 4, 12 and 16 rows per expert
+        x = g.randn(tokens, h)
+        ids = (torch.arange(tokens) % e).view(-1, 1)
+        tw = g.rand(tokens, 1)
+        kw = dict(down_format=down, int8_activations=True)
+        got = torch_topg.ops.fused_moe_q(x, wgu, wd, tw, ids, fmt, **kw)
+        expected = reference.fused_moe_q(x, wgu, wd, tw, ids, fmt, **kw)
+        magnitude = max(1.0, float(expected.abs().max()))  # as test_native_matches_reference
+        scale = max(1.0, float(np.sqrt(max(h, i) / 64)))
+        atol = max(TOL[torch.float32][0] * scale, 2 / 127) * magnitude
+        torch.testing.assert_close(got, expected, atol=atol, rtol=TOL[torch.float32][1] * scale)

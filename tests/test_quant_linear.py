@@ -77,9 +77,92 @@ def test_native_matches_reference(fmt, m, n, blocks, tail, dtype, int8_act, seed
     x = g.randn(m, k, dtype=dtype)
     got = torch_topg.ops.linear_q(x, w, fmt, int8_activations=int8_act)
     expected = reference.linear_q(x, w, fmt, int8_activations=int8_act)
+    if int8_act and fmt in K_QUANTS and dtype == torch.float32:
+        _assert_int8_close(got, expected, x, w, fmt, k)  # seeded bytes: terms that cancel
+        return
     atol, rtol = TOL[dtype]
     scale = max(1.0, float(np.sqrt(k / 64)))
     torch.testing.assert_close(got, expected, atol=atol * scale, rtol=rtol * scale)
+
+
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+# Activation rows from which linear_q takes the integer GEMM with int8 activations on a
+# CPU with AVX-512 VNNI (quant::kQ8GemmRows, gemm_q8_vnni.h).
+GEMM_ROWS = 4
+
+
+def _assert_int8_close(got, expected, x, w, fmt, k):
+    """int8 activations: within a few ulps of the sum of |terms| (the integer kernels sum
+    the block terms w = dw * u + cw as two products, and the K-quants' seeded bytes give
+    large terms that cancel)."""
+    terms = quantize_activations(x.float()).abs() @ dequantize(w, fmt, k).abs().T
+    err = (got.float() - expected.float()).abs()
+    assert (err <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f"{fmt} {k}: {err.max()}"
+
+
+@requires_kernel("linear_q")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@given(
+    m=st.sampled_from([GEMM_ROWS, 5, 6, 7, 8, 13, 16, 17, 64]),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 3),
+    tail=st.integers(1, 31),
+    seed=st.integers(0, 2**31),
+)
+def test_native_int8_gemm_matches_reference(fmt, m, n, blocks, tail, seed):
+    """int8 activations, M from the GEMM threshold to 64 (decode steps of a batch, short
+    prefills): on a VNNI CPU the integer GEMM (gemm_q8_vnni.h: strips of 32 weight rows
+    packed per work item, K-quant scale blocks of 32 and q6_k's of 16), elsewhere the
+    GEMV or the de-quantising GEMM. N is rarely a multiple of 16 (a strip's last rows),
+    K not a multiple of 256 where the format pads (int8, int4)."""
+    f = FORMATS[fmt]
+    k = blocks * (f.block or 32) + (tail if f.pads else 0)
+    if fmt in K_QUANTS:
+        k = blocks * 256
+    g = Gen("cpu", seed=seed)
+    w = packed_weight(g, fmt, n, k)
+    x = g.randn(m, k)
+    got = torch_topg.ops.linear_q(x, w, fmt, int8_activations=True)
+    expected = reference.linear_q(x, w, fmt, int8_activations=True)
+    if fmt in K_QUANTS:
+        _assert_int8_close(got, expected, x, w, fmt, k)
+    else:
+        atol, rtol = TOL[torch.float32]
+        scale = max(1.0, float(np.sqrt(k / 64)))
+        torch.testing.assert_close(got, expected, atol=atol * scale, rtol=rtol * scale)
+    bias = g.randn(n, dtype=torch.bfloat16)
+    got16 = torch_topg.ops.linear_q(x.bfloat16(), w, fmt, bias, int8_activations=True)
+    expected16 = reference.linear_q(x.bfloat16(), w, fmt, bias, int8_activations=True)
+    tol = TOL[torch.bfloat16][0] * (16.0 if fmt in K_QUANTS else 1.0)  # outputs in the 100s
+    torch.testing.assert_close(got16, expected16, atol=tol, rtol=tol)
+
+
+@requires_kernel("linear_q")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_native_int8_rows_by_mode(fmt):
+    """int8 activations. In batch-invariant mode linear_q at M = 16 takes the GEMV for
+    every M, so each row equals that row alone, bitwise. Outside it the integer GEMM runs
+    from GEMM_ROWS rows on a VNNI CPU (from 8 in the AVX2 form), whose rows do not depend
+    on M either (each (weight row, activation row) sum has the same operations in any
+    tile): the first 5 rows are the same at M = 5 (8), 16 and 64."""
+    f = FORMATS[fmt]
+    k = 512 if fmt in K_QUANTS else 2 * (f.block or 32) + (7 if f.pads else 0)
+    g = Gen("cpu", seed=31)
+    w, x = packed_weight(g, fmt, 37, k), g.randn(64, k)
+    previous = torch.ops.topg._set_batch_invariant(True)
+    try:
+        full = torch_topg.ops.linear_q(x[:16], w, fmt, int8_activations=True)
+        for i in range(16):
+            one = torch_topg.ops.linear_q(x[i : i + 1], w, fmt, int8_activations=True)
+            assert torch.equal(full[i : i + 1], one), i
+    finally:
+        torch.ops.topg._set_batch_invariant(previous)
+    vnni = "avx512_vnni" in torch_topg.modes.cpu_kernels()
+    if not vnni and fmt in ("q8_0", "int8"):
+        return  # no AVX2 integer GEMM for them: de-quantise + at::mm above 16 rows
+    ms = (5, 16, 64) if vnni else (8, 16, 64)  # the AVX2 form: from 8 rows
+    rows = [torch_topg.ops.linear_q(x[:m], w, fmt, int8_activations=True)[:5] for m in ms]
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
 
 
 @requires_kernel("embedding_q")
@@ -184,6 +267,7 @@ def test_native_int8_rounding_is_quantize_activations(m, blocks, seed):
 _AVX2_Q8_SCRIPT = """
 import sys, torch, torch_topg
 x, packed = torch.load(sys.argv[1])
+torch.ops.topg._set_batch_invariant(True)  # the GEMV at every M (the GEMM from 8 rows)
 out = [torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f, int8_activations=True)
        for q, f, k in packed for m in (1, 5, 16)]
 torch.save(out, sys.argv[2])
@@ -192,7 +276,8 @@ torch.save(out, sys.argv[2])
 
 @requires_kernel("linear_q")
 def test_int8_gemv_forms_match_reference(tmp_path):
-    """The int8-activation GEMV (M <= 16) has an AVX-512 VNNI form (quant_act.h:
+    """The int8-activation GEMV (M <= 16; batch-invariant mode here, which keeps it at
+    every M) has an AVX-512 VNNI form (quant_act.h:
     vpdpbusd, 8 blocks' scales at a time, then the last nb % 8 blocks one by one) and an
     AVX2 form (maddubs / madd), the same integer products summed in different fp32 orders.
     Both must match the reference: the AVX2 form runs in a subprocess with
@@ -229,7 +314,11 @@ def test_int8_gemv_forms_match_reference(tmp_path):
         for m in (1, 5, 16):
             xs = x[:m, :k].contiguous()
             ref = reference.linear_q(xs, q, f, int8_activations=True)
-            here = torch_topg.ops.linear_q(xs, q, f, int8_activations=True)
+            previous = torch.ops.topg._set_batch_invariant(True)  # the GEMV at every M
+            try:
+                here = torch_topg.ops.linear_q(xs, q, f, int8_activations=True)
+            finally:
+                torch.ops.topg._set_batch_invariant(previous)
             # summation-order error: a few ulps of the sum of |terms| (the K-quants' seeded
             # bytes give large terms that cancel)
             terms = quantize_activations(xs).abs() @ dequantize(q, f, k).abs().T
@@ -241,23 +330,31 @@ def test_int8_gemv_forms_match_reference(tmp_path):
 
 def _int8_rows(x, packed):
     """linear_q with int8 activations: for each (weight, format, k) in packed, each of
-    x's first 16 rows alone and x[:m] for m = 1..16."""
+    x's first 16 rows alone and x[:m] for m = 1..16, in batch-invariant mode (the GEMV)."""
     import torch_topg
 
     out = []
-    for q, f, k in packed:
-        xs = x[:16, :k].contiguous()
-        alone = [
-            torch_topg.ops.linear_q(xs[i : i + 1], q, f, int8_activations=True) for i in range(16)
-        ]
-        full = [torch_topg.ops.linear_q(xs[:m], q, f, int8_activations=True) for m in range(1, 17)]
-        out.append((alone, full))
+    previous = torch.ops.topg._set_batch_invariant(True)
+    try:
+        for q, f, k in packed:
+            xs = x[:16, :k].contiguous()
+            alone = [
+                torch_topg.ops.linear_q(xs[i : i + 1], q, f, int8_activations=True)
+                for i in range(16)
+            ]
+            full = [
+                torch_topg.ops.linear_q(xs[:m], q, f, int8_activations=True) for m in range(1, 17)
+            ]
+            out.append((alone, full))
+    finally:
+        torch.ops.topg._set_batch_invariant(previous)
     return out
 
 
 @requires_kernel("linear_q")
 def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
-    """int8 activations, M <= 16: the GEMV unpacks each weight block once for up to 4
+    """int8 activations, M <= 16, in batch-invariant mode (which keeps the GEMV for
+    every M; outside it M >= GEMM_ROWS takes the GEMM): the GEMV unpacks each weight block once for up to 4
     activation rows (quant_act.h), and every row's output must still be bitwise the
     output of that row alone, for every M (the groups of 4 and the last 1..3 rows), every
     format, in this CPU's form and in the AVX2 form (a subprocess with
@@ -302,3 +399,45 @@ def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
         terms = quantize_activations(x[:, :k]).abs() @ dequantize(q, f, k).abs().T
         for got in (here[1][-1], avx2[1][-1]):
             assert ((got - ref).abs() <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f
+
+
+_AVX2_GEMM_SCRIPT = """
+import sys, torch, torch_topg
+x, packed = torch.load(sys.argv[1])
+out = [torch_topg.ops.linear_q(x[:m, :k].contiguous(), q, f, int8_activations=True)
+       for q, f, k in packed for m in (8, 16, 33)]
+torch.save(out, sys.argv[2])
+"""
+
+
+@requires_kernel("linear_q")
+def test_int8_gemm_avx2_form_matches_reference(tmp_path):
+    """The AVX2 form of the integer GEMM (gemm_q8_avx2.h: 8 weight rows per ymm, maddubs
+    / madd, taken from 8 rows on CPUs without VNNI, not for q8_0 / int8) in a subprocess
+    with TOPG_DISABLE_AVX512=1: near the reference at M = 8, 16 and 33, and each row the
+    same at every M (a GEMM row's sum does not depend on M). N = 37: groups of 8 and a
+    last group of 5; the 4-, 5- and 6-bit formats, int4 rows ending inside a group, two
+    K-quant super-blocks (q6_k: scale blocks of 16)."""
+    import os
+    import subprocess
+    import sys
+
+    g = Gen("cpu", seed=51)
+    x = g.randn(33, 600) * 2
+    cases = [("q4_0", 320), ("q4_1", 96), ("q5_0", 288), ("q5_1", 320), ("int4_g32", 357),
+             ("int4_g64", 357), ("int4_g128", 600), ("q4_k", 512), ("q5_k", 512), ("q6_k", 512)]  # fmt: skip
+    packed = [(packed_weight(g, f, 37, k), f, k) for f, k in cases]
+    script, inp, out = tmp_path / "gemm.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    script.write_text(_AVX2_GEMM_SCRIPT)
+    torch.save((x, packed), inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    avx2 = iter(torch.load(out, weights_only=False))
+    for q, f, k in packed:
+        got = {m: next(avx2) for m in (8, 16, 33)}
+        xs = x[:, :k].contiguous()
+        _assert_int8_close(
+            got[33], reference.linear_q(xs, q, f, int8_activations=True), xs, q, f, k
+        )
+        assert torch.equal(got[8], got[33][:8]) and torch.equal(got[16], got[33][:16]), f

@@ -253,5 +253,11 @@ class DecodePlan : public torch::CustomClassHolder {
 inline int64_t rows_per_item(int64_t row_bytes) {
   return std::max<int64_t>(8, (int64_t(1) << 18) / std::max<int64_t>(row_bytes, 1) / 8 * 8);
 }
+// The same for weight w: for a packed weight with int8 activations a multiple of 32, the
+// integer GEMM's strip (gemm_q8_vnni.h), so that no item ends in a part-empty strip.
+inline int64_t rows_per_item(const Lin& w, int64_t row_bytes) {
+  const int64_t n = rows_per_item(row_bytes);
+  return w.f && w.a8 ? std::max<int64_t>(32, n / 32 * 32) : n;
+}
 
 }  // namespace topg::plan

@@ -82,7 +82,7 @@ void DecodePlan::moe_layer(const Layer& y, Member& m, team::Counter* c, const T*
   share(c[cRouter], gemm::ceil_div(E, 8), 1,
         [&](int64_t u0, int64_t u1) { gemv(e.router, H, u0 * 8, std::min(E, u1 * 8), logits, E); });
   if (e.shared) {
-    const int64_t step = rows_per_item(e.sg.rb + e.su.rb);
+    const int64_t step = rows_per_item(e.sg, e.sg.rb + e.su.rb);
     share(c[cGateUp], gemm::ceil_div(Is, 8), step / 8, [&](int64_t u0, int64_t u1) {
       const int64_t n0 = u0 * 8, n1 = std::min(Is, u1 * 8);
       gemv(e.sg, H, n0, n1, gu, 2 * Is);  // the graph's fused [gate; up] linear, row by row
@@ -144,7 +144,7 @@ void DecodePlan::moe_layer(const Layer& y, Member& m, team::Counter* c, const T*
   }
   if (e.shared) {
     m.in.load(act, Is, B, nullptr);
-    const int64_t step = rows_per_item(e.sd.rb);
+    const int64_t step = rows_per_item(e.sd, e.sd.rb);
     share(c[cSharedDown], gemm::ceil_div(H, 8), step / 8,
           [&](int64_t u0, int64_t u1) { gemv(e.sd, Is, u0 * 8, std::min(H, u1 * 8), sdown, H); });
   }

@@ -204,7 +204,7 @@ void DecodePlan::step(const Step& s) {
     };
     // 3. / 5. out[:, rows of w] = A . w^T for a projection to H outputs (o, down).
     const auto project = [&](team::Counter& c, const Lin& w, int64_t K) {
-      const int64_t step = rows_per_item(w.rb);
+      const int64_t step = rows_per_item(w, w.rb);
       share(c, gemm::ceil_div(H, 8), step / 8, [&](int64_t u0, int64_t u1) {
         gemv(w, K, nullptr, B, u0 * 8, std::min(H, u1 * 8), delta, H);
       });
@@ -311,7 +311,7 @@ void DecodePlan::step(const Step& s) {
         continue;
       }
       {
-        const int64_t step = rows_per_item(y.wg.rb + y.wu.rb);
+        const int64_t step = rows_per_item(y.wg, y.wg.rb + y.wu.rb);
         share(c[cGateUp], gemm::ceil_div(I, 8), step / 8, [&](int64_t u0, int64_t u1) {
           const int64_t n0 = u0 * 8, n1 = std::min(I, u1 * 8);
           // gate rows, then up rows: the kernel topg::linear runs on the fused [gate; up]
@@ -337,7 +337,7 @@ void DecodePlan::step(const Step& s) {
     // 6. Residual add + final norm, LM head on the sampled rows.
     join(nw[size_t(1 + 6 * (L_ - 1) + 3)], nw[0]);
     load_a(x, H, R, s.li);
-    const int64_t step = rows_per_item(lm_head_.rb);
+    const int64_t step = rows_per_item(lm_head_, lm_head_.rb);
     const float div = logits_div_;
     share(counters_[kLayerCounters * L_], gemm::ceil_div(V, 8), step / 8,
           [&](int64_t u0, int64_t u1) {

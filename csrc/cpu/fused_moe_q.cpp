@@ -7,13 +7,16 @@
 //      int8_activations the rows of x and of h are rounded to int8 per block of 32
 //      first, as linear_q does for its input;
 //   3. down: out[tok[r]] += weight[r] * h[r] Wd^T into an fp32 output.
-// An expert with at most kGemvRows rows (decode) takes linear_q's GEMV: each packed row
-// read once for all its rows (quant::dot_rows, or integer dot products against int8
-// activations); its work is split over intermediate features (gate/up) and output columns
-// (down), so every output element has one writer. An expert with more rows (prefill)
-// de-quantises its weights in chunks and multiplies with at::mm (quant::gemm_dequant), one
-// expert at a time. In batch-invariant mode every expert takes the GEMV (a row's sums then
-// do not depend on how many rows share its expert). Experts not hit are never read.
+// An expert with at most kGemvRows rows (decode) takes work items (moe_items.h) split over
+// intermediate features (gate/up) and output columns (down), so every output element has
+// one writer; in an item, linear_q's choice for the expert's row count: the integer GEMM
+// on its strip of weight rows (int8 activations, quant::use_gemm_q8: VNNI, at least
+// kQ8GemmRows rows) or the GEMV, each packed row read once for all its rows. An expert
+// with more rows (prefill) runs linear_q's GEMM over the whole expert (int8 activations
+// on VNNI: gemm_q8_vnni, every format) or de-quantises its weights in chunks and
+// multiplies with at::mm (quant::gemm_dequant), one expert at a time. In batch-invariant
+// mode every expert takes the GEMV (a row's sums then do not depend on how many rows
+// share its expert). Experts not hit are never read.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -68,7 +71,7 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   for (const Expert& ex : hit) {  // many rows: de-quantise and multiply, expert by expert
     if (ex.gemv) continue;
     at::Tensor gu = at::empty({ex.rows, 2 * I}, at::kFloat);
-    if (q8_gu && quant::int8_gemm(wgu.f.fmt) && quant::use_vnni()) {  // int8 blocks, gathered
+    if (q8_gu && quant::use_gemm_q8(wgu.f.fmt, ex.rows)) {  // int8 blocks, gathered
       const int64_t kp = xa.kp, nb = kp / 32;
       std::vector<int8_t> q(size_t(ex.rows * kp));
       std::vector<float> d(size_t(ex.rows * nb)), s(size_t(ex.rows * nb));
@@ -126,7 +129,7 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
   for (const Expert& ex : hit) {
     if (ex.gemv) continue;
     at::Tensor y = at::empty({ex.rows, H}, at::kFloat);
-    if (q8_d && quant::int8_gemm(wd.f.fmt) && quant::use_vnni()) {  // h rows consecutive
+    if (q8_d && quant::use_gemm_q8(wd.f.fmt, ex.rows)) {  // h rows consecutive
       const int64_t nb = Ip / 32;
       const quant::VnniActs acts{hq.data() + ex.row0 * Ip, hd.data() + ex.row0 * nb,
                                  hs.data() + ex.row0 * nb, Ip, nb};

@@ -2,20 +2,24 @@
 // weights (formats: torch_topg/formats.py; block math: quant_kernels.h).
 //
 // linear_q, by the number of input rows M:
-//   M <= kQuantDotRows  GEMV: each packed weight row is read once (memory-bound) and
-//                       dotted with the M rows: fp32 activations against the row made
-//                       fp32 once (quant::dot_rows), or with int8_activations integer dot
-//                       products against activations rounded to int8 per block of 32.
-//                       Each row's sum does not depend on M, and the decode plan calls
-//                       the same functions;
-//   larger M            with int8_activations on a CPU with AVX-512 VNNI (and a format
-//                       with integer dot products): integer products against the weight
-//                       repacked per call (gemm_q8_vnni.h); otherwise rows of the weight
-//                       are de-quantised to fp32 in chunks and multiplied with at::mm (the
-//                       de-quantisation is amortised over M; int8_activations: the rounded
-//                       activations as fp32).
-// In batch-invariant mode every M takes the GEMV path (a row's sum then does not depend
-// on M). Accumulation is fp32, rounded once to the input dtype.
+//   int8_activations, M >= quant::kQ8GemmRows (4) on a CPU with AVX-512 VNNI: the
+//                       integer GEMM (gemm_q8_vnni.h): strips of 32 weight rows unpacked
+//                       per work item into a lanes layout, then every input row over
+//                       them. Its rows do not depend on M either, but it sums in another
+//                       order than the GEMV, so the choice depends on M;
+//   otherwise M <= kQuantDotRows (16): GEMV: each packed weight row is read once
+//                       (memory-bound) and dotted with the M rows: fp32 activations
+//                       against the row made fp32 once (quant::dot_rows), or with
+//                       int8_activations integer dot products against activations
+//                       rounded to int8 per block of 32. Each row's sum does not depend
+//                       on M;
+//   larger M            rows of the weight are de-quantised to fp32 in chunks and
+//                       multiplied with at::mm (the de-quantisation is amortised over M;
+//                       int8_activations: the rounded activations as fp32).
+// The decode plan (plan_gemv.h) makes the same choice for the same M with the same
+// functions, so its sums are the compiled graph's. In batch-invariant mode every M takes
+// the GEMV (quant::use_gemm_q8 is off): a row's sum then does not depend on M.
+// Accumulation is fp32, rounded once to the input dtype.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
@@ -103,13 +107,13 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
       return;
     }
     const int64_t Kp = f.padded(K);
-    const bool gemv = M <= kQuantDotRows || batch_invariant();
-    const bool vnni = !gemv && int8_activations && quant::int8_gemm(f.fmt) && quant::use_vnni();
-    Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, !vnni);
+    const bool igemm = int8_activations && quant::use_gemm_q8(f.fmt, M);
+    const bool gemv = !igemm && (M <= kQuantDotRows || batch_invariant());
+    Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, !igemm);
     const uint8_t* w = cptr<uint8_t>(weight);
     if (gemv) {
       linear_q_dot(f, rows, K, w, N, b, o);
-    } else if (vnni) {
+    } else if (igemm) {
       std::vector<float> b32(b ? size_t(N) : 0);
       for (size_t n = 0; n < b32.size(); ++n) b32[n] = to_float(b[n]);
       at::Tensor o32 =

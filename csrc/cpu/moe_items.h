@@ -1,7 +1,8 @@
 // The work items of fused_moe's and fused_moe_q's decode paths (an expert with at most 16
-// rows), shared by the ops (fused_moe.cpp, fused_moe_q.cpp) and the decode plan's MoE
-// layers (decode_plan_moe.h): one definition of each item, so the plan's sums are the
-// ops' sums, bitwise.
+// rows; packed experts with int8 activations: the integer GEMM from quant::kQ8GemmRows
+// rows where use_gemm_q8 allows it, else the GEMV), shared by the ops (fused_moe.cpp,
+// fused_moe_q.cpp) and the decode plan's MoE layers (decode_plan_moe.h): one definition of each
+// item, so the plan's sums are the ops' sums, bitwise.
 //
 //   gate/up item: one expert, a block of intermediate features: h = act(x Wg^T) * (x Wu^T)
 //   down item:    a block of output columns, over every hit expert in expert order:
@@ -12,6 +13,7 @@
 #include <cstdint>
 
 #include "gemm_kernels.h"
+#include "gemm_q8_vnni.h"
 #include "moe_kernels.h"
 #include "quant_act.h"
 #include "quant_kernels.h"
@@ -89,13 +91,31 @@ inline void gemv_rows(const Packed& w, const uint8_t* row, const ActRows& a, con
 struct QScratch {
   quant::RowsScratch sc;
   float g[quant::kGemvRows], u[quant::kGemvRows];
+  quant::GemmQ8Scratch gs;                  // the integer GEMM's packed strip (use_gemm_q8)
+  float gm[quant::kGemvRows * kQFeatures];  // its gate sums, [row][feature - n0]
 };
+
+// The expert's rows as the integer GEMM reads them: row m is activation row rows[m].
+inline quant::VnniActs gemm_acts(const ActRows& a, const int64_t* rows) {
+  return {a.q, a.d, a.s, a.kp, a.kp / 32, rows};
+}
 
 // Packed expert e, GEMV path: h rows (fp32, row stride Ip) for features [n0, n1) of its
 // `rows` rows, whose tokens are tok[0..rows) (rows of xa).
 inline void q_gate_up(const Packed& wgu, const ActRows& xa, bool q8, int64_t e, const int64_t* tok,
                       int64_t rows, int64_t I, int64_t Ip, int64_t n0, int64_t n1, Act a, float* h,
                       QScratch& s) {
+  if (q8 && rows <= quant::kGemvRows && quant::use_gemm_q8(wgu.f.fmt, rows)) {
+    // the integer GEMM over the item's gate rows, then its up rows (n1 - n0 <= kQFeatures)
+    const quant::VnniActs x = gemm_acts(xa, tok);
+    quant::gemm_q8_rows(wgu.f, wgu.row(e, 0), wgu.rb, n0, n1, wgu.k, x, rows, s.gs,
+                        [&](int64_t m, int64_t n, float v) { s.gm[m * kQFeatures + n - n0] = v; });
+    quant::gemm_q8_rows(wgu.f, wgu.row(e, I), wgu.rb, n0, n1, wgu.k, x, rows, s.gs,
+                        [&](int64_t m, int64_t n, float v) {
+                          h[m * Ip + n] = act(a, s.gm[m * kQFeatures + n - n0]) * v;
+                        });
+    return;
+  }
   for (int64_t m0 = 0; m0 < rows; m0 += quant::kGemvRows) {  // > 16 rows: batch-invariant
     const int64_t M = std::min(quant::kGemvRows, rows - m0);
     for (int64_t n = n0; n < n1; ++n) {
@@ -119,6 +139,11 @@ inline void q_round_h(float* h, int64_t Ip, int64_t r, int8_t* hq, float* hd, fl
 inline void q_down(const Packed& wd, const ActRows& ha, bool q8, int64_t e, const int64_t* idx,
                    const int64_t* tok, const float* rw, int64_t rows, int64_t H, int64_t n0,
                    int64_t n1, float* out32, QScratch& s) {
+  if (q8 && quant::use_gemm_q8(wd.f.fmt, rows)) {  // each (token, column) written once
+    quant::gemm_q8_rows(wd.f, wd.row(e, 0), wd.rb, n0, n1, wd.k, gemm_acts(ha, idx), rows, s.gs,
+                        [&](int64_t m, int64_t n, float v) { out32[tok[m] * H + n] += rw[m] * v; });
+    return;
+  }
   for (int64_t m0 = 0; m0 < rows; m0 += quant::kGemvRows) {
     const int64_t M = std::min(quant::kGemvRows, rows - m0);
     for (int64_t n = n0; n < n1; ++n) {

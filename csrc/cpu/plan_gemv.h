@@ -14,6 +14,7 @@
 
 #include "dispatch.h"
 #include "gemm_kernels.h"
+#include "gemm_q8_vnni.h"
 #include "gemv_amx.h"
 #include "gemv_bf16dp.h"
 #include "quant_act.h"
@@ -51,6 +52,7 @@ struct GemvInput {
   std::vector<int8_t> xq;
   std::vector<bf16> bp;
   quant::RowsScratch qs;
+  quant::GemmQ8Scratch gs;     // the integer GEMM's packed strip (use_gemm_q8)
   gemm::AlignedFloats il_buf;  // the fp32 rows interleaved (gemm::interleave_a_rows)
   const float* il = nullptr;
   bool packed = false, a8 = false, dp = false, amx = false;
@@ -98,6 +100,12 @@ struct GemvInput {
   // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.
   template <typename T, typename Emit>
   void dot(const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1, Emit&& emit) {
+    if (w.f && w.a8 && quant::use_gemm_q8(w.f->fmt, rows)) {  // linear_q's integer GEMM
+      const int64_t kp = padded_k(K);
+      const quant::VnniActs acts{xq.data(), xd.data(), xs.data(), kp, kp / 32};
+      quant::gemm_q8_rows(*w.f, w.data<uint8_t>(), w.rb, n0, n1, K, acts, rows, gs, emit);
+      return;
+    }
     if (w.f && w.a8) {  // linear_q's integer GEMV
       quant::gemv_q8(*w.f, w.data<uint8_t>(), w.rb, n0, n1, K, xq.data(), xd.data(), xs.data(),
                      padded_k(K), rows, emit);

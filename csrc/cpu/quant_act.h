@@ -1,7 +1,9 @@
 // int8 activations (linear_q's int8_activations, llama.cpp's approach): the activation
 // rounding (quantize_act) and the GEMV of a packed row against one rounded activation row
 // (dot_row_q8). Split from quant_kernels.h, whose fp32-activation dot products it builds on;
-// gemm_q8_vnni.h holds the GEMM (M > 16) over the same rounded activations.
+// gemm_q8_vnni.h holds the GEMM over the same rounded activations, which VNNI CPUs take
+// from quant::kQ8GemmRows (4) rows outside batch-invariant mode (use_gemm_q8): the GEMV
+// below serves fewer rows, CPUs without VNNI and batch-invariant mode at every M.
 //
 // dot_rows_q8 has two forms, the same integer products and different fp32 summation
 // orders:
@@ -12,8 +14,8 @@
 //                  groups of 32, int8) per block one vpdpbusd, the scales and constant
 //                  terms of 8 blocks at a time in vector registers, a range of rows per call.
 // The K-quants (q4_k, q5_k, q6_k) have both forms in quant_act_k.h.
-// Multi-row (M activation rows, the decode steps of a batch): each form takes up to
-// kActRows activation rows per pass over a weight row, unpacking a block's codes and
+// Multi-row (M activation rows, the decode steps of a batch where the GEMM is not taken): each form
+// takes up to kActRows activation rows per pass over a weight row, unpacking a block's codes and
 // converting its scales once for them; each row keeps its own accumulators and sums in
 // the order of a one-row call (the one-row call is the same code with MR = 1), so a row's
 // result is bitwise the same whatever M is and however the rows are grouped.
@@ -51,8 +53,24 @@ inline bool use_vnni() {
 // block's code sum. A block holding NaN or inf gets d = NaN, so its row's results are
 // NaN. Model in Python: torch_topg.formats.quantize_activations.
 
-// The formats of the integer GEMM for many rows (gemm_q8_vnni.h: blocks of 32).
-inline bool int8_gemm(Fmt f) { return f != Fmt::q4_k && f != Fmt::q5_k && f != Fmt::q6_k; }
+// The formats of the integer GEMM (gemm_q8_vnni.h, gemm_q8_pack.h): all of them; a format
+// added without a GEMM form takes the GEMV and the de-quantising GEMM instead.
+inline bool int8_gemm(Fmt f) {
+  switch (f) {
+    case Fmt::q8_0:
+    case Fmt::q4_0:
+    case Fmt::q4_1:
+    case Fmt::q5_0:
+    case Fmt::q5_1:
+    case Fmt::q4_k:
+    case Fmt::q5_k:
+    case Fmt::q6_k:
+    case Fmt::int8:
+    case Fmt::int4:
+      return true;
+  }
+  return false;
+}
 
 // One block of 32, scalar: the definition (and the path of a block holding NaN or inf).
 inline void quantize_act_block(const float* xb, int8_t* q, float* d, float* qsum) {

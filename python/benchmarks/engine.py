@@ -89,6 +89,7 @@ def w_engine(dtype: str, rounds: int, new_tokens: int) -> dict:
         max_batch_size=CONCURRENCY,
         max_model_len=MAX_MODEL_LEN,
     )
+    eng.wait_warm()  # the warm-up's background compile (engine.md)
     rss_load = rss_mb()
     ids = prompt_ids(eng.tokenizer)
     kw = dict(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -172,6 +173,7 @@ def w_engine_batch1(dtype: str, repeats: int) -> dict:
     )
     g = torch.Generator().manual_seed(0)
     kw = dict(temperature=0, ignore_eos=True)
+    eng.wait_warm()  # the warm-up's background compile (engine.md)
     eng.generate(_rand_ids(g, DECODE_CONTEXT), max_new_tokens=8, **kw)  # warm-up
     for _ in range(2):
         eng.generate(_rand_ids(g, TTFT_PROMPT), max_new_tokens=1, **kw)

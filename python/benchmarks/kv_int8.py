@@ -158,6 +158,7 @@ def greedy() -> dict:
     outs = {}
     for kv in ("auto", "int8"):
         with Engine.from_pretrained(**opts, kv_cache_dtype=kv) as eng:
+            eng.wait_warm()  # the warm-up's background compile (engine.md)
             outs[kv] = [o.token_ids for o in eng.generate(msgs, **kw)]
     lead = same = 0
     for a, b in zip(outs["auto"], outs["int8"], strict=True):

@@ -86,6 +86,7 @@ def shared_prompt(dtype: str, reps: int, compile: bool) -> dict:
     from engine_common import QUESTIONS
 
     eng = Engine.from_pretrained(dtype=dtype, compile=compile, max_model_len=2048)
+    eng.wait_warm()  # the warm-up's background compile (engine.md)
     tok = eng.tokenizer
     sys_text = system_prompt(1000)
     warm = encode(tok, [{"role": "system", "content": sys_text}, {"role": "user", "content": "Hi"}])

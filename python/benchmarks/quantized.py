@@ -74,6 +74,7 @@ def decode_ms(quantization: str | None, tokens: int = 64) -> float:
     from torch_topg.engine import Engine
 
     with Engine.from_pretrained(quantization=quantization, seed=0) as eng:
+        eng.wait_warm()  # the warm-up's background compile (engine.md)
         prompt = [{"role": "user", "content": "Tell me about the history of Paris."}]
         eng.generate(prompt, max_new_tokens=4, temperature=0)  # warm-up
         out, s = timed(eng.generate, prompt, max_new_tokens=tokens, temperature=0,

@@ -72,6 +72,7 @@ class EngineSide:
         self.kw = dict(temperature=0, ignore_eos=True)
         self.decode: list[float] = []
         self.ttft: list[float] = []
+        self.eng.wait_warm()  # the warm-up's background compile (engine.md)
         self.eng.generate(self.ids(DECODE_CONTEXT), max_new_tokens=8, **self.kw)  # warm-up
         if ttft:
             self.eng.generate(self.ids(TTFT_PROMPT), max_new_tokens=1, **self.kw)

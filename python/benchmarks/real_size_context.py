@@ -58,7 +58,8 @@ class Topg:
         self.n = decode_tokens
         self.rng = random.Random(0)
         self.samples: dict[int, dict[str, list[float]]] = {}
-        self.generate(min(512, max_len // 2))  # warm-up: compiles the prefill and decode steps
+        self.eng.wait_warm()  # the warm-up's background compile (engine.md)
+        self.generate(min(512, max_len // 2))  # warm-up: the compiled prefill and decode steps
 
     def generate(self, ctx: int) -> tuple[float, float]:
         ids = [self.rng.randrange(10, 40000) for _ in range(ctx)]

@@ -256,6 +256,7 @@ def main() -> None:
     for dtype in a.dtype.split(","):
         spec = {"method": "ngram", "num_speculative_tokens": a.k}
         with Engine.from_pretrained(a.model, dtype=dtype, speculative=spec, **common) as eng:
+            eng.wait_warm()  # the warm-up's background compile (engine.md)
             cost_curve(eng, dtype, rows, 3 if a.quick else 5)
             for name in ("summary", "code", "chat"):
                 compare(eng, name, T[name][:SERIAL], new, reps, "ngram", dtype, rows, serial=True)
@@ -270,6 +271,7 @@ def main() -> None:
             spec = {"method": "self", "num_layers": n, "num_speculative_tokens": 3,
                     "adaptive": False}  # fmt: skip
             with Engine.from_pretrained(a.model, dtype=dtype, speculative=spec, **common) as eng:
+                eng.wait_warm()  # the warm-up's background compile (engine.md)
                 for name in ("summary", "chat"):
                     compare(eng, name, T[name][:1], min(new, 64), 1, f"self n={n}", dtype, rows)
     notes = [

@@ -95,6 +95,7 @@ def main() -> None:
         corpus = corpus[: args.limit]
     model = "smollm2"
     with Engine.from_pretrained(max_batch_size=args.concurrency, max_model_len=1024, seed=0) as eng:
+        eng.wait_warm()  # the warm-up's background compile (engine.md)
         srv = uvicorn.Server(uvicorn.Config(create_app(eng, model), host="127.0.0.1", port=0,
                                             log_level="warning"))  # fmt: skip
         th = threading.Thread(target=srv.run, daemon=True)

@@ -598,6 +598,12 @@ class Engine:
         req.handle._finish(None, err)
 
     # --- introspection -----------------------------------------------------------------
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until the warm-up's background compile (``background_compile``) is done;
+        whether it is. Requests are served meanwhile; a benchmark of the steady state
+        waits first."""
+        return self.runner.wait_compiled(timeout)
+
     def stats(self) -> dict[str, Any]:
         """What the engine did, one section per subsystem (the server's metrics read it)."""
         return engine_stats(self)

@@ -4,6 +4,7 @@ engine's CPU weights, fused weights and KV cache placed in them."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -111,8 +112,11 @@ def test_rehome_releases_a_read_only_file_mappings_pages(tmp_path):
     assert torch.equal(src, want)  # every page of the mapping read in
     resident = _mapping_rss(src.data_ptr())
     assert resident >= 4 << 20
-    moved = hugepages.rehome_(lin)
+    # the bytes the copy will take from the available memory (the engine's KV budget)
+    assert hugepages.file_mapped_bytes(lin) == (4 << 20 if hugepages.enabled() else 0)
+    moved = hugepages.rehome_(lin, lock=threading.Lock())
     assert torch.equal(lin.weight, want)
+    assert hugepages.file_mapped_bytes(lin) == 0
     if hugepages.enabled():
         assert moved == 4 << 20 and lin.weight.data_ptr() != src.data_ptr()
         assert _mapping_rss(src.data_ptr()) < resident // 8

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import time
 
+import msgpack  # the cluster extra (make test installs it): Ray's dependency
 import pytest
+import zmq  # the cluster extra: pyzmq
 from engine_utils import prompts, tiny, wait_idle
 
 from torch_topg.engine import Engine
@@ -21,9 +23,6 @@ from torch_topg.engine.kv_events import (
     decode,
     encode,
 )
-
-zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (the cluster extra)")
-msgpack = pytest.importorskip("msgpack", reason="msgpack is not installed (the cluster extra)")
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

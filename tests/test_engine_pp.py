@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from cluster_utils import free_port, save_pp_llama
 from engine_utils import prompts, whole_pool
 
 from torch_topg.engine import Engine
@@ -36,21 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTS = dict(block_size=4, max_num_batched_tokens=16, dist_timeout=120.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     """A tiny Llama (no tokenizer), 3 layers, 6 query / 3 KV heads, untied LM head."""
-    folder = tmp_path_factory.mktemp("llama-pp")
-    build_model(
-        "llama-tiny", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
-        num_hidden_layers=3, tie_word_embeddings=False,
-    ).save_pretrained(folder)  # fmt: skip
-    return folder
+    return save_pp_llama(tmp_path_factory.mktemp("llama-pp"))
 
 
 @pytest.fixture(scope="module")

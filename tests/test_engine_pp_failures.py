@@ -12,18 +12,17 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from cluster_utils import free_port, save_pp_llama
 from engine_utils import prompts
 
 from torch_topg.engine import Engine
 from torch_topg.engine.errors import EngineDeadError
-from torch_topg.models import build_model
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -34,20 +33,9 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("llama-pp-failures")
-    build_model(
-        "llama-tiny", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
-        num_hidden_layers=3, tie_word_embeddings=False,
-    ).save_pretrained(folder)  # fmt: skip
-    return folder
+    return save_pp_llama(tmp_path_factory.mktemp("llama-pp-failures"))
 
 
 def _node1(llama: Path, options: dict) -> subprocess.Popen:

@@ -264,6 +264,23 @@ def test_native_int8_rounding_is_quantize_activations(m, blocks, seed):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
+def _run_avx2(tmp_path, script: str, payload: object) -> object:
+    """``script`` run in a subprocess with TOPG_DISABLE_AVX512=1 (the AVX2 forms of the
+    kernels): it loads ``payload`` from ``sys.argv[1]`` and saves its results to
+    ``sys.argv[2]``, which this returns."""
+    import os
+    import subprocess
+    import sys
+
+    path, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    path.write_text(script)
+    torch.save(payload, inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(path), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    return torch.load(out, weights_only=False)
+
+
 _AVX2_Q8_SCRIPT = """
 import sys, torch, torch_topg
 x, packed = torch.load(sys.argv[1])
@@ -284,9 +301,6 @@ def test_int8_gemv_forms_match_reference(tmp_path):
     TOPG_DISABLE_AVX512=1. The shapes cover whole groups of 8 blocks with and without a
     tail, a row of fewer than 8 blocks, an int8 / int4 row ending inside a block, and the
     K-quants' super-blocks."""
-    import os
-    import subprocess
-    import sys
 
     from torch_topg.quant import quantize_weight
 
@@ -302,13 +316,7 @@ def test_int8_gemv_forms_match_reference(tmp_path):
     packed += [
         (packed_weight(kq, f, 37, k), f, k) for f in ("q4_k", "q5_k", "q6_k") for k in (256, 1536)
     ]
-    script, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
-    script.write_text(_AVX2_Q8_SCRIPT)
-    torch.save((x, packed), inp)
-    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
-    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
-    avx2 = torch.load(out, weights_only=False)
+    avx2 = _run_avx2(tmp_path, _AVX2_Q8_SCRIPT, (x, packed))
     i = 0
     for q, f, k in packed:
         for m in (1, 5, 16):
@@ -362,9 +370,6 @@ def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
     form's two loops), rows ending inside a block, two K-quant super-blocks, and 37
     weight rows (two groups of 16 and 5)."""
     import inspect
-    import os
-    import subprocess
-    import sys
 
     g = Gen("cpu", seed=21)
     x = g.randn(16, 512) * 2
@@ -372,19 +377,14 @@ def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
     shape = {"q4_k": 512, "q5_k": 512, "q6_k": 512, "int8": 357, "int4_g32": 357,
              "int4_g64": 357, "int4_g128": 357}  # fmt: skip
     packed = [(packed_weight(g, f, 37, shape.get(f, 352)), f, shape.get(f, 352)) for f in FORMATS]
-    script, inp, out = tmp_path / "rows.py", tmp_path / "in.pt", tmp_path / "out.pt"
-    script.write_text(
+    script = (
         "import sys, torch\n" + inspect.getsource(_int8_rows) + "\n"
         "x, packed = torch.load(sys.argv[1])\n"
         "torch.save(_int8_rows(x, packed), sys.argv[2])\n"
     )
-    torch.save((x, packed), inp)
-    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
-    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
     forms = {
         "this CPU's form": _int8_rows(x, packed),
-        "AVX2 form": torch.load(out, weights_only=False),
+        "AVX2 form": _run_avx2(tmp_path, script, (x, packed)),
     }
     for name, results in forms.items():
         for (_, f, k), (alone, full) in zip(packed, results, strict=True):
@@ -418,22 +418,13 @@ def test_int8_gemm_avx2_form_matches_reference(tmp_path):
     same at every M (a GEMM row's sum does not depend on M). N = 37: groups of 8 and a
     last group of 5; the 4-, 5- and 6-bit formats, int4 rows ending inside a group, two
     K-quant super-blocks (q6_k: scale blocks of 16)."""
-    import os
-    import subprocess
-    import sys
 
     g = Gen("cpu", seed=51)
     x = g.randn(33, 600) * 2
     cases = [("q4_0", 320), ("q4_1", 96), ("q5_0", 288), ("q5_1", 320), ("int4_g32", 357),
              ("int4_g64", 357), ("int4_g128", 600), ("q4_k", 512), ("q5_k", 512), ("q6_k", 512)]  # fmt: skip
     packed = [(packed_weight(g, f, 37, k), f, k) for f, k in cases]
-    script, inp, out = tmp_path / "gemm.py", tmp_path / "in.pt", tmp_path / "out.pt"
-    script.write_text(_AVX2_GEMM_SCRIPT)
-    torch.save((x, packed), inp)
-    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
-    subprocess.run([sys.executable, str(script), str(inp), str(out)], env=env, check=True,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
-    avx2 = iter(torch.load(out, weights_only=False))
+    avx2 = iter(_run_avx2(tmp_path, _AVX2_GEMM_SCRIPT, (x, packed)))
     for q, f, k in packed:
         got = {m: next(avx2) for m in (8, 16, 33)}
         xs = x[:, :k].contiguous()

@@ -123,6 +123,45 @@ def test_rehome_releases_a_read_only_file_mappings_pages(tmp_path):
     assert torch.equal(src, want)  # faulted in again from the file
 
 
+def test_rehome_file_mapped_in_chunks_tied_objects_swapped_together(tmp_path, monkeypatch):
+    # A tied embedding and LM head as two parameter objects over one mapped tensor: one
+    # copy, both swapped to it at once (a step between the two swaps would fault the
+    # released pages in again: the transient the background warm-up had). The copy
+    # releases the mapping chunk by chunk, here 1 MiB chunks of a tensor of an awkward
+    # size (not a multiple of the chunk or of a page).
+    import warnings
+
+    import numpy as np
+
+    if not hugepages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here: rehome_ moves nothing")
+    monkeypatch.setattr(hugepages, "RELEASE_CHUNK", 1 << 20)
+    rows, cols = 1001, 1031
+    want = torch.randn(rows, cols)
+    path = tmp_path / "w.bin"
+    want.numpy().tofile(path)
+    mm = np.memmap(path, dtype=np.float32, mode="r", shape=(rows, cols))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        src = torch.from_numpy(mm)
+    emb = torch.nn.Embedding(rows, cols)
+    head = torch.nn.Linear(cols, rows, bias=False)
+    emb.weight = torch.nn.Parameter(src, requires_grad=False)
+    head.weight = torch.nn.Parameter(src.view(rows, cols), requires_grad=False)  # another object
+    mod = torch.nn.ModuleList([emb, head])
+    assert torch.equal(src, want)
+    released: list[int] = []
+    real = hugepages._release_file_pages
+    monkeypatch.setattr(hugepages, "_release_file_pages",
+                        lambda t, maps: (released.append(t.numel()), real(t, maps)))  # fmt: skip
+    moved = hugepages.rehome_(mod, lock=threading.RLock())
+    assert moved == rows * cols * 4
+    assert emb.weight.data_ptr() == head.weight.data_ptr() != src.data_ptr()
+    assert torch.equal(emb.weight, want) and torch.equal(head.weight, want)
+    assert len(released) == -(-rows * cols // (1 << 18)) + 1  # each chunk, then the seams
+    assert _mapping_rss(src.data_ptr()) < 1 << 20
+
+
 def _in_read_only_file_map(t: torch.Tensor) -> bool:
     return any(a <= t.data_ptr() < b for a, b in hugepages._read_only_file_maps())
 

@@ -140,41 +140,80 @@ def file_mapped_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+#: Bytes of a read-only file mapping :func:`rehome_` copies before releasing their pages.
+RELEASE_CHUNK = 64 << 20
+
+
 def rehome_(module: torch.nn.Module, lock: AbstractContextManager[Any] | None = None) -> int:
     """Moves ``module``'s contiguous CPU parameters and buffers of :data:`HUGE_PAGE` bytes or
     more into :func:`empty` memory, in place (``.data`` swapped, values unchanged; tensors
-    sharing storage, as tied embeddings, stay shared). A source in a read-only file
-    mapping (a GGUF file's tensor) has its pages released as soon as it is copied, so the
-    load's peak RSS is the weights once, not twice. ``lock``: held around each swap (not
-    the copy), for a model that runs steps meanwhile on another thread (the engine's
-    background warm-up). Returns the bytes moved; 0 where not :func:`enabled`."""
+    sharing memory, as a tied embedding and LM head, stay shared and are swapped
+    together). Returns the bytes moved; 0 where not :func:`enabled`.
+
+    ``lock``: held around each swap, for a model that runs steps meanwhile on another
+    thread (the engine's background warm-up). A source in a read-only file mapping (a GGUF
+    file's tensor) is copied :data:`RELEASE_CHUNK` bytes at a time, each chunk's pages
+    released once copied, all of it holding ``lock``: no step can fault the released
+    pages in again before the swap, so the peak RSS is the weights once plus one chunk,
+    not plus the tensor (a step that ran before had all of the file resident). Other
+    sources are copied outside the lock."""
     if not enabled():
         return 0
     lock = lock if lock is not None else contextlib.nullcontext()
-    moved: dict[int, torch.Tensor] = {}
-    total = 0
+    shared: dict[int, list[torch.Tensor]] = {}  # by the memory they start at
+    for t in [*module.parameters(), *module.buffers()]:
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or t.is_sparse or nbytes < HUGE_PAGE:
+            continue
+        if t.is_contiguous() and t.storage_offset() == 0:
+            shared.setdefault(t.data_ptr(), []).append(t)
     maps = _read_only_file_maps()
+    total = 0
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            nbytes = t.numel() * t.element_size()
-            if t.device.type != "cpu" or t.is_sparse or nbytes < HUGE_PAGE:
-                continue
-            if not t.is_contiguous() or t.storage_offset() != 0:
-                continue
-            key = t.data_ptr()
-            new = moved.get(key)
-            if new is None or new.shape != t.shape or new.dtype != t.dtype:
-                new = empty(t.shape, t.dtype).copy_(t)
-                moved[key] = new
-                total += nbytes
-                src = t.detach()  # the old bytes (t.data is swapped below)
+        for ts in shared.values():
+            first = ts[0]
+            nbytes = first.numel() * first.element_size()
+            total += nbytes
+            if _in_file_map(first, maps):
                 with lock:
-                    t.data = new
-                    _release_file_pages(src, maps)
-                continue
-            with lock:
-                t.data = new
+                    new = _copy_releasing(first, maps)
+                    _swap(ts, new)
+            else:
+                new = empty(first.shape, first.dtype).copy_(first)
+                with lock:
+                    _swap(ts, new)
     return total
+
+
+def _swap(ts: list[torch.Tensor], new: torch.Tensor) -> None:
+    """``.data`` of each of ``ts`` (one memory) to ``new``, or to a copy of its own where
+    its shape or dtype differs from ``new``'s."""
+    for t in ts:
+        t.data = (
+            new
+            if (t.shape, t.dtype) == (new.shape, new.dtype)
+            else empty(t.shape, t.dtype).copy_(t)
+        )
+
+
+def _in_file_map(t: torch.Tensor, maps: list[tuple[int, int]]) -> bool:
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    return any(a <= lo and hi <= b for a, b in maps)
+
+
+def _copy_releasing(src: torch.Tensor, maps: list[tuple[int, int]]) -> torch.Tensor:
+    """An :func:`empty` copy of ``src`` (in a read-only file mapping), each
+    :data:`RELEASE_CHUNK` of its pages released as soon as it is copied."""
+    new = empty(src.shape, src.dtype)
+    flat_src, flat_new = src.view(-1), new.view(-1)
+    step = max(1, RELEASE_CHUNK // src.element_size())
+    for a in range(0, flat_src.numel(), step):
+        part = flat_src[a : a + step]
+        flat_new[a : a + step].copy_(part)
+        _release_file_pages(part, maps)
+    _release_file_pages(src, maps)  # the pages straddling two chunks
+    return new
 
 
 def is_advised(t: torch.Tensor) -> bool:

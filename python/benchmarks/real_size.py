@@ -19,7 +19,8 @@ flash attention off and on, the faster kept), the engine with int8 activations, 
 engine with fp32 activations (``quantization={"method": "gguf", ...}``; BF16: the file in
 bf16), each round in a rotated order. Reported with each side's share of the read limit:
 the bytes a decode step reads (every tensor of the file once, the embedding table once
-if it is also the LM head, else one row of it; plus the KV cache at the context) over
+if it is also the LM head, else one row of it, an MoE layer's experts in the share a
+token uses, ``expert_used_count / expert_count``; plus the KV cache at the context) over
 the read bandwidth measured in the same run. The weights' values do not change the
 speed: every kernel reads all of a weight whatever it holds.
 """
@@ -123,19 +124,23 @@ def read_bytes(path: Path, context: int) -> tuple[int, dict[str, int]]:
     for t in r.tensors:
         kinds[t.tensor_type.name.lower()] = kinds.get(t.tensor_type.name.lower(), 0) + 1
         sizes[t.name] = int(t.n_bytes)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def field(key: str) -> int:
+        return int(r.fields[f"{arch}.{key}"].parts[-1][0])
+
     total = sum(sizes.values())
     if "output.weight" in sizes:  # untied: the lookup reads one row of the embedding
         emb = next(t for t in r.tensors if t.name == "token_embd.weight")
         total -= sizes["token_embd.weight"] - sizes["token_embd.weight"] // int(emb.shape[-1])
-
-    def field(key: str) -> int:
-        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-        return int(r.fields[f"{arch}.{key}"].parts[-1][0])
-
+    if f"{arch}.expert_count" in r.fields:  # MoE: one token reads its experts only
+        experts = sum(n for name, n in sizes.items() if "_exps." in name)
+        used, count = field("expert_used_count"), field("expert_count")
+        total -= experts - experts * used // count
     layers, kv_heads = field("block_count"), field("attention.head_count_kv")
     head_dim = field("embedding_length") // field("attention.head_count")
-    if "llama.attention.key_length" in r.fields:
-        head_dim = int(r.fields["llama.attention.key_length"].parts[-1][0])
+    if f"{arch}.attention.key_length" in r.fields:
+        head_dim = field("attention.key_length")
     kv = 2 * layers * kv_heads * head_dim * context * 2  # bf16 / f16 caches on both sides
     return total + kv, kinds
 

@@ -162,6 +162,26 @@ def test_rehome_file_mapped_in_chunks_tied_objects_swapped_together(tmp_path, mo
     assert _mapping_rss(src.data_ptr()) < 1 << 20
 
 
+def test_tensors_built_in_huge_pages_stay_there():
+    # A loader that builds a tensor in empty() memory (the GGUF loader's concatenated
+    # expert rows) needs no second copy: rehome_ leaves it, and the registry forgets a
+    # mapping once its last view is freed.
+    if not hugepages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here")
+    t = hugepages.empty((1024, 1024), torch.float32).fill_(3.0)
+    lin = torch.nn.Linear(1024, 1024, bias=False)
+    lin.weight = torch.nn.Parameter(t, requires_grad=False)
+    assert hugepages.in_huge_pages(lin.weight) and hugepages.in_huge_pages(t[5:])
+    assert not hugepages.in_huge_pages(torch.empty(1024, 1024))
+    ptr = t.data_ptr()
+    assert hugepages.rehome_(lin) == 0 and lin.weight.data_ptr() == ptr
+    del t, lin
+    import gc
+
+    gc.collect()
+    assert ptr not in hugepages._MAPPED
+
+
 def _in_read_only_file_map(t: torch.Tensor) -> bool:
     return any(a <= t.data_ptr() < b for a, b in hugepages._read_only_file_maps())
 

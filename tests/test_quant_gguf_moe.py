@@ -156,6 +156,37 @@ def test_mixtral_gguf_runs_packed(mixtral_file):
         torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_mixtral_gguf_mapped_copies_release_the_file_pages(mixtral_file, monkeypatch):
+    """Every tensor counted big (views of the mapped file): the concatenated gate / up
+    rows are built in huge-page memory (no second copy by rehome_) and the mapped pages
+    they, and the un-permuted q rows, were copied from are released; the same logits."""
+    from torch_topg.utils import hugepages
+
+    if not hugepages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here: nothing is mapped")
+    path, reference = mixtral_file
+    monkeypatch.setattr(hugepages, "HUGE_PAGE", 4096)
+    released: list[tuple[int, ...]] = []
+    real = hugepages.release_file_pages
+    monkeypatch.setattr(hugepages, "release_file_pages",
+                        lambda *ts: (released.extend(tuple(t.shape) for t in ts), real(*ts)))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed, _ = load_gguf_packed(path, torch.float32, GGUF_FP32_ACT)
+    layers = packed.model.layers
+    for layer in layers:
+        experts = layer.mlp.experts
+        assert hugepages.in_huge_pages(experts.qgate_up)
+        assert experts.qgate_up.shape[:2] == (4, 2 * experts.intermediate_dim)
+    stacks = [s for s in released if len(s) == 3]  # gate and up of each layer
+    assert len(stacks) == 2 * len(layers)
+    # the un-permuted q rows of each layer (k's are under the 4 KiB taken for big here)
+    assert len([s for s in released if len(s) == 2]) >= len(layers)
+    ids = torch.tensor([[1, 5, 9, 200, 255, 17, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_mixtral_gguf_default_loads_dequantised(mixtral_file):
     """``quantization=None`` (the default) on a Mixtral-type file: transformers alone
     builds a dense Llama with random MLPs from it; topg builds Mixtral with the file's

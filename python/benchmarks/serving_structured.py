@@ -6,9 +6,11 @@ official ``openai`` client, ``--concurrency`` requests in flight (16 by default)
 Per system:
 
 - **json**: every schema of the corpus (``tests/data/json_schemas.json``) with
-  ``response_format`` json_schema, then the same prompts without a schema; completion
-  tokens per second of both and their ratio; the share of ``"stop"`` answers that
-  validate with ``jsonschema`` and the ``"length"`` share.
+  ``response_format`` json_schema, and the same prompts without a schema, as long as the
+  model likes and each exactly as long as its schema answer (``ignore_eos``; the schema's
+  cost is the ratio to these: the same tokens, prefills and batch occupancy, the masks
+  the only difference); completion tokens per second and the ratios; the share of
+  ``"stop"`` answers that validate with ``jsonschema`` and the ``"length"`` share.
 - **ttft**: first-token latency (streamed) of a request whose schema the server has never
   seen (a corpus schema with a fresh property name: a new grammar to compile) against
   the same request without a schema; p50 of each and their difference, idle (one
@@ -18,7 +20,7 @@ Per system:
   the answer read; a round trip counts when the call parsed and named the tool.
 
 Targets (the structured-outputs issue): json throughput >= 0.95x the same server without
-a schema and >= 1.0x llama-server's; 100% of "stop" answers valid, "length" <= 5%; the
+a schema (the same lengths) and >= 1.0x llama-server's; 100% of "stop" answers valid, "length" <= 5%; the
 schema's first-token latency within 50 ms of the plain one (p50), idle and loaded.
 
     python python/benchmarks/serving_structured.py [--requests N] [--concurrency 16]
@@ -90,30 +92,43 @@ def _schema_format(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def json_phase(client: Any, model: str, corpus: list[dict], args: argparse.Namespace) -> dict:
-    """The corpus with and without its schemas: throughput, validity, "length" share."""
+    """The corpus with its schemas, then the same prompts without them twice: as long as
+    the model likes (``plain``), and each exactly as long as its schema answer was
+    (``plain_same_lengths``: ``max_tokens`` = that answer's tokens, ``ignore_eos``).
+    Throughput, validity, "length" share. The schema's cost is the ratio to the same
+    lengths: a schema answer is shorter, so the free-length pass has fewer prefills per
+    token and a fuller batch at the end, which says nothing about the masks."""
 
-    def one(case: dict[str, Any], schema: bool) -> dict[str, Any]:
-        extra = {"response_format": _schema_format(case)} if schema else {}
+    def one(case: dict[str, Any], schema: bool, tokens: int | None) -> dict[str, Any]:
+        extra: dict[str, Any] = {"response_format": _schema_format(case)} if schema else {}
+        if tokens is not None:
+            extra["extra_body"] = {"ignore_eos": True}
         r = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": case["prompt"]}],
-            max_tokens=args.max_tokens, temperature=0, **extra,
+            max_tokens=tokens or args.max_tokens, temperature=0, **extra,
         )  # fmt: skip
         c = r.choices[0]
         return {"name": case["name"], "finish_reason": c.finish_reason,
                 "text": c.message.content or "", "tokens": r.usage.completion_tokens}  # fmt: skip
 
-    out: dict[str, Any] = {}
-    for schema in (False, True):
+    def run(schema: bool, lengths: list[int | None]) -> tuple[dict[str, Any], list[dict]]:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            results = list(pool.map(lambda c, s=schema: one(c, s), corpus))
+            results = list(pool.map(lambda c, n: one(c, schema, n), corpus, lengths))
         wall = time.perf_counter() - t0
         tokens = sum(r["tokens"] for r in results)
-        key = "schema" if schema else "plain"
-        out[key] = {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
-        if schema:
-            out[key].update(score(corpus, results))
+        return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}, results
+
+    out: dict[str, Any] = {}
+    free: list[int | None] = [None] * len(corpus)
+    out["plain"], _ = run(False, free)
+    out["schema"], results = run(True, free)
+    out["schema"].update(score(corpus, results))
+    out["plain_same_lengths"], _ = run(False, [max(1, r["tokens"]) for r in results])
     out["ratio_schema_to_plain"] = out["schema"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+    out["ratio_schema_to_same_lengths"] = (
+        out["schema"]["tokens_per_s"] / out["plain_same_lengths"]["tokens_per_s"]
+    )
     return out
 
 
@@ -248,7 +263,9 @@ def report(results: dict[str, dict]) -> str:
                 cells.append("-")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    row("json tok/s (schema / plain)", lambda r: f"{r['json']['schema']['tokens_per_s']:.1f} / "
+    row("json tok/s (schema / plain, same lengths)", lambda r: f"{r['json']['schema']['tokens_per_s']:.1f} / "
+        f"{r['json']['plain_same_lengths']['tokens_per_s']:.1f} ({r['json']['ratio_schema_to_same_lengths']:.2f}x)")  # fmt: skip
+    row("json tok/s (schema / plain, free lengths)", lambda r: f"{r['json']['schema']['tokens_per_s']:.1f} / "
         f"{r['json']['plain']['tokens_per_s']:.1f} ({r['json']['ratio_schema_to_plain']:.2f}x)")  # fmt: skip
     row("'stop' answers valid", lambda r: f"{r['json']['schema']['stop_valid_share']:.1%} of "
         f"{r['json']['schema']['stop']}")  # fmt: skip

@@ -174,7 +174,7 @@ def _set_experts(
         e, inter, hidden = gate.shape[0], gate.shape[1], down.shape[1]
         new = QuantizedExperts(e, hidden, inter, fg, experts_activation(old),
                                int8_activations, down_format=fd, device="meta")  # fmt: skip
-        new.qgate_up = torch.cat([gate, up], 1).contiguous()
+        new.qgate_up = _concat_rows(gate, up)
         new.qdown = down.contiguous()
         _set(model, path, new)
         return None, None
@@ -184,14 +184,31 @@ def _set_experts(
     inter, hidden = current.shape[1] // 2, current.shape[2]
     gate, up, down = ((t if f is None else dequantize(t, f, k)) for t, f, k in
                       ((gate, fg, hidden), (up, fu, hidden), (down, fd, inter)))  # fmt: skip
-    for attr, value in (("gate_up_proj", torch.cat([gate, up], 1)), ("down_proj", down)):
+    # the concatenation is a copy already; down_proj may be a view of the file's mapped
+    # bytes: always copied
+    for attr, value in (("gate_up_proj", torch.cat([gate, up], 1).to(dtype)),
+                        ("down_proj", down.to(dtype, copy=True))):  # fmt: skip
         current = getattr(old, attr, None)
         if current is None or tuple(current.shape) != tuple(value.shape):
             return f"{path}.{attr}: {tuple(value.shape)} in the file", None
-        # (down_proj may be a view of the file's mapped bytes: always a copy)
-        setattr(old, attr, torch.nn.Parameter(value.to(dtype, copy=True), requires_grad=False))
+        setattr(old, attr, torch.nn.Parameter(value, requires_grad=False))
+    hugepages.release_file_pages(gate, up, down)  # copied: the mapped pages they read go
     packed_parts = any(f is not None for f in formats)
     return None, (f"{path} ({problem})" if packed_parts else None)
+
+
+def _concat_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``cat([gate, up], 1)`` of two ``[E, rows, bytes]`` stacks, built in huge-page memory
+    (where it stays: the engine's move into huge pages skips it) expert by expert, and the
+    sources' mapped pages released once copied: the bytes read from the file would
+    otherwise stay resident beside the copy (an OLMoE file: two thirds of its bytes)."""
+    g = gate.shape[1]
+    out = hugepages.empty((gate.shape[0], g + up.shape[1], gate.shape[2]), gate.dtype)
+    for e in range(gate.shape[0]):
+        out[e, :g].copy_(gate[e])
+        out[e, g:].copy_(up[e])
+    hugepages.release_file_pages(gate, up)
+    return out
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:
@@ -293,15 +310,20 @@ def load_packed(
             return refuse(f"tensor {t.name}: {fmt} of shape {shape}")
         rows = value if fmt is None else _tensor(data).reshape(shape[0], -1)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        source = rows
         if ARCHITECTURES[arch] and kind in heads:  # weights and biases alike
             rows = rows.index_select(0, _unpermute(rows.shape[0], heads[kind]))
         if fmt is not None:
-            packed[target.removesuffix(".weight")] = (rows.contiguous(), fmt, shape[1])
+            kept = rows.contiguous()
+            packed[target.removesuffix(".weight")] = (kept, fmt, shape[1])
         else:
             if arch in _NORM_PLUS_ONE and target.endswith("norm.weight"):
                 rows = rows.float() - 1.0
             # a copy in dtype (the mapped bytes are read-only), unless the caller copies it
-            floats[target] = rows if view and rows.dtype == dtype else rows.to(dtype, copy=True)
+            kept = rows if view and rows.dtype == dtype else rows.to(dtype, copy=True)
+            floats[target] = kept
+        if view and kept.data_ptr() != source.data_ptr():
+            hugepages.release_file_pages(source)  # copied: its mapped pages go
     head_tied = "lm_head" not in packed and "lm_head.weight" not in floats
     for path_, parts in experts.items():
         why, note = _set_experts(model, path_, parts, dtype, int8_activations)

@@ -22,12 +22,22 @@ import contextlib
 import functools
 import mmap
 import os
+import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGE", "empty", "enabled", "file_mapped_bytes", "is_advised", "rehome_"]
+__all__ = [
+    "HUGE_PAGE",
+    "empty",
+    "enabled",
+    "file_mapped_bytes",
+    "in_huge_pages",
+    "is_advised",
+    "rehome_",
+    "release_file_pages",
+]
 
 #: Bytes of one huge page (x86-64 and aarch64 with 4 KiB base pages); smaller tensors stay
 #: on torch's allocator.
@@ -67,7 +77,32 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
     # shmem_enabled setting (usually never)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
+    t = torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
+    lo = t.data_ptr()
+    _MAPPED[lo] = lo + nbytes
+    weakref.finalize(mm, _MAPPED.pop, lo, None)  # unmapped with the last view of it
+    return t
+
+
+#: start -> end of each live mapping :func:`empty` made.
+_MAPPED: dict[int, int] = {}
+
+
+def in_huge_pages(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie in memory :func:`empty` advised for huge pages (a tensor
+    built there needs no :func:`rehome_`)."""
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    return any(a <= lo and hi <= b for a, b in list(_MAPPED.items()))
+
+
+def release_file_pages(*tensors: torch.Tensor) -> None:
+    """Drop the resident pages of each tensor lying in a read-only file mapping (a GGUF
+    file's tensor), for a loader that has copied it: else the mapped bytes it read stay
+    resident beside the copy. Views still reading them fault them in again (same bytes)."""
+    maps = _read_only_file_maps()
+    for t in tensors:
+        _release_file_pages(t, maps)
 
 
 def _read_only_file_maps() -> list[tuple[int, int]]:
@@ -148,7 +183,8 @@ def rehome_(module: torch.nn.Module, lock: AbstractContextManager[Any] | None = 
     """Moves ``module``'s contiguous CPU parameters and buffers of :data:`HUGE_PAGE` bytes or
     more into :func:`empty` memory, in place (``.data`` swapped, values unchanged; tensors
     sharing memory, as a tied embedding and LM head, stay shared and are swapped
-    together). Returns the bytes moved; 0 where not :func:`enabled`.
+    together); those already there (built in :func:`empty` memory) stay. Returns the bytes
+    moved; 0 where not :func:`enabled`.
 
     ``lock``: held around each swap, for a model that runs steps meanwhile on another
     thread (the engine's background warm-up). A source in a read-only file mapping (a GGUF
@@ -165,7 +201,7 @@ def rehome_(module: torch.nn.Module, lock: AbstractContextManager[Any] | None = 
         nbytes = t.numel() * t.element_size()
         if t.device.type != "cpu" or t.is_sparse or nbytes < HUGE_PAGE:
             continue
-        if t.is_contiguous() and t.storage_offset() == 0:
+        if t.is_contiguous() and t.storage_offset() == 0 and not in_huge_pages(t):
             shared.setdefault(t.data_ptr(), []).append(t)
     maps = _read_only_file_maps()
     total = 0

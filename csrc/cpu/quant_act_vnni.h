@@ -174,7 +174,7 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
   }
   int64_t b0 = 0;
   for (; b0 + 8 <= nb; b0 += 8) {
-    stream_ahead(p + VnniLayout<R>::bb * b0, 8 * VnniLayout<R>::bb);  // quant_kernels.h
+    stream_ahead<Ahead::l2>(p + VnniLayout<R>::bb * b0, 8 * VnniLayout<R>::bb);  // quant_kernels.h
     // the 8 blocks' scales of each activation row, kept in memory: each block's FMA takes
     // its scale as a broadcast load (a lane permute per block and row is a port-5 uop)
     alignas(32) float sa[MR][8];
@@ -203,7 +203,7 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
   for (int r = 0; r < MR; ++r) tail[r] = 0.f;
   for (; b0 < nb; ++b0) {
     const uint8_t* h = p + VnniLayout<R>::bb * b0;
-    stream_ahead(h, VnniLayout<R>::bb);
+    stream_ahead<Ahead::l2>(h, VnniLayout<R>::bb);
     const float d = R == VnniRow::int8 ? 1.f : half_at(h);
     const float m = VnniLayout<R>::has_min ? half_at(h + 2) : 0.f;
     __m256i sw = _mm256_setzero_si256();

@@ -141,16 +141,29 @@ inline float hsum4(const __m256 acc[4]) {
 // 576] 59 / 53, q4_1 [4096, 4096] 1331 / 1059. (The row-ahead form against none, SmolLM2 decode, 12
 // interleaved process pairs: q8_0 int8 activations 7.36 / 6.05, 5.53 / 5.19, 7.40 / 6.22
 // ms, none / row-ahead.) always_inline: GCC 12 took a non-inlined helper holding only
-// prefetches as free of side effects and dropped its calls. Into L2 (T1), not L1: on the
-// same machine type with a faster memory (2026-12-06, fp32 read probe 34 GB/s) a thread
-// streamed q8_0 at 11 GB/s with T0 prefetches (L1's fill buffers cap its misses in
-// flight), 13.5 with T1; 2 threads, weights in huge pages, 30-40 [N, 2048] weights in turn:
-// q8_0 +14%, q4_0 +4-13%, q6_k +9-11%, q4_k within the noise (+-5%); 8 KiB ahead as 4.
+// prefetches as free of side effects and dropped its calls. The VNNI int8 forms prefetch
+// into L2 (T1), not L1: on the same machine type with a faster memory (2026-12-06, fp32
+// read probe 34 GB/s) a thread streamed q8_0 at 11 GB/s with T0 prefetches (L1's fill
+// buffers cap its misses in flight), 13.5 with T1; 2 threads, weights in huge pages,
+// 30-40 [N, 2048] weights in turn: q8_0 +14%, q4_0 +4-13%, q6_k +9-11%, q4_k within the
+// noise (+-5%); 8 KiB ahead as 4.
 inline constexpr int64_t kStreamAhead = 4096;
+// Where stream_ahead's lines go: L1 (T0) for the fp32-activation forms here, the AVX2
+// int8 forms and VNNI q4_k / q5_k; L2 (T1) for the other VNNI int8 forms (measured above;
+// with T1 the 3B Q4_K_M step went 102.6 -> 106.0 ms, and the fp32-activation q8_0 form
+// 169.6 -> 180.6 ms a 3B step).
+enum class Ahead { l1, l2 };
+template <Ahead A = Ahead::l1>
 __attribute__((always_inline)) inline void stream_ahead(const uint8_t* p, int64_t n = 1) {
 #if defined(__x86_64__) || defined(__i386__)
   const char* q = reinterpret_cast<const char*>(p) + kStreamAhead;
-  for (int64_t l = 0; l < n; l += 64) _mm_prefetch(q + l, _MM_HINT_T1);
+  for (int64_t l = 0; l < n; l += 64) {
+    if constexpr (A == Ahead::l1) {
+      _mm_prefetch(q + l, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(q + l, _MM_HINT_T1);
+    }
+  }
 #else
   (void)p, (void)n;
 #endif

@@ -134,7 +134,9 @@ def test_rehome_file_mapped_in_chunks_tied_objects_swapped_together(tmp_path, mo
     import numpy as np
 
     if not hugepages.enabled():
-        pytest.skip("no MADV_HUGEPAGE here: rehome_ moves nothing")
+        pytest.skip(
+            "the kernel refuses MADV_HUGEPAGE (no transparent huge pages): rehome_ moves nothing"
+        )
     monkeypatch.setattr(hugepages, "RELEASE_CHUNK", 1 << 20)
     rows, cols = 1001, 1031
     want = torch.randn(rows, cols)
@@ -167,7 +169,7 @@ def test_tensors_built_in_huge_pages_stay_there():
     # expert rows) needs no second copy: rehome_ leaves it, and the registry forgets a
     # mapping once its last view is freed.
     if not hugepages.enabled():
-        pytest.skip("no MADV_HUGEPAGE here")
+        pytest.skip("the kernel refuses MADV_HUGEPAGE (no transparent huge pages)")
     t = hugepages.empty((1024, 1024), torch.float32).fill_(3.0)
     lin = torch.nn.Linear(1024, 1024, bias=False)
     lin.weight = torch.nn.Parameter(t, requires_grad=False)

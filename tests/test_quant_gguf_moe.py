@@ -163,7 +163,9 @@ def test_mixtral_gguf_mapped_copies_release_the_file_pages(mixtral_file, monkeyp
     from torch_topg.utils import hugepages
 
     if not hugepages.enabled():
-        pytest.skip("no MADV_HUGEPAGE here: nothing is mapped")
+        pytest.skip(
+            "the kernel refuses MADV_HUGEPAGE (no transparent huge pages): nothing is mapped"
+        )
     path, reference = mixtral_file
     monkeypatch.setattr(hugepages, "HUGE_PAGE", 4096)
     released: list[tuple[int, ...]] = []

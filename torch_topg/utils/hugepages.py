@@ -88,12 +88,17 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
 _MAPPED: dict[int, int] = {}
 
 
+def _within(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether all of ``t``'s bytes lie in one of ``ranges`` (``(start, end)`` addresses)."""
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    return any(a <= lo and hi <= b for a, b in ranges)
+
+
 def in_huge_pages(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes lie in memory :func:`empty` advised for huge pages (a tensor
     built there needs no :func:`rehome_`)."""
-    lo = t.data_ptr()
-    hi = lo + t.numel() * t.element_size()
-    return any(a <= lo and hi <= b for a, b in list(_MAPPED.items()))
+    return _within(t, list(_MAPPED.items()))
 
 
 def release_file_pages(*tensors: torch.Tensor) -> None:
@@ -146,9 +151,9 @@ def _release_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
     fn = _madvise()
     if fn is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    if not any(a <= lo and hi <= b for a, b in maps):
+    if not _within(t, maps):
         return
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     page = mmap.PAGESIZE
     start, end = -(-lo // page) * page, hi // page * page
     if end > start:
@@ -168,9 +173,8 @@ def file_mapped_bytes(module: torch.nn.Module) -> int:
         nbytes = t.numel() * t.element_size()
         if t.device.type != "cpu" or nbytes < HUGE_PAGE or t.data_ptr() in seen:
             continue
-        lo = t.data_ptr()
-        if any(a <= lo and lo + nbytes <= b for a, b in maps):
-            seen.add(lo)
+        if _within(t, maps):
+            seen.add(t.data_ptr())
             total += nbytes
     return total
 
@@ -210,7 +214,7 @@ def rehome_(module: torch.nn.Module, lock: AbstractContextManager[Any] | None = 
             first = ts[0]
             nbytes = first.numel() * first.element_size()
             total += nbytes
-            if _in_file_map(first, maps):
+            if _within(first, maps):
                 with lock:
                     new = _copy_releasing(first, maps)
                     _swap(ts, new)
@@ -230,12 +234,6 @@ def _swap(ts: list[torch.Tensor], new: torch.Tensor) -> None:
             if (t.shape, t.dtype) == (new.shape, new.dtype)
             else empty(t.shape, t.dtype).copy_(t)
         )
-
-
-def _in_file_map(t: torch.Tensor, maps: list[tuple[int, int]]) -> bool:
-    lo = t.data_ptr()
-    hi = lo + t.numel() * t.element_size()
-    return any(a <= lo and hi <= b for a, b in maps)
 
 
 def _copy_releasing(src: torch.Tensor, maps: list[tuple[int, int]]) -> torch.Tensor:

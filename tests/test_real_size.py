@@ -89,3 +89,47 @@ def test_gguf_from_llama_cpp_converter_reads_back_equal(shape, tmp_path, convert
         want = model.to(torch.bfloat16)(ids).logits.float()
         got = loaded(ids).logits.float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fit", [True, False])
+def test_sides_take_turns_when_they_do_not_fit_in_memory(fit, tmp_path, monkeypatch):
+    """real_size.py's sides each hold the file's bytes: side by side (interleaved rounds)
+    when they fit, else one at a time, never two loaded at once."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "benchmarks"))
+    import real_size as rs
+
+    from torch_topg.bench.timing import summarize
+
+    events: list[str] = []
+    live: set[str] = set()
+    peak = [0]
+
+    class Side:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            live.add(name)
+            peak[0] = max(peak[0], len(live))
+
+        def round(self) -> None:
+            events.append(self.name)
+
+        def close(self) -> dict:
+            live.discard(self.name)
+            return {"decode_ms": summarize([2.0 if "topg" in self.name else 4.0])}
+
+    monkeypatch.setattr(rs, "LlamaBench", lambda bench, path: Side("llama.cpp"))
+    monkeypatch.setattr(rs, "EngineSide", lambda path, i8, ttft: Side(f"topg {i8}"))
+    monkeypatch.setattr(rs, "read_bytes", lambda path, ctx: (10**9, {"q8_0": 1}))
+    monkeypatch.setattr(rs, "sides_fit", lambda sizes: fit)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"0")
+    row = rs.run_format("s", "q8_0", path, {"llama-bench": "x"}, 2, 1e9, ["int8", "fp32"])
+    assert set(row["figures"]) == {"llama.cpp", "topg int8 act.", "topg fp32 act."}
+    assert row["ratios"]["topg int8 act. / llama.cpp"]["median"] == pytest.approx(0.5)
+    if fit:
+        assert peak[0] == 3 and row["order"] == "interleaved rounds"
+        rotated = ["topg True", "topg False", "llama.cpp"]  # round 2 starts one side on
+        assert events == ["llama.cpp", "topg True", "topg False", *rotated]
+    else:
+        assert peak[0] == 1 and row["order"] == "one side at a time (memory)"
+        assert events == ["llama.cpp"] * 2 + ["topg True"] * 2 + ["topg False"] * 2

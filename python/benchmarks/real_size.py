@@ -17,7 +17,9 @@ measured on this machine type.
 Per format, ``repeats`` interleaved rounds of: llama-bench (``-p 0 -n 64 -d 256 -t 2``,
 flash attention off and on, the faster kept), the engine with int8 activations, and the
 engine with fp32 activations (``quantization={"method": "gguf", ...}``; BF16: the file in
-bf16), each round in a rotated order. Reported with each side's share of the read limit:
+bf16; ``--activations`` picks the forms), each round in a rotated order. Sides that do not
+fit in memory together (8B: each holds the file's bytes) take turns instead: one loaded,
+its rounds, closed (the record's ``order`` says which). Reported with each side's share of the read limit:
 the bytes a decode step reads (every tensor of the file once, the embedding table once
 if it is also the LM head, else one row of it, an MoE layer's experts in the share a
 token uses, ``expert_used_count / expert_count``; plus the KV cache at the context) over
@@ -42,6 +44,7 @@ from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS
 from quantized_llama import EngineSide
 
 from torch_topg.bench.machine import machine_info, read_bandwidth_stats
+from torch_topg.bench.memory import sides_fit
 from torch_topg.bench.record import load_record, new_record, write_record
 from torch_topg.bench.timing import summarize
 
@@ -174,22 +177,42 @@ class LlamaBench:
                 "by_flash_attn": {str(k): v.to_dict() for k, v in per.items()}}  # fmt: skip
 
 
-def run_format(shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: float) -> dict:
+def run_format(
+    shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: float, acts: list[str]
+) -> dict:
     nbytes, kinds = read_bytes(path, DECODE_CONTEXT)
     limit_ms = nbytes / bw * 1e3
-    sides: dict = {"llama.cpp": LlamaBench(llama["llama-bench"], path)}
+    makers: dict = {"llama.cpp": lambda: LlamaBench(llama["llama-bench"], path)}
     if fmt == "bf16":
-        sides["topg"] = EngineSide(path, False, quantization=None, dtype="bfloat16", ttft=False)
+        makers["topg"] = lambda: EngineSide(path, False, quantization=None, dtype="bfloat16",
+                                            ttft=False)  # fmt: skip
     else:
-        sides["topg int8 act."] = EngineSide(path, True, ttft=False)
-        sides["topg fp32 act."] = EngineSide(path, False, ttft=False)
-    names = list(sides)
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            sides[name].round()
+        for act in acts:
+            makers[f"topg {act} act."] = lambda i8=act == "int8": EngineSide(path, i8, ttft=False)
+    names = list(makers)
+    # Every side holds the file's bytes (the engine its weights, llama-bench the page
+    # cache of the file it maps); at 8B they do not all fit, and then take turns.
+    together = sides_fit([path.stat().st_size] * len(names))
+    if together:
+        sides = {name: make() for name, make in makers.items()}
+        for r in range(repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                sides[name].round()
+        closed = {name: side.close() for name, side in sides.items()}
+    else:
+        print(f"[{shape} {fmt}] the sides do not fit in memory together: one at a time",
+              flush=True)  # fmt: skip
+        closed = {}
+        for name, make in makers.items():
+            side = make()
+            for _ in range(repeats):
+                side.round()
+            closed[name] = side.close()
+            del side
+            torch._dynamo.reset()
+            gc.collect()
     figures, extra = {}, {}
-    for name, side in sides.items():
-        out = side.close()
+    for name, out in closed.items():
         figures[name] = out["decode_ms"]
         extra[name] = {k: v for k, v in out.items() if k not in ("decode_ms", "prefill_ms")}
     lc = figures["llama.cpp"].median
@@ -204,6 +227,7 @@ def run_format(shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: 
             for k, v in figures.items()
             if k != "llama.cpp"
         },
+        "order": "interleaved rounds" if together else "one side at a time (memory)",
         "read_limit_ms": limit_ms,
         "read_bytes": nbytes,
         "read_bandwidth": bw,
@@ -218,7 +242,8 @@ def run_format(shape: str, fmt: str, path: Path, llama: dict, repeats: int, bw: 
     # Release this format's engines before the next: a run of five 1B formats then BF16 in
     # one process was killed at 24 GiB at the BF16 load (earlier formats' models still
     # held; dynamo's caches keep the modules they traced).
-    del sides, side
+    if together:
+        del sides
     torch._dynamo.reset()
     gc.collect()
     return row
@@ -264,15 +289,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and quantised files")
     ap.add_argument("--table", action="store_true", help="print the combined table and exit")
+    ap.add_argument(
+        "--activations",
+        default="int8,fp32",
+        help="the engine's activation forms on the quantised files (int8, fp32)",
+    )
     ap.add_argument("--out", default="bench_results")
     a = ap.parse_args(argv)
+    acts = a.activations.split(",")
+    if not set(acts) <= {"int8", "fp32"} or not acts:
+        ap.error(f"--activations: expected int8 and / or fp32, got {a.activations!r}")
     if a.table:
         print(table(Path(a.out)))
         return 0
     bw = read_bandwidth_stats(THREADS)
     print(f"read bandwidth {bw.scaled(1e-9).fmt('.1f')} GB/s", flush=True)
     for fmt, path, llama in format_files(a.shape, a.formats, a.keep):
-        row = run_format(a.shape, fmt, path, llama, a.repeats, bw.median)
+        row = run_format(a.shape, fmt, path, llama, a.repeats, bw.median, acts)
         save_rows("real_size", [row], [f"read bandwidth {bw.scaled(1e-9).fmt('.1f')} GB/s "
                                        f"({THREADS} threads)"], a.out)  # fmt: skip
     return 0

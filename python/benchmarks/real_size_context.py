@@ -6,6 +6,8 @@ token after it.
         --formats bf16,q4_k_m --contexts 2048 --repeats 3          # prefill of 2,048 tokens
     python python/benchmarks/real_size_context.py --formats q4_k_m \\
         --contexts 4096,16384 --repeats 1 --llama-fa 1             # long contexts
+    python python/benchmarks/real_size_context.py --shape llama-3.1-8b \
+        --formats q4_k_m,bf16 --contexts 2048 --measure prefill --repeats 1 --llama-fa 1
 
 The files are real_size.py's (made here if absent; quantised files deleted afterwards
 unless --keep). Per format one engine (``Engine.from_pretrained(FILE, quantization=
@@ -21,6 +23,10 @@ of 512 tokens, the context limit the largest context plus the decode tokens); pe
   ``--llama-fa`` says (both by default, the faster kept per figure; the 16k and 32k runs
   take minutes per call, so they may name one; from 4,096 tokens llama-bench's prefill
   runs without its warm-up pass, which would run the whole prompt once more).
+
+``--measure prefill`` leaves the decode figures out (the 8B prefill target). Where the two
+sides do not fit in memory together (8B: each holds the file's bytes), they take turns:
+the engine's rounds, then llama.cpp's (the record's ``order`` says which).
 
 The weights are random: speed does not depend on their values.
 """
@@ -42,6 +48,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from real_size import format_files, save_rows  # noqa: E402
 
+from torch_topg.bench.memory import sides_fit  # noqa: E402
 from torch_topg.bench.timing import summarize, timed  # noqa: E402
 
 THREADS = 2
@@ -49,13 +56,15 @@ LONG = 4096  # contexts from here on: llama-bench's prefill without its warm-up 
 
 
 class Topg:
-    def __init__(self, path: Path, fmt: str, max_len: int, decode_tokens: int) -> None:
+    def __init__(
+        self, path: Path, fmt: str, max_len: int, decode_tokens: int, measure: list[str]
+    ) -> None:
         from torch_topg.engine import Engine
 
         kw = {"dtype": "bfloat16"} if fmt == "bf16" else {"quantization": "gguf"}
         self.eng, self.load_s = timed(Engine.from_pretrained, str(path), max_batch_size=1,
                                       max_model_len=max_len, prefix_caching=False, **kw)  # fmt: skip
-        self.n = decode_tokens
+        self.n = decode_tokens if "decode" in measure else 0
         self.rng = random.Random(0)
         self.samples: dict[int, dict[str, list[float]]] = {}
         self.eng.wait_warm()  # the warm-up's background compile (engine.md)
@@ -65,13 +74,14 @@ class Topg:
         ids = [self.rng.randrange(10, 40000) for _ in range(ctx)]
         o = self.eng.generate(ids, max_new_tokens=1 + self.n, temperature=0, ignore_eos=True)
         tt = o[0].outputs[0].token_times
-        return o[0].ttft * 1e3, (tt[-1] - tt[0]) / (len(tt) - 1) * 1e3
+        return o[0].ttft * 1e3, (tt[-1] - tt[0]) / max(1, len(tt) - 1) * 1e3
 
     def round(self, ctx: int) -> None:
         ttft, dec = self.generate(ctx)
         s = self.samples.setdefault(ctx, {"prefill_ms": [], "decode_ms": []})
         s["prefill_ms"].append(ttft)
-        s["decode_ms"].append(dec)
+        if self.n:
+            s["decode_ms"].append(dec)
         print(f"  topg ctx {ctx}: TTFT {ttft:.0f} ms, decode {dec:.1f} ms/token", flush=True)
 
     def close(self) -> None:
@@ -79,8 +89,11 @@ class Topg:
 
 
 class Llama:
-    def __init__(self, bench: str, path: Path, fa: str, decode_tokens: int) -> None:
+    def __init__(
+        self, bench: str, path: Path, fa: str, decode_tokens: int, measure: list[str]
+    ) -> None:
         self.bench, self.path, self.fa, self.n = bench, path, fa, decode_tokens
+        self.measure = measure
         self.samples: dict[int, dict[str, dict[int, list[float]]]] = {}
         self.cmds: dict[str, str] = {}
 
@@ -101,22 +114,47 @@ class Llama:
         # llama-bench's warm-up of a prompt test runs the whole prompt once more: at 16k
         # tokens minutes, for a run whose first pass is compute-bound anyway
         warm = ["--no-warmup"] if ctx >= LONG else []
-        self._run("prefill_ms", ["-p", str(ctx), "-n", "0", *warm], 1, ctx)
-        self._run("decode_ms", ["-p", "0", "-n", str(self.n), "-d", str(ctx)], self.n, ctx)
+        if "prefill" in self.measure:
+            self._run("prefill_ms", ["-p", str(ctx), "-n", "0", *warm], 1, ctx)
+        if "decode" in self.measure:
+            self._run("decode_ms", ["-p", "0", "-n", str(self.n), "-d", str(ctx)], self.n, ctx)
 
 
 def run_format(fmt: str, path: Path, a: argparse.Namespace, bench: str) -> Iterator[dict]:
-    """Per context, its row, as soon as it is measured."""
+    """Per context, its row, as soon as it is measured (sides that fit in memory together;
+    else every context's row once both sides have taken their turn)."""
     ctxs = [int(c) for c in a.contexts.split(",")]
-    topg = Topg(path, fmt, max(ctxs) + a.decode_tokens + 16, a.decode_tokens)
-    llama = Llama(bench, path, a.llama_fa, a.decode_tokens)
+    measure = a.measure.split(",")
+
+    def make_topg() -> Topg:
+        return Topg(path, fmt, max(ctxs) + a.decode_tokens + 16, a.decode_tokens, measure)
+
+    llama = Llama(bench, path, a.llama_fa, a.decode_tokens, measure)
+    if not sides_fit([path.stat().st_size] * 2):  # 8B: each side holds the file's bytes
+        print(f"[{a.shape} {fmt}] the sides do not fit in memory together: one at a time",
+              flush=True)  # fmt: skip
+        topg = make_topg()
+        try:
+            for ctx in ctxs:
+                for _ in range(a.repeats):
+                    topg.round(ctx)
+        finally:
+            topg.close()
+            torch._dynamo.reset()
+            gc.collect()
+        for ctx in ctxs:
+            for _ in range(a.repeats):
+                llama.round(ctx)
+            yield _row(a, fmt, ctx, topg, llama, "one side at a time (memory)")
+        return
+    topg = make_topg()
     sides = [topg, llama]
     try:
         for ctx in ctxs:  # the topg side runs first in even rounds, llama.cpp in odd ones
             for r in range(a.repeats):
                 for side in sides[r % 2 :] + sides[: r % 2]:
                     side.round(ctx)
-            yield _row(a, fmt, ctx, topg, llama)
+            yield _row(a, fmt, ctx, topg, llama, "interleaved rounds")
     finally:
         topg.close()
         del topg, sides
@@ -124,11 +162,11 @@ def run_format(fmt: str, path: Path, a: argparse.Namespace, bench: str) -> Itera
         gc.collect()
 
 
-def _row(a: argparse.Namespace, fmt: str, ctx: int, topg: Topg, llama: Llama) -> dict:
+def _row(a: argparse.Namespace, fmt: str, ctx: int, topg: Topg, llama: Llama, order: str) -> dict:
     figures: dict = {}
     ratios: dict = {}
     lc_fa: dict = {}
-    for key in ("prefill", "decode"):
+    for key in a.measure.split(","):
         t = summarize(topg.samples[ctx][key + "_ms"])
         per_fa = {fa: summarize(v) for fa, v in llama.samples[ctx][key + "_ms"].items()}
         fa = min(per_fa, key=lambda k: per_fa[k].median)
@@ -140,16 +178,16 @@ def _row(a: argparse.Namespace, fmt: str, ctx: int, topg: Topg, llama: Llama) ->
         "key": f"{a.shape} | {fmt} | context {ctx}",
         "shape": a.shape, "format": fmt, "context": ctx,
         "unit": "ms (prefill), ms/token (decode)", "decode_tokens": a.decode_tokens,
-        "figures": figures, "ratios": ratios, "llama_by_flash_attn": lc_fa,
+        "figures": figures, "ratios": ratios, "llama_by_flash_attn": lc_fa, "order": order,
         "topg_load_s": topg.load_s, "llama_cmds": llama.cmds,
     }  # fmt: skip
-    f, r = figures, ratios
-    print(f"[{a.shape} {fmt} ctx {ctx}] prefill topg {f['topg prefill']['median']:.0f} ms, "
-          f"llama.cpp {f['llama.cpp prefill']['median']:.0f} ms "
-          f"({r['prefill topg / llama.cpp']['median']:.2f}x); decode topg "
-          f"{f['topg decode']['median']:.1f} ms/token, llama.cpp "
-          f"{f['llama.cpp decode']['median']:.1f} ({r['decode topg / llama.cpp']['median']:.2f}x)",
-          flush=True)  # fmt: skip
+    line = "; ".join(
+        f"{key} topg {figures[f'topg {key}']['median']:.1f}, llama.cpp "
+        f"{figures[f'llama.cpp {key}']['median']:.1f} "
+        f"({ratios[f'{key} topg / llama.cpp']['median']:.2f}x)"
+        for key in a.measure.split(",")
+    )
+    print(f"[{a.shape} {fmt} ctx {ctx}] {line} (prefill ms, decode ms/token)", flush=True)
     return row
 
 
@@ -161,9 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--llama-fa", default="0,1", help="llama-bench -fa values (the best kept)")
+    ap.add_argument("--measure", default="prefill,decode", help="prefill and / or decode")
     ap.add_argument("--keep", action="store_true", help="keep the quantised files")
     ap.add_argument("--out", default="bench_results")
     a = ap.parse_args(argv)
+    if not a.measure or not set(a.measure.split(",")) <= {"prefill", "decode"}:
+        ap.error(f"--measure: expected prefill and / or decode, got {a.measure!r}")
     for fmt, path, llama in format_files(a.shape, a.formats, a.keep):
         for row in run_format(fmt, path, a, llama["llama-bench"]):
             save_rows("real_size_context", [row],

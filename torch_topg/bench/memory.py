@@ -6,6 +6,7 @@
   read afterwards is that of the run, not of loading (which converts weights).
 * ``resident_mb(tensors)``: how much of some tensors' memory is resident (``mincore``):
   a KV pool made with ``torch.empty`` is committed only as its blocks are written.
+* ``sides_fit(bytes)``: whether benchmark sides of those sizes fit in memory at once.
 """
 
 from __future__ import annotations
@@ -69,3 +70,24 @@ def resident_mb(tensors: Iterable[torch.Tensor]) -> float | None:
         return total / 2**20
     except (OSError, AttributeError):
         return None
+
+
+def total_memory_bytes() -> int | None:
+    """The machine's memory (``MemTotal``), bytes; ``None`` without ``/proc``."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def sides_fit(resident_bytes: Iterable[int], share: float = 0.75) -> bool:
+    """Whether benchmark sides holding ``resident_bytes`` each (a model's weights: its
+    engine's copy, or the page cache of a file a peer maps) fit in ``share`` of the
+    machine's memory at once. When they do not, the sides take turns (one loaded, its
+    rounds, closed): kept side by side, the page cache of one would evict the other's
+    weights and time the disk."""
+    total = total_memory_bytes()
+    return total is None or sum(resident_bytes) <= share * total

@@ -19,7 +19,9 @@ flash attention off and on, the faster kept), the engine with int8 activations, 
 engine with fp32 activations (``quantization={"method": "gguf", ...}``; BF16: the file in
 bf16; ``--activations`` picks the forms), each round in a rotated order. Sides that do not
 fit in memory together (8B: each holds the file's bytes) take turns instead: one loaded,
-its rounds, closed (the record's ``order`` says which). Reported with each side's share of the read limit:
+its rounds, closed (the record's ``order`` says which). Each row also records this
+process's peak RSS during the format (the engines; real_size_serve.py compares the peak
+with llama-server's). Reported with each side's share of the read limit:
 the bytes a decode step reads (every tensor of the file once, the embedding table once
 if it is also the LM head, else one row of it, an MoE layer's experts in the share a
 token uses, ``expert_used_count / expert_count``; plus the KV cache at the context) over
@@ -44,7 +46,7 @@ from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS
 from quantized_llama import EngineSide
 
 from torch_topg.bench.machine import machine_info, read_bandwidth_stats
-from torch_topg.bench.memory import sides_fit
+from torch_topg.bench.memory import peak_rss_mb, reset_peak_rss, sides_fit
 from torch_topg.bench.record import load_record, new_record, write_record
 from torch_topg.bench.timing import summarize
 
@@ -182,6 +184,7 @@ def run_format(
 ) -> dict:
     nbytes, kinds = read_bytes(path, DECODE_CONTEXT)
     limit_ms = nbytes / bw * 1e3
+    reset_peak_rss()  # this format's peak: the engines load here, llama-bench is a child
     makers: dict = {"llama.cpp": lambda: LlamaBench(llama["llama-bench"], path)}
     if fmt == "bf16":
         makers["topg"] = lambda: EngineSide(path, False, quantization=None, dtype="bfloat16",
@@ -234,11 +237,12 @@ def run_format(
         "read_share": {k: limit_ms / v.median for k, v in figures.items()},
         "tensors": kinds,
         "file_bytes": path.stat().st_size,
+        "topg_peak_rss_gib": (peak_rss_mb() or 0.0) / 1024,
         "sides": json.loads(json.dumps(extra, default=lambda o: o.to_dict())),
     }
     line = ", ".join(f"{k} {v.fmt()} ms ({limit_ms / v.median:.0%} of the read limit)"
                      for k, v in figures.items())  # fmt: skip
-    print(f"[{shape} {fmt}] {line}", flush=True)
+    print(f"[{shape} {fmt}] {line}; topg peak RSS {row['topg_peak_rss_gib']:.2f} GiB", flush=True)
     # Release this format's engines before the next: a run of five 1B formats then BF16 in
     # one process was killed at 24 GiB at the BF16 load (earlier formats' models still
     # held; dynamo's caches keep the modules they traced).

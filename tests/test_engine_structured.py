@@ -110,6 +110,31 @@ def test_free_row_unchanged_beside_constrained_rows(engine):
     assert st["mask_ms_p90"] >= 0.0 and st["mask_exposed_ms_mean"] <= st["mask_ms_mean"] + 1e-9
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["worker", "in-line"])
+def test_masks_filled_beside_the_forward_or_in_line_agree(engine, overlap):
+    """Both places the masks are filled (a worker thread beside the forward where a core
+    is free, else in line before sampling) give the same answers."""
+    import threading
+
+    before = engine.constraints.overlap
+    engine.constraints.overlap = overlap
+    try:
+        with whole_pool(engine):
+            got = engine.generate(PROMPTS, max_new_tokens=60, structured=SPECS[2], **GREEDY)
+        workers = [t for t in threading.enumerate() if t.name.startswith("topg-masks")]
+    finally:
+        engine.constraints.overlap = before
+    with whole_pool(engine):
+        engine.constraints.overlap = not overlap
+        try:
+            other = engine.generate(PROMPTS, max_new_tokens=60, structured=SPECS[2], **GREEDY)
+        finally:
+            engine.constraints.overlap = before
+    assert [o.token_ids for o in got] == [o.token_ids for o in other]
+    assert all(_valid(SPECS[2], o.text) for o in got if o.finish_reason == "stop")
+    assert bool(workers) or not overlap  # the worker: one thread for the engine's life
+
+
 def test_n_samples_all_match(engine):
     spec = Structured.regex(REGEX)
     with whole_pool(engine):

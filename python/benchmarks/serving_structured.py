@@ -9,7 +9,8 @@ Per system:
   ``response_format`` json_schema, and the same prompts without a schema, as long as the
   model likes and each exactly as long as its schema answer (``ignore_eos``; the schema's
   cost is the ratio to these: the same tokens, prefills and batch occupancy, the masks
-  the only difference); completion tokens per second and the ratios; the share of
+  the only difference; ``--repeats`` rounds of the two, the median ratio); completion
+  tokens per second and the ratios; the share of
   ``"stop"`` answers that validate with ``jsonschema`` and the ``"length"`` share.
 - **ttft**: first-token latency (streamed) of a request whose schema the server has never
   seen (a corpus schema with a fresh property name: a new grammar to compile) against
@@ -24,7 +25,7 @@ a schema (the same lengths) and >= 1.0x llama-server's; 100% of "stop" answers v
 schema's first-token latency within 50 ms of the plain one (p50), idle and loaded.
 
     python python/benchmarks/serving_structured.py [--requests N] [--concurrency 16]
-        [--max-tokens 512] [--dtype fp32] [--systems topg,llama] [--model PATH --gguf FILE]
+        [--repeats 3] [--phases json,ttft,tools] [--max-tokens 512] [--dtype fp32] [--systems topg,llama] [--model PATH --gguf FILE]
         [--json out.json]
 
 ``--requests N`` takes the first N schemas (and N TTFT samples and N round trips per
@@ -122,13 +123,20 @@ def json_phase(client: Any, model: str, corpus: list[dict], args: argparse.Names
     out: dict[str, Any] = {}
     free: list[int | None] = [None] * len(corpus)
     out["plain"], _ = run(False, free)
-    out["schema"], results = run(True, free)
-    out["schema"].update(score(corpus, results))
-    out["plain_same_lengths"], _ = run(False, [max(1, r["tokens"]) for r in results])
+    ratios: list[float] = []
+    for r in range(args.repeats):  # greedy: every schema pass gives the same answers
+        schema, results = run(True, free)
+        same, _ = run(False, [max(1, x["tokens"]) for x in results])
+        ratios.append(schema["tokens_per_s"] / same["tokens_per_s"])
+        print(f"  round {r}: schema {schema['tokens_per_s']:.1f} tok/s, plain same lengths "
+              f"{same['tokens_per_s']:.1f} ({ratios[-1]:.3f}x)", flush=True)  # fmt: skip
+        if r == 0:
+            out["schema"], out["plain_same_lengths"] = schema, same
+            out["schema"].update(score(corpus, results))
+        out.setdefault("rounds", []).append({"schema": schema, "plain_same_lengths": same})
     out["ratio_schema_to_plain"] = out["schema"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
-    out["ratio_schema_to_same_lengths"] = (
-        out["schema"]["tokens_per_s"] / out["plain_same_lengths"]["tokens_per_s"]
-    )
+    out["ratio_schema_to_same_lengths"] = statistics.median(ratios)
+    out["ratios_schema_to_same_lengths"] = ratios
     return out
 
 
@@ -243,12 +251,39 @@ def measure(name: str, url: str, corpus: list[dict], args: argparse.Namespace) -
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     print(f"{name}: json ...", flush=True)
-    res = {"json": json_phase(client, model, corpus, args)}
-    print(f"{name}: ttft ...", flush=True)
-    res["ttft"] = ttft_phase(client, model, corpus, args)
-    print(f"{name}: tools ...", flush=True)
-    res["tools"] = tools_phase(client, model, args)
+    phases = {"json": lambda: json_phase(client, model, corpus, args),
+              "ttft": lambda: ttft_phase(client, model, corpus, args),
+              "tools": lambda: tools_phase(client, model, args)}  # fmt: skip
+    res = {}
+    for phase in args.phases.split(","):
+        print(f"{name}: {phase} ...", flush=True)
+        res[phase] = phases[phase]()
     return res
+
+
+def save_record(results: dict[str, dict], notes: list[str], args: argparse.Namespace) -> None:
+    """The run as a record of the benchmark harness (bench_results/serving_structured-
+    <date>-<commit>.json): a row per system and phase, the phase's whole result in it."""
+    from torch_topg.bench.machine import machine_info
+    from torch_topg.bench.record import new_record, write_record
+    from torch_topg.bench.timing import summarize
+
+    rows = []
+    for system, res in results.items():
+        if "json" in res:
+            j = res["json"]
+            figures = {k: summarize([j[k]["tokens_per_s"]]).to_dict()
+                       for k in ("plain", "schema", "plain_same_lengths")}  # fmt: skip
+            ratios = {"schema / plain same lengths": summarize(
+                j.get("ratios_schema_to_same_lengths", [j["ratio_schema_to_same_lengths"]])).to_dict()}  # fmt: skip
+            rows.append({"key": f"{system} | json", "unit": "tokens/s", "figures": figures,
+                         "ratios": ratios, "result": j})  # fmt: skip
+        for phase in ("ttft", "tools"):
+            if phase in res:
+                rows.append({"key": f"{system} | {phase}", "figures": {}, "result": res[phase]})
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if v is not None]
+    rec = new_record("serving_structured", rows, machine_info(), notes=notes, argv=argv)
+    print(f"record {write_record(rec, args.out)}", flush=True)
 
 
 def report(results: dict[str, dict]) -> str:
@@ -286,6 +321,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=0, help="first N schemas (0: all)")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="json rounds (schema, then plain at the same lengths; the median ratio)",
+    )
+    ap.add_argument("--phases", default="json,ttft,tools", help="which of json, ttft, tools")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--dtype", choices=sorted(TORCH_DTYPE), default="fp32")
     ap.add_argument("--systems", default="topg,llama")
@@ -325,6 +367,7 @@ def main() -> None:
     print(text)
     for n in notes:
         print("note:", n)
+    save_record(results, notes, args)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "results": results, "notes": notes}, indent=1))  # fmt: skip

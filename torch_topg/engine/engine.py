@@ -317,6 +317,7 @@ class Engine:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join()
+        self.constraints.close()
         for fn in self._on_shutdown:
             fn()
 

@@ -182,7 +182,7 @@ class Sampler:
         B, V = _check(logits, params)
         if bitmask is not None:
             t0 = time.perf_counter()
-            logits = apply_bitmask(logits, *bitmask)
+            logits = apply_bitmask(logits, *bitmask, self._scratch)
             self.mask_s = time.perf_counter() - t0  # read by the engine's figures
         dev = logits.device
         seeds = seed_tensor(seeds, dev)

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,15 +290,22 @@ def _table(dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _expand(bitmask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+def _expand(
+    bitmask: torch.Tensor, vocab: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The packed words' bits as ``[R, vocab]`` of ``dtype`` (see :func:`allowed_mask`):
     the words read as little-endian bytes (byte ``b`` of word ``w`` holds tokens
-    ``32 w + 8 b ..``), each byte's 8 entries one row of a lookup table."""
+    ``32 w + 8 b ..``), each byte's 8 entries one row of a lookup table. ``out``: a
+    buffer of ``R * words * 32`` entries to write them into."""
     R = bitmask.shape[0]
     data = bitmask.contiguous().view(torch.uint8)
     if sys.byteorder == "big":  # the words' bytes, least significant first
         data = data.view(R, -1, 4).flip(-1).reshape(R, -1)
-    out = _table(bitmask.device, dtype).index_select(0, data.reshape(-1).long())
+    idx = data.reshape(-1).long()
+    if out is not None:
+        out = torch.index_select(_table(bitmask.device, dtype), 0, idx, out=out.view(-1, 8))
+    else:
+        out = _table(bitmask.device, dtype).index_select(0, idx)
     return out.view(R, -1)[:, :vocab]
 
 
@@ -308,19 +315,37 @@ def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return _expand(bitmask, vocab, torch.bool)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+Scratch = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], scratch: Scratch | None = None
+) -> torch.Tensor:
     """fp32 copy of ``logits [B, V]`` with the tokens each of ``rows`` may not take set to
     -inf (``bitmask[i]`` is row ``rows[i]``'s); the input is never written.
 
     The mask is added as 0 / -inf (one lookup and one add: a boolean ``masked_fill`` of
-    8 x 49152 took 4x as long on the CPU)."""
+    8 x 49152 took 4x as long on the CPU). ``scratch(slot, shape, dtype, device)``: where
+    the mask and the copy go (the sampler's reused buffers: fresh multi-megabyte
+    temporaries page-fault on every step, 2.0 -> 0.36 ms for 16 x 49152 on a CPU); the
+    result is then valid until the next call with the same ``scratch``."""
     B, V = logits.shape
-    add = _expand(bitmask.to(logits.device, non_blocking=True), V, torch.float32)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    dev = logits.device
+    buf = scratch("bitmask_add", (bitmask.numel() * 32,), torch.float32, dev) if scratch else None
+    add = _expand(bitmask, V, torch.float32, buf)
     if len(rows) == B and rows == list(range(B)):
-        return logits.float() + add
-    x = logits.float()
-    if x is logits:
-        x = x.clone()
+        if scratch is None:
+            return logits.float() + add
+        return torch.add(
+            logits.float(), add, out=scratch("bitmask_logits", (B, V), torch.float32, dev)
+        )
+    if scratch is not None:
+        x = scratch("bitmask_logits", (B, V), torch.float32, dev).copy_(logits)
+    else:
+        x = logits.float()
+        if x is logits:
+            x = x.clone()
     idx = torch.tensor(rows, device=x.device)
     x[idx] = x[idx] + add
     return x

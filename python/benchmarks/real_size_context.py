@@ -22,7 +22,9 @@ of 512 tokens, the context limit the largest context plus the decode tokens); pe
   N -d ctx`` (N decode steps after a ctx-token context), 2 threads, flash attention as
   ``--llama-fa`` says (both by default, the faster kept per figure; the 16k and 32k runs
   take minutes per call, so they may name one; from 4,096 tokens llama-bench's prefill
-  runs without its warm-up pass, which would run the whole prompt once more).
+  runs without its warm-up pass, which would run the whole prompt once more;
+  ``--llama-fa-decode`` sets the decode figures' apart: at 1B and 2,048 tokens flash
+  attention was the faster prefill and the slower decode).
 
 ``--measure prefill`` leaves the decode figures out (the 8B prefill target). Where the two
 sides do not fit in memory together (8B: each holds the file's bytes), they take turns:
@@ -90,7 +92,7 @@ class Topg:
 
 class Llama:
     def __init__(
-        self, bench: str, path: Path, fa: str, decode_tokens: int, measure: list[str]
+        self, bench: str, path: Path, fa: dict[str, str], decode_tokens: int, measure: list[str]
     ) -> None:
         self.bench, self.path, self.fa, self.n = bench, path, fa, decode_tokens
         self.measure = measure
@@ -99,7 +101,7 @@ class Llama:
 
     def _run(self, key: str, args: list[str], per: int, ctx: int) -> None:
         cmd = [self.bench, "-m", str(self.path), "-t", str(THREADS), "-r", "1", "-o", "json",
-               "-fa", self.fa, *args]  # fmt: skip
+               "-fa", self.fa[key], *args]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr[-400:]}")
@@ -129,7 +131,8 @@ def run_format(fmt: str, path: Path, a: argparse.Namespace, bench: str) -> Itera
     def make_topg() -> Topg:
         return Topg(path, fmt, max(ctxs) + a.decode_tokens + 16, a.decode_tokens, measure)
 
-    llama = Llama(bench, path, a.llama_fa, a.decode_tokens, measure)
+    fa = {"prefill_ms": a.llama_fa, "decode_ms": a.llama_fa_decode or a.llama_fa}
+    llama = Llama(bench, path, fa, a.decode_tokens, measure)
     if not sides_fit([path.stat().st_size] * 2):  # 8B: each side holds the file's bytes
         print(f"[{a.shape} {fmt}] the sides do not fit in memory together: one at a time",
               flush=True)  # fmt: skip
@@ -199,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--llama-fa", default="0,1", help="llama-bench -fa values (the best kept)")
+    ap.add_argument(
+        "--llama-fa-decode",
+        default=None,
+        help="llama-bench -fa values for the decode figures (default: --llama-fa)",
+    )
     ap.add_argument("--measure", default="prefill,decode", help="prefill and / or decode")
     ap.add_argument("--keep", action="store_true", help="keep the quantised files")
     ap.add_argument("--out", default="bench_results")

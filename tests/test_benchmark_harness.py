@@ -591,3 +591,23 @@ def test_wall_clock_waits_for_the_device_at_each_mark():
         clock.now += 2.0
     assert clock.log == ["sync", "work", "sync"] and sw.samples == [2.0]
     assert bench.wall_clock("cpu")._synchronize is None
+
+
+def test_release_probe_frees_the_buffer_and_keeps_the_figures(monkeypatch):
+    """A large-model benchmark frees the probe's buffer once the bandwidth is measured:
+    the buffer is gone, the figure and the probe's name stay, nothing is re-measured."""
+    from torch_topg.bench import machine as m
+
+    monkeypatch.setattr(m, "llc_bytes", lambda *a: (1 * MiB, "test"))  # the 256 MiB floor
+    m.remeasure()
+    try:
+        bw = m.read_bandwidth_stats()
+        name = m.read_probe_name()
+        assert m._probe_buffer.cache_info().currsize == 1
+        m.release_probe()
+        assert m._probe_buffer.cache_info().currsize == 0
+        assert m.read_bandwidth_stats() is bw and m.read_probe_name() == name
+        assert m._probe_buffer.cache_info().currsize == 0  # the name did not re-probe
+    finally:
+        m.release_probe()
+        m.remeasure()

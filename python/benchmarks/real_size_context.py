@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from real_size import format_files, save_rows  # noqa: E402
+from real_size import format_files, machine, save_rows  # noqa: E402
 
 from torch_topg.bench.memory import sides_fit  # noqa: E402
 from torch_topg.bench.timing import summarize, timed  # noqa: E402
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not a.measure or not set(a.measure.split(",")) <= {"prefill", "decode"}:
         ap.error(f"--measure: expected prefill and / or decode, got {a.measure!r}")
+    machine()  # the records' machine, measured before the first model loads
     for fmt, path, llama in format_files(a.shape, a.formats, a.keep):
         for row in run_format(fmt, path, a, llama["llama-bench"]):
             save_rows("real_size_context", [row],

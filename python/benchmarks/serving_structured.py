@@ -76,6 +76,7 @@ CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Riga"]
 def topg_cmd(args: argparse.Namespace, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch_topg", "serve", "--port", str(port),
            "--dtype", TORCH_DTYPE[args.dtype], "--max-batch-size", str(args.concurrency),
+           "--max-model-len", str(CTX_PER_SLOT),  # llama-server's context per slot
            "--chat-template", str(args.template), "--log-level", "warning"]  # fmt: skip
     return cmd + (["--model", args.model] if args.model else [])
 

@@ -5,22 +5,23 @@ Per step (``Engine._step``):
 
 1. :meth:`Constraints.start`, after scheduling and proposing, just before the model
    runs: for every scheduled sequence that samples this step and has a grammar, a
-   worker thread (one for the engine's life) fills one bitmask row per sampled position: the matcher's state after
-   the committed output, then, for a verify step, after each proposal in turn (a
-   proposal the matcher refuses stops the walk: its row's mask already forbids it, so
-   the sampler cannot draw it and verification rejects from there on; the rows past it
-   repeat that row's mask and are never kept). The matcher keeps the proposals it took.
-   Only where a core is free of the step's threads (more cores in this process's
-   affinity than torch's thread count): else the worker would take a core from the
-   forward for as long as it fills, so the rows are filled in line at step 2 instead
-   (measured on 2 cores, SmolLM2, 16 streams: a fill took 0.54 ms a step beside the
-   forward against 0.18 ms in line, and a thread started per step cost 0.5 ms more).
+   worker thread (one for the engine's life) fills one bitmask row per sampled
+   position: the matcher's state after the committed output, then, for a verify step,
+   after each proposal in turn (a proposal the matcher refuses stops the walk: its
+   row's mask already forbids it, so the sampler cannot draw it and verification
+   rejects from there on; the rows past it repeat that row's mask and are never kept).
+   The matcher keeps the proposals it took. Only where a core is free of the step's
+   threads (more cores in this process's affinity than torch's thread count): else the
+   worker would take a core from the forward for as long as it fills, so the rows are
+   filled in line at step 2 instead (measured on 2 cores, SmolLM2, 16 streams: a fill
+   took 0.54 ms a step beside the forward against 0.18 ms in line, and a thread
+   started per step cost 0.5 ms more).
 2. :meth:`Constraints.masks`, just before sampling: joins the worker (the time it still
    had to run is the part of the mask's cost the overlap did not hide), or fills the
-   rows now, and returns the
-   bitmask rows of the constrained rows; a row the worker had no plan for (an ``n > 1``
-   sample started from the first one's row this step) is filled then, on the step's
-   path. The sampler sets the forbidden logits to -inf before anything else.
+   rows now, and returns the bitmask rows of the constrained rows; a row the worker had
+   no plan for (an ``n > 1`` sample started from the first one's row this step) is
+   filled then, on the step's path. The sampler sets the forbidden logits to -inf
+   before anything else.
 3. :meth:`Constraints.commit` for each sequence's kept tokens (after verification has
    rolled back the KV of rejected proposals): the matcher is rolled back by the
    proposals it took that were not kept, then takes the rest of the kept tokens. A

@@ -251,7 +251,6 @@ def measure(name: str, url: str, corpus: list[dict], args: argparse.Namespace) -
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
-    print(f"{name}: json ...", flush=True)
     phases = {"json": lambda: json_phase(client, model, corpus, args),
               "ttft": lambda: ttft_phase(client, model, corpus, args),
               "tools": lambda: tools_phase(client, model, args)}  # fmt: skip

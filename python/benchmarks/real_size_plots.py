@@ -120,12 +120,15 @@ def context_plot(results: Path, out: Path, plt) -> Path | None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
     for (shape, fmt), rs in _series(rows, "context"):
-        ctx = [r["context"] for r in rs]
         for ax, key in ((a, "decode"), (b, "prefill")):
             scale = 1.0 if key == "decode" else 1e-3
             for side, color, mark in (("topg", TOPG, "o-"), ("llama.cpp", LLAMA, "s--")):
-                ys = [r["figures"][f"{side} {key}"]["median"] * scale for r in rs]
-                ax.plot(ctx, ys, mark, color=color, label=f"{side} {shape.split('-')[-1]} {fmt}")
+                name = f"{side} {key}"  # a run may measure one of the two (--measure)
+                pts = [(r["context"], r["figures"][name]["median"] * scale)
+                       for r in rs if name in r["figures"]]  # fmt: skip
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), mark, color=color,
+                            label=f"{side} {shape.split('-')[-1]} {fmt}")  # fmt: skip
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")

@@ -6,7 +6,7 @@ token after it.
         --formats bf16,q4_k_m --contexts 2048 --repeats 3          # prefill of 2,048 tokens
     python python/benchmarks/real_size_context.py --formats q4_k_m \\
         --contexts 4096,16384 --repeats 1 --llama-fa 1             # long contexts
-    python python/benchmarks/real_size_context.py --shape llama-3.1-8b \
+    python python/benchmarks/real_size_context.py --shape llama-3.1-8b \\
         --formats q4_k_m,bf16 --contexts 2048 --measure prefill --repeats 1 --llama-fa 1
 
 The files are real_size.py's (made here if absent; quantised files deleted afterwards

@@ -223,8 +223,7 @@ def run_format(
                 side.round()
             closed[name] = side.close()
             del side
-            torch._dynamo.reset()
-            gc.collect()
+            forget_engines()
     figures, extra = {}, {}
     for name, out in closed.items():
         figures[name] = out["decode_ms"]
@@ -254,14 +253,18 @@ def run_format(
     line = ", ".join(f"{k} {v.fmt()} ms ({limit_ms / v.median:.0%} of the read limit)"
                      for k, v in figures.items())  # fmt: skip
     print(f"[{shape} {fmt}] {line}; topg peak RSS {row['topg_peak_rss_gib']:.2f} GiB", flush=True)
-    # Release this format's engines before the next: a run of five 1B formats then BF16 in
-    # one process was killed at 24 GiB at the BF16 load (earlier formats' models still
-    # held; dynamo's caches keep the modules they traced).
-    if together:
+    if together:  # (taking turns, each side was released after its rounds)
         del sides
+        forget_engines()
+    return row
+
+
+def forget_engines() -> None:
+    """Release closed engines before the next side or format loads: a run of five 1B
+    formats then BF16 in one process was killed at 24 GiB at the BF16 load (earlier
+    formats' models still held; dynamo's caches keep the modules they traced)."""
     torch._dynamo.reset()
     gc.collect()
-    return row
 
 
 def table(out: Path) -> str:

@@ -36,7 +36,6 @@ The weights are random: speed does not depend on their values.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import subprocess
@@ -47,8 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import torch  # noqa: E402
-from real_size import format_files, machine, save_rows  # noqa: E402
+from real_size import forget_engines, format_files, machine, save_rows  # noqa: E402
 
 from torch_topg.bench.memory import sides_fit  # noqa: E402
 from torch_topg.bench.timing import summarize, timed  # noqa: E402
@@ -87,7 +85,11 @@ class Topg:
         print(f"  topg ctx {ctx}: TTFT {ttft:.0f} ms, decode {dec:.1f} ms/token", flush=True)
 
     def close(self) -> None:
+        """Stop the engine and drop it (its samples stay): where the sides take turns,
+        llama.cpp runs next and the weights must be gone by then."""
         self.eng.shutdown()
+        del self.eng
+        forget_engines()
 
 
 class Llama:
@@ -133,36 +135,26 @@ def run_format(fmt: str, path: Path, a: argparse.Namespace, bench: str) -> Itera
 
     fa = {"prefill_ms": a.llama_fa, "decode_ms": a.llama_fa_decode or a.llama_fa}
     llama = Llama(bench, path, fa, a.decode_tokens, measure)
-    if not sides_fit([path.stat().st_size] * 2):  # 8B: each side holds the file's bytes
+    together = sides_fit([path.stat().st_size] * 2)  # 8B: each side holds the file's bytes
+    if not together:
         print(f"[{a.shape} {fmt}] the sides do not fit in memory together: one at a time",
               flush=True)  # fmt: skip
-        topg = make_topg()
-        try:
-            for ctx in ctxs:
-                for _ in range(a.repeats):
-                    topg.round(ctx)
-        finally:
-            topg.close()
-            torch._dynamo.reset()
-            gc.collect()
-        for ctx in ctxs:
-            for _ in range(a.repeats):
-                llama.round(ctx)
-            yield _row(a, fmt, ctx, topg, llama, "one side at a time (memory)")
-        return
     topg = make_topg()
-    sides = [topg, llama]
+    sides = [topg, llama] if together else [topg]
     try:
         for ctx in ctxs:  # the topg side runs first in even rounds, llama.cpp in odd ones
             for r in range(a.repeats):
                 for side in sides[r % 2 :] + sides[: r % 2]:
                     side.round(ctx)
-            yield _row(a, fmt, ctx, topg, llama, "interleaved rounds")
+            if together:
+                yield _row(a, fmt, ctx, topg, llama, "interleaved rounds")
     finally:
         topg.close()
-        del topg, sides
-        torch._dynamo.reset()
-        gc.collect()
+    if not together:  # llama.cpp's turn, the engine gone
+        for ctx in ctxs:
+            for _ in range(a.repeats):
+                llama.round(ctx)
+            yield _row(a, fmt, ctx, topg, llama, "one side at a time (memory)")
 
 
 def _row(a: argparse.Namespace, fmt: str, ctx: int, topg: Topg, llama: Llama, order: str) -> dict:

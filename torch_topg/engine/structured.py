@@ -318,6 +318,12 @@ def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 Scratch = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
+def _fresh(
+    slot: str, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=dev)
+
+
 def apply_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], scratch: Scratch | None = None
 ) -> torch.Tensor:
@@ -330,22 +336,16 @@ def apply_bitmask(
     temporaries page-fault on every step: 1.9 -> 0.47 ms for 16 x 49152, 2 threads); the
     result is then valid until the next call with the same ``scratch``."""
     B, V = logits.shape
-    bitmask = bitmask.to(logits.device, non_blocking=True)
     dev = logits.device
-    buf = scratch("bitmask_add", (bitmask.numel() * 32,), torch.float32, dev) if scratch else None
-    add = _expand(bitmask, V, torch.float32, buf)
+    bitmask = bitmask.to(dev, non_blocking=True)
+    buf = scratch or _fresh
+    add = _expand(
+        bitmask, V, torch.float32, buf("bitmask_add", (bitmask.numel() * 32,), torch.float32, dev)
+    )
+    out = buf("bitmask_logits", (B, V), torch.float32, dev)
     if len(rows) == B and rows == list(range(B)):
-        if scratch is None:
-            return logits.float() + add
-        return torch.add(
-            logits.float(), add, out=scratch("bitmask_logits", (B, V), torch.float32, dev)
-        )
-    if scratch is not None:
-        x = scratch("bitmask_logits", (B, V), torch.float32, dev).copy_(logits)
-    else:
-        x = logits.float()
-        if x is logits:
-            x = x.clone()
+        return torch.add(logits.float(), add, out=out)
+    x = out.copy_(logits)
     idx = torch.tensor(rows, device=x.device)
     x[idx] = x[idx] + add
     return x

@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 export MAX_JOBS ?= 2
 
-.PHONY: venv build test demo bench bench-real-size lint format clean cuda-build vllm-venv vllm-test
+.PHONY: venv build test demo bench bench-real-size bench-clean lint format clean cuda-build vllm-venv vllm-test
 
 # CUDA lane (CI): compile and link the CUDA kernels against a CUDA build of torch in a
 # separate venv and build folder (the CPU build of .venv is untouched), then check that
@@ -82,13 +82,18 @@ bench: build
 # llama-3.2-1b, qwen2.5-3b, llama-3.1-8b, olmoe-1b-7b): batch-1 decode in six formats, 16
 # concurrent requests through serve and llama-server, prefill of 2,048 tokens, then the
 # pictures. About 70 minutes at 1B on 2 cores; needs a quiet machine. The files stay in
-# ~/.cache/torch_topg/real-size (one set per shape; delete them by hand).
+# ~/.cache/torch_topg/real-size (one set per shape, up to ~45 GB at 8B): `make bench-clean`
+# deletes them (llama.cpp's build stays). A file that would leave under 25 GiB of disk free
+# is refused (TOPG_BENCH_DISK_RESERVE_GIB): the next `make test` / CI needs the room.
 SHAPE ?= llama-3.2-1b
 bench-real-size: build
 	$(PY) python/benchmarks/real_size.py --shape $(SHAPE) --repeats 3 --keep
 	$(PY) python/benchmarks/real_size_serve.py --shape $(SHAPE) --keep
 	$(PY) python/benchmarks/real_size_context.py --shape $(SHAPE) --contexts 2048 --repeats 2 --keep
 	$(PY) python/benchmarks/real_size_plots.py
+
+bench-clean:
+	rm -rf $${TOPG_CACHE_DIR:-$$HOME/.cache/torch_topg}/real-size
 
 # --no-cache: a warm .ruff_cache once hid unformatted Markdown code blocks that a clean
 # checkout (CI) reports. lint-imports: the package's layers (pyproject.toml

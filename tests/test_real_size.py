@@ -133,3 +133,36 @@ def test_sides_take_turns_when_they_do_not_fit_in_memory(fit, tmp_path, monkeypa
     else:
         assert peak[0] == 1 and row["order"] == "one side at a time (memory)"
         assert events == ["llama.cpp"] * 2 + ["topg True"] * 2 + ["topg False"] * 2
+
+
+def test_a_file_that_would_fill_the_disk_is_refused(tmp_path, monkeypatch):
+    """A quantised file that would leave less than the reserve free is refused before
+    llama-quantize runs, naming the file, the sizes and how to make room; with room,
+    the file is made."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "benchmarks"))
+    import real_size as rs
+
+    from torch_topg.bench import memory
+
+    monkeypatch.setenv("TOPG_CACHE_DIR", str(tmp_path))
+    bf16 = rs.cache_root() / "s-bf16.gguf"
+    bf16.parent.mkdir()
+    bf16.write_bytes(b"0" * 16_000)
+    runs: list[list[str]] = []
+
+    def quantize(cmd, **kw):
+        runs.append(cmd)
+        Path(cmd[2]).write_bytes(b"q")
+        return type("P", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(rs.subprocess, "run", quantize)
+    usage = type("U", (), {"free": 2**30 + 6_000})()  # 1 GiB + 6,000 bytes free
+    monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setenv("TOPG_BENCH_DISK_RESERVE_GIB", "1")
+    with pytest.raises(OSError, match=r"s-q8_0\.gguf.*needs.*free.*TOPG_BENCH_DISK_RESERVE_GIB"):
+        rs.quantized_file("s", "q8_0", bf16, Path("llama-quantize"))  # ~8,500 bytes
+    assert runs == [] and not list(bf16.parent.glob("s-q8_0*"))
+    out = rs.quantized_file("s", "q4_0", bf16, Path("llama-quantize"))  # ~4,500 bytes: fits
+    assert out.read_bytes() == b"q" and len(runs) == 1
+    with pytest.raises(OSError, match="needs"):
+        memory.check_disk_room(tmp_path / "new" / "f", 2**30)

@@ -47,12 +47,14 @@ from engine_common import DECODE_CONTEXT, DECODE_TOKENS, THREADS
 from quantized_llama import EngineSide
 
 from torch_topg.bench.machine import machine_info, read_bandwidth_stats, release_probe
-from torch_topg.bench.memory import peak_rss_mb, reset_peak_rss, sides_fit
+from torch_topg.bench.memory import check_disk_room, peak_rss_mb, reset_peak_rss, sides_fit
 from torch_topg.bench.record import load_record, new_record, write_record
 from torch_topg.bench.timing import summarize
 
 FORMATS = {"bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M",
            "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}  # fmt: skip
+# Bits a weight of each format (what its file's size is over the BF16 file's, about).
+BITS = {"bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_k_m": 4.9, "q5_k_m": 5.7, "q6_k": 6.6}
 
 
 def cache_root() -> Path:
@@ -68,7 +70,11 @@ def bf16_file(shape: str, llama_src: Path, keep: bool) -> Path:
     out = cache_root() / f"{shape}-bf16.gguf"
     if out.exists():
         return out
+    from torch_topg.bench.real_size import _parameter_shapes, config_for
+
     folder = cache_root() / shape
+    params = sum(torch.Size(s).numel() for s in _parameter_shapes(config_for(shape)).values())
+    check_disk_room(out, 2 * 2 * params)  # the checkpoint and the GGUF, bf16 each
     print(f"[{shape}] writing the checkpoint to {folder}", flush=True)
     write_checkpoint(shape, folder, smollm2_folder())
     print(f"[{shape}] converting to {out.name}", flush=True)
@@ -83,6 +89,7 @@ def quantized_file(shape: str, fmt: str, bf16: Path, quantize: Path) -> Path:
         return bf16
     out = cache_root() / f"{shape}-{fmt}.gguf"
     if not out.exists():
+        check_disk_room(out, int(bf16.stat().st_size * BITS[fmt] / 16))
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         cmd = [str(quantize), str(bf16), str(tmp), FORMATS[fmt], str(THREADS)]
         p = subprocess.run(cmd, capture_output=True, text=True)

@@ -7,6 +7,8 @@
 * ``resident_mb(tensors)``: how much of some tensors' memory is resident (``mincore``):
   a KV pool made with ``torch.empty`` is committed only as its blocks are written.
 * ``sides_fit(bytes)``: whether benchmark sides of those sizes fit in memory at once.
+* ``check_disk_room(path, bytes)``: refuses a benchmark file that would leave the disk
+  with less than a reserve free (the test suite's own environments need room too).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -91,3 +94,29 @@ def sides_fit(resident_bytes: Iterable[int], share: float = 0.75) -> bool:
     weights and time the disk."""
     total = total_memory_bytes()
     return total is None or sum(resident_bytes) <= share * total
+
+
+#: Disk left free below the benchmarks' files by default, GiB: ``make test`` and CI's CUDA /
+#: vLLM lanes install about 15 GB of environments (torch's CUDA build among them) beside
+#: them. ``TOPG_BENCH_DISK_RESERVE_GIB`` overrides it.
+DISK_RESERVE_GIB = 25.0
+
+
+def check_disk_room(path: str | os.PathLike[str], need_bytes: int) -> None:
+    """Raise ``OSError`` naming ``path``, the bytes needed, those free and the reserve,
+    when writing ``need_bytes`` more under ``path`` would leave less than the reserve
+    free (``TOPG_BENCH_DISK_RESERVE_GIB``, default ``DISK_RESERVE_GIB``). The real-size
+    files reach tens of GB at 8B and stay cached: a full disk once failed the next
+    environment install."""
+    reserve = float(os.environ.get("TOPG_BENCH_DISK_RESERVE_GIB", DISK_RESERVE_GIB)) * 2**30
+    d = Path(path)
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    free = shutil.disk_usage(d).free
+    if free - need_bytes < reserve:
+        gib = 2**30
+        raise OSError(
+            f"not enough disk for {path}: needs ~{need_bytes / gib:.1f} GiB, {free / gib:.1f} GiB "
+            f"free, and {reserve / gib:.0f} GiB are kept free (TOPG_BENCH_DISK_RESERVE_GIB); "
+            "delete cached files (`make bench-clean`) or point TOPG_CACHE_DIR elsewhere"
+        )

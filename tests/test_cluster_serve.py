@@ -47,9 +47,11 @@ def cluster():
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})  # fmt: skip
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # drain_timeout_s: a draining replica waits this long for its streams, which end
+    # sooner on a quiet machine; 8 s once cut a 400-token stream short on a loaded one
     spec = ClusterSpec(
         EngineSpec(factory=tiny_chat_engine, served_name="tiny-llama", threads=1),
-        replicas=2, cpus_per_replica=0.5, drain_timeout_s=8,
+        replicas=2, cpus_per_replica=0.5, drain_timeout_s=30,
         router=RouterOptions(tokenizer=tiny_tokenizer),
     )  # fmt: skip
     deploy(spec)

@@ -10,9 +10,9 @@
 // Two forms, the same integers and the same fp32 summation order (bitwise the same sums):
 //   AVX-512 VNNI  one vpdpbusd per run (q6_k: two, the second sums 32 q per 4 bytes for
 //                 the -32 offset), the run's scales from a super-block's scale vector;
-//   AVX2          the same with maddubs / madd for each vpdpbusd (until 2026-12-07 it had
-//                 one FMA chain and scalar scales and minimums per run: on a Zen 3, 1B
-//                 Q4_K_M decode 97.6 ms, 48% of the read limit, against llama.cpp's 65.7).
+//   AVX2          the same with maddubs / madd for each vpdpbusd (a form with one FMA
+//                 chain and a scalar scale and minimum per run was 1.35x slower at 1B
+//                 Q4_K_M on a Zen 3: docs/real-size.md, "Figures on a Zen 3").
 // Without AVX2: dot_row_q8_avx2's scalar loop (de-quantised weights, rounded activations).
 #pragma once
 

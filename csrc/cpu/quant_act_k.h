@@ -11,7 +11,7 @@
 //   AVX-512 VNNI  one vpdpbusd per run (q6_k: two, the second sums 32 q per 4 bytes for
 //                 the -32 offset), the run's scales from a super-block's scale vector;
 //   AVX2          the same with maddubs / madd for each vpdpbusd (a form with one FMA
-//                 chain and a scalar scale and minimum per run was 1.35x slower at 1B
+//                 chain and a scalar scale and minimum per run was 1.36x slower at 1B
 //                 Q4_K_M on a Zen 3: docs/real-size.md, "Figures on a Zen 3").
 // Without AVX2: dot_row_q8_avx2's scalar loop (de-quantised weights, rounded activations).
 #pragma once

@@ -200,8 +200,9 @@ def test_gguf_load_mapped_then_copied_equals_copied(monkeypatch):
     # first three tokens lie within 0.4 nats of each other). Prefix caching is off: the
     # second request would prefill only the prompt's last 5 tokens, whose int8 sums take
     # another path than the 37-row prefill's where the CPU has no VNNI (the GEMV against
-    # the de-quantising GEMM: the same rounded activations, another summation order), and
-    # near-tied tokens then flip (measured on a Zen 3, the Q4_1 file: 24.66 / 24.40 against 24.98 / 24.90).
+    # the AVX2 integer GEMM from 8 rows: the same rounded activations, another summation
+    # order; with VNNI both take the GEMM from 4), and near-tied tokens then flip (measured
+    # on a Zen 3, the Q4_1 file: 24.66 / 24.40 against 24.98 / 24.90).
     if not hugepages.enabled():
         pytest.skip("no MADV_HUGEPAGE here: the engine copies every tensor")
     question = [{"role": "user", "content": "What is the capital of France?"}]

@@ -7,7 +7,8 @@
 //   q6_k   run j (of 8): 32 six-bit codes u (4 bits in ql, 2 in qh), w = d sc (u - 32), with
 //          one sc per 16 weights: the run's sum is xd d (sc_lo sum_lo + sc_hi sum_hi) of
 //          (u - 32) q, sum_lo over the first 16 weights.
-// Two forms, the same integers and the same fp32 summation order (bitwise the same sums):
+// Two forms of one text (quant_act_k_form.h), the same integers and the same fp32
+// summation order (bitwise the same sums):
 //   AVX-512 VNNI  one vpdpbusd per run (q6_k: two, the second sums 32 q per 4 bytes for
 //                 the -32 offset), the run's scales from a super-block's scale vector;
 //   AVX2          the same with maddubs / madd for each vpdpbusd (a form with one FMA
@@ -92,68 +93,14 @@ inline __m256i udot4(__m256i u, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
 
-// The AVX2 form, R = q4_k, q5_k or q6_k: out[r * ldo] for activation rows r < MR. The VNNI
-// form below with maddubs / madd for vpdpbusd (the same sums, bitwise): per run one
-// integer dot, one conversion, one FMA with the run's scale into one of two accumulators
-// (two FMA chains); the minimums per super-block as 8 lanes.
-template <Fmt R, int MR>
-__attribute__((always_inline)) inline void dot_row_q8_k_avx2_fmt(const uint8_t* row, int64_t nb,
-                                                                 const Q8Acts& x, float* out,
-                                                                 int64_t ldo) {
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 a0[MR], a1[MR], cterm[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) a0[r] = zero, a1[r] = zero, cterm[r] = zero;
-  for (int64_t s = 0; s < nb; ++s) {
-    if constexpr (R != Fmt::q6_k) {  // q4_k, q5_k
-      constexpr int64_t bb = R == Fmt::q5_k ? 176 : 144;
-      const uint8_t* p = row + bb * s;
-      stream_ahead(p, bb);
-      alignas(32) float sv[MR][8];
-      k45_scales<MR>(p, s, x, sv, cterm);
-      asm("" : "+m"(sv));  // keep the broadcasts loads (GCC forwards the stores otherwise)
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        __m256i lo, hi;
-        k45_runs<R>(p, c, lo, hi);
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = x.q[r] + 256 * s + 64 * c;
-          const __m256i dl = udot4(lo, load32(xr)), dh = udot4(hi, load32(xr + 32));
-          a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), _mm256_set1_ps(sv[r][2 * c]), a0[r]);
-          a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_set1_ps(sv[r][2 * c + 1]), a1[r]);
-        }
-      }
-    } else {  // q6_k
-      const uint8_t* p = row + 210 * s;
-      stream_ahead<Ahead::l2>(p, 210);
-      const __m256 d = _mm256_set1_ps(half_at(p + 208));
-      const __m256i k32 = _mm256_set1_epi8(32);
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scv = q6k_scales(p, h, d);
-        __m256i u[4];
-        q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
-        for (int q = 0; q < 4; ++q) {
-          const int j = 4 * h + q;
-          const __m256 scq = q6k_run_scale(scv, q);
-#pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) {
-            const __m256i xv = load32(x.q[r] + 256 * s + 32 * j);
-            const __m256i dot = _mm256_sub_epi32(udot4(u[q], xv), udot4(k32, xv));
-            const __m256 sv = _mm256_mul_ps(scq, _mm256_set1_ps(x.d[r][8 * s + j]));
-            if (q & 1)
-              a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a1[r]);
-            else
-              a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a0[r]);
-          }
-        }
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r)
-    out[r * ldo] = hsum(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), cterm[r]));
-}
+// The AVX2 form: dot_row_q8_k_avx2_fmt<R, MR> (quant_act_k_form.h).
+#define TOPG_K_FORM dot_row_q8_k_avx2_fmt
+#define TOPG_K_TARGET
+#define TOPG_K_DOT(u, x) udot4(u, x)
+#include "quant_act_k_form.h"
+#undef TOPG_K_FORM
+#undef TOPG_K_TARGET
+#undef TOPG_K_DOT
 
 // The AVX2 form by the row's format.
 template <int MR>
@@ -166,67 +113,14 @@ inline void dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const Q8A
 #endif
 
 #if TOPG_VNNI_BUILT
-// The VNNI form, R = q4_k, q5_k or q6_k: out[r * ldo] for activation rows r < MR.
-template <Fmt R, int MR>
-TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_k_vnni(
-    const uint8_t* row, int64_t nb, const Q8Acts& x, float* out, int64_t ldo) {
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 a0[MR], a1[MR], cterm[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) a0[r] = zero, a1[r] = zero, cterm[r] = zero;
-  for (int64_t s = 0; s < nb; ++s) {
-    if constexpr (R != Fmt::q6_k) {  // q4_k, q5_k
-      constexpr int64_t bb = R == Fmt::q5_k ? 176 : 144;
-      const uint8_t* p = row + bb * s;
-      stream_ahead(p, bb);  // L1: L2 measured no faster for q4_k (quant_kernels.h)
-      alignas(32) float sv[MR][8];
-      k45_scales<MR>(p, s, x, sv, cterm);
-      asm("" : "+m"(sv));  // keep the broadcasts loads (GCC forwards the stores otherwise)
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        __m256i lo, hi;
-        k45_runs<R>(p, c, lo, hi);
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = x.q[r] + 256 * s + 64 * c;
-          const __m256i dl = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, load32(xr));
-          const __m256i dh = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, load32(xr + 32));
-          a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dl), _mm256_set1_ps(sv[r][2 * c]), a0[r]);
-          a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_set1_ps(sv[r][2 * c + 1]), a1[r]);
-        }
-      }
-    } else {  // q6_k
-      const uint8_t* p = row + 210 * s;
-      stream_ahead<Ahead::l2>(p, 210);
-      const __m256 d = _mm256_set1_ps(half_at(p + 208));
-      const __m256i k32 = _mm256_set1_epi8(32);
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scv = q6k_scales(p, h, d);
-        __m256i u[4];
-        q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
-        for (int q = 0; q < 4; ++q) {
-          const int j = 4 * h + q;
-          const __m256 scq = q6k_run_scale(scv, q);
-#pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) {
-            const __m256i xv = load32(x.q[r] + 256 * s + 32 * j);
-            const __m256i dot =
-                _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u[q], xv),
-                                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), k32, xv));
-            const __m256 sv = _mm256_mul_ps(scq, _mm256_set1_ps(x.d[r][8 * s + j]));
-            if (q & 1)
-              a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a1[r]);
-            else
-              a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sv, a0[r]);
-          }
-        }
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r)
-    out[r * ldo] = hsum(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), cterm[r]));
-}
+// The VNNI form: dot_row_q8_k_vnni<R, MR>, the AVX2 form's text with vpdpbusd.
+#define TOPG_K_FORM dot_row_q8_k_vnni
+#define TOPG_K_TARGET TOPG_TARGET_VNNI
+#define TOPG_K_DOT(u, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x)
+#include "quant_act_k_form.h"
+#undef TOPG_K_FORM
+#undef TOPG_K_TARGET
+#undef TOPG_K_DOT
 
 // out[r * ldo + i] = dot_row_q8_k_vnni(w + i * rb) for weight rows i < n.
 template <Fmt R, int MR>

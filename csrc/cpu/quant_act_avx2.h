@@ -1,8 +1,7 @@
 // The AVX2 form of the int8-activation GEMV (quant_act.h) for the formats with blocks of
 // 32 (q8_0, q4_0, q4_1, q5_0, q5_1, int4, int8; the K-quants in quant_act_k.h), and the
-// scalar form without AVX2. Per block: maddubs / madd into 8 int32 lanes and one FMA with
-// the block's scale; q8_0, q4_0 and q5_0 as signed codes (the offset taken off) in two
-// FMA chains, the formats with a minimum with its term summed in scalar code.
+// scalar form without AVX2. Per block: maddubs / madd into 8 int32 lanes, one FMA with the
+// block's scale, the constant term (minimum, -8 / -16 offset) summed in scalar code.
 // Multi-row: a block's codes are unpacked once for MR activation rows (Q8Acts), each row
 // with its own accumulator and constant term, summed as a one-row call sums them. The
 // scalar sums are explicit std::fma: left to contraction, GCC vectorised two rows' terms
@@ -56,42 +55,19 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
   const int64_t nb = f.blocks(k);
 #if TOPG_AVX2
   __m256 acc[MR];
-  float extra[MR];  // the minimum's share (q4_1, q5_1, int4)
+  float extra[MR];  // the minimum's (or the -8 / -16 offset's) share, per block
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), extra[r] = 0.f;
-  // block b of a format with a minimum (q4_1, q5_1, int4): u the codes, d the scale, m
-  // the minimum
-  auto block45 = [&](int64_t b, __m256i u, float d, float m) {
+  // block b of a 4- or 5-bit format: u the codes, d and m the scale and minimum (has_min)
+  // or d the scale and off the offset (m unused)
+  auto block45 = [&](int64_t b, __m256i u, float d, float m, bool has_min, float off) {
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
-      const float xd = x.d[r][b];
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), udot(u, load32(x.q[r] + 32 * b)), acc[r]);
-      extra[r] = std::fma(m * xd, x.s[r][b], extra[r]);
+      const float xd = x.d[r][b], dd = d * xd;
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), udot(u, load32(x.q[r] + 32 * b)), acc[r]);
+      extra[r] = has_min ? std::fma(m * xd, x.s[r][b], extra[r])
+                         : std::fma(-(off * dd), x.s[r][b], extra[r]);
     }
-  };
-  // The formats whose weight is d * (signed code) (q8_0; q4_0 and q5_0 with their offset
-  // taken off the codes): per block one integer dot, |w| against x with w's sign (maddubs
-  // takes its first operand unsigned; |w| <= 128, |x| <= 127: a pair's sum stays below
-  // 2^15), one FMA with d * xd, even and odd blocks in two accumulators (one FMA chain and
-  // a scalar offset term per block: Q4_0 at 1B 1.07-1.19x llama.cpp's time on a Zen 3).
-  auto signed_blocks = [&](int64_t bytes, auto codes) {
-    __m256 acc1[MR];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) acc1[r] = _mm256_setzero_ps();
-    auto block = [&](int64_t b, __m256* a) {
-      const uint8_t* p = row + bytes * b;
-      const __m256i w = codes(p), uw = _mm256_sign_epi8(w, w);
-      const float d = half_at(p);
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r)
-        a[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[r][b]),
-                               udot(uw, _mm256_sign_epi8(load32(x.q[r] + 32 * b), w)), a[r]);
-    };
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) block(b, acc), block(b + 1, acc1);
-    if (b < nb) block(b, acc);
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(_mm256_add_ps(acc[r], acc1[r]));
   };
   auto finish = [&] {
 #pragma GCC unroll 4
@@ -99,27 +75,40 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
   };
   switch (f.fmt) {
     case Fmt::q8_0:
-      return signed_blocks(34, [](const uint8_t* p) { return load32(p + 2); });
-    case Fmt::q4_0: {
-      const __m256i k8 = _mm256_set1_epi8(8);
-      return signed_blocks(18,
-                           [&](const uint8_t* p) { return _mm256_sub_epi8(unpack16(p + 2), k8); });
-    }
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 34 * b;
+        const float d = half_at(p);
+        const __m256i w = load32(p + 2), uw = _mm256_sign_epi8(w, w);  // |w|
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[r][b]),
+                                   udot(uw, _mm256_sign_epi8(load32(x.q[r] + 32 * b), w)), acc[r]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]);
+      return;
+    case Fmt::q4_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 18 * b;
+        block45(b, unpack16(p + 2), half_at(p), 0.f, false, 8.f);
+      }
+      return finish();
     case Fmt::q4_1:  // int4 with groups of 32 computes the same (the general loop below)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 20 * b;
-        block45(b, unpack16(p + 4), half_at(p), half_at(p + 2));
+        block45(b, unpack16(p + 4), half_at(p), half_at(p + 2), true, 0.f);
       }
       return finish();
-    case Fmt::q5_0: {
-      const __m256i k16 = _mm256_set1_epi8(16);
-      return signed_blocks(
-          22, [&](const uint8_t* p) { return _mm256_sub_epi8(unpack_q5(p + 2, p + 6), k16); });
-    }
+    case Fmt::q5_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + 22 * b;
+        block45(b, unpack_q5(p + 2, p + 6), half_at(p), 0.f, false, 16.f);
+      }
+      return finish();
     case Fmt::q5_1:
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 24 * b;
-        block45(b, unpack_q5(p + 4, p + 8), half_at(p), half_at(p + 2));
+        block45(b, unpack_q5(p + 4, p + 8), half_at(p), half_at(p + 2), true, 0.f);
       }
       return finish();
     case Fmt::int4: {
@@ -129,7 +118,7 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
         const float dw = half_at(p), mw = half_at(p + 2);
         const int64_t x0 = b * sub;  // first activation block of the group
         if (g == 32) {
-          block45(x0, unpack16(p + 4), dw, mw);
+          block45(x0, unpack16(p + 4), dw, mw, true, 0.f);
           continue;
         }
         const int64_t half = sub / 2;  // runs of 32 bytes: low nibbles block c, high c + half

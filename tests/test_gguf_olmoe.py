@@ -78,9 +78,10 @@ def files(tmp_path_factory):
     except Exception as e:  # a test that cannot make its file fails, saying why
         pytest.fail(f"llama.cpp's sources (convert_hf_to_gguf.py) could not be obtained: {e}")
     root = tmp_path_factory.mktemp("olmoe")
+    smollm2 = smollm2_folder()  # from the shared cache (converting it again here: ~65 s)
     mp = pytest.MonkeyPatch()
     mp.setenv("TOPG_CACHE_DIR", str(root / "cache"))
-    folder = write_checkpoint("olmoe-1b-7b", root / "hf", smollm2_folder(), **SHAPE)
+    folder = write_checkpoint("olmoe-1b-7b", root / "hf", smollm2, **SHAPE)
     bf16 = convert_to_gguf(folder, root / "olmoe-bf16.gguf", converter)
     q8 = _quantize(bf16, "Q8_0", converter, folder)
     yield folder, bf16, q8, converter

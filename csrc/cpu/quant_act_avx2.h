@@ -2,6 +2,7 @@
 // 32 (q8_0, q4_0, q4_1, q5_0, q5_1, int4, int8; the K-quants in quant_act_k.h), and the
 // scalar form without AVX2. Per block: maddubs / madd into 8 int32 lanes, one FMA with the
 // block's scale, the constant term (minimum, -8 / -16 offset) summed in scalar code.
+// (Two FMA chains, with signed codes or not, measured slower: docs/cpu-kernels.md.)
 // Multi-row: a block's codes are unpacked once for MR activation rows (Q8Acts), each row
 // with its own accumulator and constant term, summed as a one-row call sums them. The
 // scalar sums are explicit std::fma: left to contraction, GCC vectorised two rows' terms

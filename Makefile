@@ -55,10 +55,16 @@ build: venv
 
 # The suite twice: with the native kernels (they must load), then with them disabled,
 # so every op's reference fallback and its argument and value checks run as well.
+# Each lane spreads its test files over TEST_WORKERS processes (pytest-xdist; --dist
+# loadfile keeps a file's tests and its module fixtures, such as the cluster tests' one
+# Ray instance, in one worker). One process keeps about one core busy: on a 2-core Zen 3
+# the native lane took 36 min in one, 18 in two (docs/build.md). TEST_WORKERS=0: one process.
 # --durations=15: each lane lists its slowest tests (CI's time budget is watched on them).
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: build
-	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q --durations=15 tests
-	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q --durations=15 -p no:warnings -m "not native_independent" tests
+	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q $(XDIST) --durations=15 tests
+	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q $(XDIST) --durations=15 -p no:warnings -m "not native_independent" tests
 
 # The engine on SmolLM2 (real weights): streams an answer, then serves 8 concurrent
 # requests (tokens/s, TTFT, batch sizes). The eager / Inductor / topg comparison of

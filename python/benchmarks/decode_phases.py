@@ -19,13 +19,17 @@ os.environ["TOPG_PROFILE"] = "1"  # the plan reads it when it is built
 
 import torch
 
-# Each phase's weights: tensor-name prefixes after ``blk.N.`` (or whole names).
+from torch_topg.compile.decode_plan import PHASES, profile
+
+# Each phase's weights (the plan's phase names, in its order): tensor-name prefixes after
+# ``blk.N.`` (or whole names). Attention and the MoE experts read no dense weight here.
+_QKV, _ATTENTION, _O_PROJ, _GATE_UP, _EXPERTS, _DOWN, _LM_HEAD = PHASES
 PHASE_TENSORS = {
-    "norm+qkv+rotary+cache": ("attn_q.", "attn_k.", "attn_v."),
-    "o_proj": ("attn_output.",),
-    "norm+gate_up+silu (MoE: +router)": ("ffn_gate.", "ffn_up."),
-    "down": ("ffn_down.",),
-    "norm+lm_head": ("output.weight",),
+    _QKV: ("attn_q.", "attn_k.", "attn_v."),
+    _O_PROJ: ("attn_output.",),
+    _GATE_UP: ("ffn_gate.", "ffn_up."),
+    _DOWN: ("ffn_down.",),
+    _LM_HEAD: ("output.weight",),
 }
 
 
@@ -47,7 +51,7 @@ def phase_weights(path: str) -> dict[str, tuple[int, set[str]]]:
             if t.name.endswith("weight") and any(short.startswith(p) for p in prefixes):
                 add(phase, t)
         if t.name == "token_embd.weight" and "output.weight" not in names:  # tied LM head
-            add("norm+lm_head", t)
+            add(_LM_HEAD, t)
     return out
 
 
@@ -58,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp32-activations", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(2)
-    from torch_topg.compile.decode_plan import profile
     from torch_topg.engine import Engine
 
     weights = phase_weights(a.file)

@@ -563,6 +563,24 @@ def test_cli_has_a_flag_for_every_engine_option() -> None:
         p.parse_args(["--speculative", "{not json"])
 
 
+def test_cli_takes_vllm_flag_names() -> None:
+    """A `vllm serve` command line's flags for the same options work unchanged."""
+    from torch_topg.engine.options import from_cli_args
+    from torch_topg.serve.cli import parser
+
+    args = parser().parse_args(
+        ["--tensor-parallel-size", "2", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    )  # fmt: skip
+    assert from_cli_args(args) == {
+        "tp_size": 2, "max_batch_size": 8, "prefix_caching": False,
+        "speculative": {"method": "ngram", "num_speculative_tokens": 2},
+    }  # fmt: skip
+    assert from_cli_args(parser().parse_args(["--enable-prefix-caching"])) == {
+        "prefix_caching": True
+    }
+
+
 def test_disconnect_while_waiting_aborts(client, engine, monkeypatch) -> None:
     """A non-streamed request whose client goes away (raw ASGI: the server's receive
     reports http.disconnect) is aborted in the engine and answered 499. The server polls

@@ -545,20 +545,34 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# vLLM's names for the same options, accepted too, so a `vllm serve` command line's
+# flags for them work unchanged (the values take vLLM's forms already).
+VLLM_FLAGS: dict[str, tuple[str, ...]] = {
+    "tp_size": ("--tensor-parallel-size",),
+    "max_batch_size": ("--max-num-seqs",),
+    "prefix_caching": ("--enable-prefix-caching",),
+    "speculative": ("--speculative-config",),
+}
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per option; a flag not given leaves the option at its default."""
+    """One flag per option (and vLLM's name for it, :data:`VLLM_FLAGS`); a flag not given
+    leaves the option at its default."""
     group = parser.add_argument_group("engine options (docs/engine.md)")
     for f in dataclasses.fields(EngineArgs):
         help = _plain(f.metadata["help"])
+        names = (flag(f.name), *VLLM_FLAGS.get(f.name, ()))
+        if len(names) > 1:
+            help += f" (vLLM's {', '.join(names[1:])} too)"
         if f.metadata["parse"] is None and isinstance(f.default, bool):
-            group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
+            group.add_argument(*names, action=argparse.BooleanOptionalAction, dest=f.name,
                                default=None, help=help)  # fmt: skip
             continue
         parse = f.metadata["parse"] or type(f.default)
         if parse is type(None):  # a None default says nothing of the type: declare parse=
             raise TypeError(f"EngineArgs.{f.name}: an option defaulting to None needs parse=")
-        group.add_argument(flag(f.name), type=parse, default=None, metavar=f.name.upper(),
-                           help=help.replace("%", "%%"))  # fmt: skip
+        group.add_argument(*names, type=parse, default=None, metavar=f.name.upper(),
+                           dest=f.name, help=help.replace("%", "%%"))  # fmt: skip
 
 
 def from_cli_args(args: argparse.Namespace) -> dict[str, Any]:

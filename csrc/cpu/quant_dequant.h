@@ -27,13 +27,21 @@ inline void nibbles(const uint8_t* q, int64_t n, uint8_t* out) {
   }
 }
 
+// A q4_k / q5_k super-block's 12 bytes of 6-bit scales and minimums s as sc[8], mn[8]:
+// for j < 4, sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63, sc[j + 4] = (s[j + 8] & 15) |
+// (s[j] >> 6) << 4, mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4. Four bytes at a
+// time on 32-bit words (the bits a shift moves in from the next byte are masked off): ten
+// integer ops instead of a loop of byte ops on every super-block of the GEMV.
 inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
-  }
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "byte j of a word is s[j]");
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, s, 4), std::memcpy(&w1, s + 4, 4), std::memcpy(&w2, s + 8, 4);
+  constexpr uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, bits45 = 0x30303030;
+  const uint32_t sc_lo = w0 & low6, mn_lo = w1 & low6;
+  const uint32_t sc_hi = (w2 & low4) | ((w0 >> 2) & bits45);
+  const uint32_t mn_hi = ((w2 >> 4) & low4) | ((w1 >> 2) & bits45);
+  std::memcpy(sc, &sc_lo, 4), std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4), std::memcpy(mn + 4, &mn_hi, 4);
 }
 
 // One block (or, for int8, the whole row of k weights) into out.

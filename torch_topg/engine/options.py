@@ -561,17 +561,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (docs/engine.md)")
     for f in dataclasses.fields(EngineArgs):
         help = _plain(f.metadata["help"])
-        names = (flag(f.name), *VLLM_FLAGS.get(f.name, ()))
-        if len(names) > 1:
-            help += f" (vLLM's {', '.join(names[1:])} too)"
+        spellings = (flag(f.name), *VLLM_FLAGS.get(f.name, ()))
+        if len(spellings) > 1:
+            help += f" (vLLM's {', '.join(spellings[1:])} too)"
         if f.metadata["parse"] is None and isinstance(f.default, bool):
-            group.add_argument(*names, action=argparse.BooleanOptionalAction, dest=f.name,
+            group.add_argument(*spellings, action=argparse.BooleanOptionalAction, dest=f.name,
                                default=None, help=help)  # fmt: skip
             continue
         parse = f.metadata["parse"] or type(f.default)
         if parse is type(None):  # a None default says nothing of the type: declare parse=
             raise TypeError(f"EngineArgs.{f.name}: an option defaulting to None needs parse=")
-        group.add_argument(*names, type=parse, default=None, metavar=f.name.upper(),
+        group.add_argument(*spellings, type=parse, default=None, metavar=f.name.upper(),
                            dest=f.name, help=help.replace("%", "%%"))  # fmt: skip
 
 

@@ -88,12 +88,52 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]);
       return;
-    case Fmt::q4_0:
-      for (int64_t b = 0; b < nb; ++b) {
+    case Fmt::q4_0: {
+      // Eight blocks at a time: their fp16 scales converted as one vector, times the eight
+      // activation scales, and the -8 offset's terms as one 8-lane FMA (per block the same
+      // products as block45's; the terms summed in lanes, then added to the scalar ones).
+      // Per block only the codes' dot and its FMA remain (the loop is bound by its work:
+      // docs/real-size.md, "Figures on a Zen 3").
+      __m256 extra8[MR];
+      alignas(32) float dd8[MR][8];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) extra8[r] = _mm256_setzero_ps();
+      int64_t b = 0;
+      for (; b + 8 <= nb; b += 8) {
+        const uint8_t* p = row + 18 * b;
+        const auto bits = [p](int i) {
+          uint16_t v;
+          std::memcpy(&v, p + 18 * i, 2);
+          return short(v);
+        };
+        const __m128i h =
+            _mm_setr_epi16(bits(0), bits(1), bits(2), bits(3), bits(4), bits(5), bits(6), bits(7));
+        const __m256 d = _mm256_cvtph_ps(h);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256 dd = _mm256_mul_ps(d, _mm256_loadu_ps(x.d[r] + b));
+          _mm256_store_ps(dd8[r], dd);
+          extra8[r] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), dd),
+                                       _mm256_loadu_ps(x.s[r] + b), extra8[r]);
+        }
+        asm("" : "+m"(dd8));  // keep the broadcasts loads (GCC forwards the stores otherwise)
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const __m256i u = unpack16(p + 18 * i + 2);
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd8[r][i]),
+                                     udot(u, load32(x.q[r] + 32 * (b + i))), acc[r]);
+        }
+      }
+      for (; b < nb; ++b) {
         const uint8_t* p = row + 18 * b;
         block45(b, unpack16(p + 2), half_at(p), 0.f, false, 8.f);
       }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) extra[r] += hsum(extra8[r]);
       return finish();
+    }
     case Fmt::q4_1:  // int4 with groups of 32 computes the same (the general loop below)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + 20 * b;

@@ -1,7 +1,8 @@
 // The AVX2 form of the int8-activation GEMV (quant_act.h) for the formats with blocks of
 // 32 (q8_0, q4_0, q4_1, q5_0, q5_1, int4, int8; the K-quants in quant_act_k.h), and the
 // scalar form without AVX2. Per block: maddubs / madd into 8 int32 lanes, one FMA with the
-// block's scale, the constant term (minimum, -8 / -16 offset) summed in scalar code.
+// block's scale, the constant term (minimum, -8 / -16 offset) summed in scalar code
+// (q4_0: eight blocks' scales and offset terms at a time, in 8 lanes).
 // (Two FMA chains, with signed codes or not, measured slower: docs/cpu-kernels.md.)
 // Multi-row: a block's codes are unpacked once for MR activation rows (Q8Acts), each row
 // with its own accumulator and constant term, summed as a one-row call sums them. The

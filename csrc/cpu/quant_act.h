@@ -149,20 +149,20 @@ inline void dot_rows_q8_m(const Format& f, const uint8_t* w, int64_t rb, int64_t
     const int64_t nb = f.blocks(k);
     switch (f.fmt) {
       case Fmt::q8_0:
-        return dot_rows_q8_vnni<VnniRow::q8_0, MR>(w, rb, n, k, nb, x, out, ldo);
+        return dot_rows_q8_vnni<Row32::q8_0, MR>(w, rb, n, k, nb, x, out, ldo);
       case Fmt::q4_0:
-        return dot_rows_q8_vnni<VnniRow::q4_0, MR>(w, rb, n, k, nb, x, out, ldo);
+        return dot_rows_q8_vnni<Row32::q4_0, MR>(w, rb, n, k, nb, x, out, ldo);
       case Fmt::q4_1:
-        return dot_rows_q8_vnni<VnniRow::q4_1, MR>(w, rb, n, k, nb, x, out, ldo);
+        return dot_rows_q8_vnni<Row32::q4_1, MR>(w, rb, n, k, nb, x, out, ldo);
       case Fmt::q5_0:
-        return dot_rows_q8_vnni<VnniRow::q5_0, MR>(w, rb, n, k, nb, x, out, ldo);
+        return dot_rows_q8_vnni<Row32::q5_0, MR>(w, rb, n, k, nb, x, out, ldo);
       case Fmt::q5_1:
-        return dot_rows_q8_vnni<VnniRow::q5_1, MR>(w, rb, n, k, nb, x, out, ldo);
+        return dot_rows_q8_vnni<Row32::q5_1, MR>(w, rb, n, k, nb, x, out, ldo);
       case Fmt::int4:
-        if (f.block == 32) return dot_rows_q8_vnni<VnniRow::q4_1, MR>(w, rb, n, k, nb, x, out, ldo);
+        if (f.block == 32) return dot_rows_q8_vnni<Row32::q4_1, MR>(w, rb, n, k, nb, x, out, ldo);
         break;  // larger groups: the AVX2 form
       case Fmt::int8:
-        return dot_rows_q8_vnni<VnniRow::int8, MR>(w, rb, n, k, (k + 31) / 32, x, out, ldo);
+        return dot_rows_q8_vnni<Row32::int8, MR>(w, rb, n, k, (k + 31) / 32, x, out, ldo);
       case Fmt::q4_k:
         return dot_rows_q8_k_vnni<Fmt::q4_k, MR>(w, rb, n, nb, x, out, ldo);
       case Fmt::q5_k:

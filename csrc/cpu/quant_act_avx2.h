@@ -1,8 +1,9 @@
 // The AVX2 form of the int8-activation GEMV (quant_act.h) for the formats with blocks of
 // 32 (q8_0, q4_0, q4_1, q5_0, q5_1, int4, int8; the K-quants in quant_act_k.h), and the
 // scalar form without AVX2. Per block: maddubs / madd into 8 int32 lanes, one FMA with the
-// block's scale, the constant term (minimum, -8 / -16 offset) summed in scalar code
-// (q4_0: eight blocks' scales and offset terms at a time, in 8 lanes).
+// block's scale; the 4- and 5-bit formats take eight blocks' scales and constant terms
+// (minimum, -8 / -16 offset) at a time in 8 lanes (block8_scales, shared with the VNNI
+// form), q8_0 / int8 / int4 with larger groups a block at a time.
 // (Two FMA chains, with signed codes or not, measured slower: docs/cpu-kernels.md.)
 // Multi-row: a block's codes are unpacked once for MR activation rows (Q8Acts), each row
 // with its own accumulator and constant term, summed as a one-row call sums them. The
@@ -14,7 +15,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#include "quant_act_blocks.h"
 #include "quant_act_k.h"
 #include "quant_kernels.h"
 
@@ -75,6 +78,61 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]) + extra[r];
   };
+  // The 4- and 5-bit formats (and int4 with groups of 32, laid out as q4_1), eight blocks
+  // at a time: their fp16 scales (and minimums) converted as one vector, times the eight
+  // activation scales, the constant terms as one 8-lane FMA (block8_scales, the VNNI
+  // form's code); per block only the codes' dot and its FMA remain (the loop is bound by
+  // its work: docs/real-size.md, "Figures on a Zen 3"). The last nb % 8 blocks one at a
+  // time (block45).
+  auto blocks8 = [&]<Row32 R>(std::integral_constant<Row32, R>) __attribute__((always_inline)) {
+    using L = Row32Layout<R>;
+    const auto codes = [](const uint8_t* q) {
+      if constexpr (R == Row32::q5_0 || R == Row32::q5_1)
+        return unpack_q5(q, q + 4);
+      else
+        return unpack16(q);
+    };
+    __m256 cterm[MR];
+    alignas(32) float sa[MR][8];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) cterm[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      const uint8_t* p = row + L::bb * b;
+      const auto half = [p](int i, int at) {
+        uint16_t v;
+        std::memcpy(&v, p + L::bb * i + at, 2);
+        return short(v);
+      };
+      const __m256 d =
+          _mm256_cvtph_ps(_mm_setr_epi16(half(0, 0), half(1, 0), half(2, 0), half(3, 0), half(4, 0),
+                                         half(5, 0), half(6, 0), half(7, 0)));
+      __m256 m = _mm256_setzero_ps();
+      if constexpr (L::has_min)
+        m = _mm256_cvtph_ps(_mm_setr_epi16(half(0, 2), half(1, 2), half(2, 2), half(3, 2),
+                                           half(4, 2), half(5, 2), half(6, 2), half(7, 2)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        _mm256_store_ps(sa[r], block8_scales<R>(d, m, b, x.d[r], x.s[r], cterm[r]));
+      asm("" : "+m"(sa));  // keep the broadcasts loads (GCC forwards the stores otherwise)
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m256i u = codes(p + L::bb * i + L::codes_at);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sa[r][i]), udot(u, load32(x.q[r] + 32 * (b + i))),
+                                   acc[r]);
+      }
+    }
+    for (; b < nb; ++b) {
+      const uint8_t* p = row + L::bb * b;
+      block45(b, codes(p + L::codes_at), half_at(p), L::has_min ? half_at(p + 2) : 0.f, L::has_min,
+              L::off);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) extra[r] += hsum(cterm[r]);
+    return finish();
+  };
   switch (f.fmt) {
     case Fmt::q8_0:
       for (int64_t b = 0; b < nb; ++b) {
@@ -89,80 +147,21 @@ inline void dot_row_q8_avx2(const Format& f, const uint8_t* row, int64_t k, cons
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]);
       return;
-    case Fmt::q4_0: {
-      // Eight blocks at a time: their fp16 scales converted as one vector, times the eight
-      // activation scales, and the -8 offset's terms as one 8-lane FMA (per block the same
-      // products as block45's; the terms summed in lanes, then added to the scalar ones).
-      // Per block only the codes' dot and its FMA remain (the loop is bound by its work:
-      // docs/real-size.md, "Figures on a Zen 3").
-      __m256 extra8[MR];
-      alignas(32) float dd8[MR][8];
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) extra8[r] = _mm256_setzero_ps();
-      int64_t b = 0;
-      for (; b + 8 <= nb; b += 8) {
-        const uint8_t* p = row + 18 * b;
-        const auto bits = [p](int i) {
-          uint16_t v;
-          std::memcpy(&v, p + 18 * i, 2);
-          return short(v);
-        };
-        const __m128i h =
-            _mm_setr_epi16(bits(0), bits(1), bits(2), bits(3), bits(4), bits(5), bits(6), bits(7));
-        const __m256 d = _mm256_cvtph_ps(h);
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) {
-          const __m256 dd = _mm256_mul_ps(d, _mm256_loadu_ps(x.d[r] + b));
-          _mm256_store_ps(dd8[r], dd);
-          extra8[r] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(8.f), dd),
-                                       _mm256_loadu_ps(x.s[r] + b), extra8[r]);
-        }
-        asm("" : "+m"(dd8));  // keep the broadcasts loads (GCC forwards the stores otherwise)
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          const __m256i u = unpack16(p + 18 * i + 2);
-#pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd8[r][i]),
-                                     udot(u, load32(x.q[r] + 32 * (b + i))), acc[r]);
-        }
-      }
-      for (; b < nb; ++b) {
-        const uint8_t* p = row + 18 * b;
-        block45(b, unpack16(p + 2), half_at(p), 0.f, false, 8.f);
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) extra[r] += hsum(extra8[r]);
-      return finish();
-    }
-    case Fmt::q4_1:  // int4 with groups of 32 computes the same (the general loop below)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + 20 * b;
-        block45(b, unpack16(p + 4), half_at(p), half_at(p + 2), true, 0.f);
-      }
-      return finish();
+    case Fmt::q4_0:
+      return blocks8(std::integral_constant<Row32, Row32::q4_0>{});
+    case Fmt::q4_1:
+      return blocks8(std::integral_constant<Row32, Row32::q4_1>{});
     case Fmt::q5_0:
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + 22 * b;
-        block45(b, unpack_q5(p + 2, p + 6), half_at(p), 0.f, false, 16.f);
-      }
-      return finish();
+      return blocks8(std::integral_constant<Row32, Row32::q5_0>{});
     case Fmt::q5_1:
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + 24 * b;
-        block45(b, unpack_q5(p + 4, p + 8), half_at(p), half_at(p + 2), true, 0.f);
-      }
-      return finish();
+      return blocks8(std::integral_constant<Row32, Row32::q5_1>{});
     case Fmt::int4: {
+      if (f.block == 32) return blocks8(std::integral_constant<Row32, Row32::q4_1>{});
       const int64_t g = f.block, bb = f.block_bytes, sub = g / 32;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + bb * b;
         const float dw = half_at(p), mw = half_at(p + 2);
-        const int64_t x0 = b * sub;  // first activation block of the group
-        if (g == 32) {
-          block45(x0, unpack16(p + 4), dw, mw, true, 0.f);
-          continue;
-        }
+        const int64_t x0 = b * sub;    // first activation block of the group
         const int64_t half = sub / 2;  // runs of 32 bytes: low nibbles block c, high c + half
         for (int64_t c = 0; c < half; ++c) {
           __m256i lo, hi;

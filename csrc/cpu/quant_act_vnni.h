@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant_act_blocks.h"
 #include "quant_act_k.h"
 #include "quant_kernels.h"
 
@@ -17,68 +18,19 @@ namespace topg::quant {
 
 #if TOPG_VNNI_BUILT
 
-// The formats of the VNNI form, by where a block keeps its scale and codes:
-enum class VnniRow {
-  q8_0,  // 34-byte blocks: fp16 d, 32 signed codes
-  q4_0,  // 18-byte blocks: fp16 d, 16 bytes of nibbles (codes - 8)
-  q4_1,  // 20-byte blocks: fp16 d, fp16 m, 16 bytes of nibbles (q4_1, int4 with groups of 32)
-  q5_0,  // 22-byte blocks: fp16 d, 4 bytes qh (5th bits), 16 bytes of nibbles (codes - 16)
-  q5_1,  // 24-byte blocks: fp16 d, fp16 m, qh, 16 bytes of nibbles
-  int8,  // the row's fp32 scale, then k signed codes (the last block may be short)
-};
-
-template <VnniRow R>
-struct VnniLayout {
-  static constexpr int64_t bb = R == VnniRow::q8_0   ? 34  // bytes per block
-                                : R == VnniRow::q4_0 ? 18
-                                : R == VnniRow::q4_1 ? 20
-                                : R == VnniRow::q5_0 ? 22
-                                : R == VnniRow::q5_1 ? 24
-                                                     : 32;
-  // where the codes start (q5_0 / q5_1: qh, the nibbles 4 bytes on)
-  static constexpr int64_t codes_at = R == VnniRow::q4_1 || R == VnniRow::q5_1 ? 4
-                                      : R == VnniRow::int8                     ? 0
-                                                                               : 2;
-  // d and m in the header (the 4 bytes vnni_head reads per block)
-  static constexpr bool has_min = R == VnniRow::q4_1 || R == VnniRow::q5_1;
-  // the codes are signed (u = |w|, the activations take w's sign)
-  static constexpr bool is_signed = R == VnniRow::q8_0 || R == VnniRow::int8;
-};
-
 // Blocks [b0, b0 + 8) of the row's blocks p: their weight scales d and minimums m as 8
 // lanes (int8: none). The 8 fp16 headers are read with scalar loads into one vector (a
 // vpgatherdd was slower: 3.4 against 2.2 cycles a block on q4_1 [1536, 1536]).
-template <VnniRow R>
+template <Row32 R>
 TOPG_TARGET_VNNI inline void vnni_head(const uint8_t* p, int64_t b0, __m256& d, __m256& m) {
-  if constexpr (R != VnniRow::int8) {
-    constexpr int64_t bb = VnniLayout<R>::bb;
+  if constexpr (R != Row32::int8) {
+    constexpr int64_t bb = Row32Layout<R>::bb;
     alignas(32) uint32_t hs[8];
     for (int j = 0; j < 8; ++j) std::memcpy(hs + j, p + bb * (b0 + j), 4);
     const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(hs));
     d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(h));
-    if constexpr (VnniLayout<R>::has_min)
+    if constexpr (Row32Layout<R>::has_min)
       m = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(h, 16)));
-  }
-}
-
-// One activation row's scales d * xd of blocks [b0, b0 + 8) (int8: xd), and their constant
-// terms c * xd * sum(q) (q4_1, q5_1: c = m; q4_0: -8 d; q5_0: -16 d) added to cterm.
-template <VnniRow R>
-TOPG_TARGET_VNNI inline __m256 vnni_scales(__m256 d, __m256 m, int64_t b0, const float* xd,
-                                           const float* xsum, __m256& cterm) {
-  const __m256 xdv = _mm256_loadu_ps(xd + b0);
-  if constexpr (R == VnniRow::int8) {
-    return xdv;
-  } else {
-    const __m256 s = _mm256_mul_ps(d, xdv);
-    if constexpr (VnniLayout<R>::has_min) {
-      cterm = _mm256_fmadd_ps(m, _mm256_mul_ps(xdv, _mm256_loadu_ps(xsum + b0)), cterm);
-    } else if constexpr (R == VnniRow::q4_0 || R == VnniRow::q5_0) {
-      const float off = R == VnniRow::q4_0 ? -8.f : -16.f;
-      cterm =
-          _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_loadu_ps(xsum + b0), _mm256_set1_ps(off)), cterm);
-    }
-    return s;
   }
 }
 
@@ -87,18 +39,18 @@ TOPG_TARGET_VNNI inline __m256 vnni_scales(__m256 d, __m256 m, int64_t b0, const
 // activations take (exact as the AVX2 form's maddubs; codes + 128 would need a -128 xd
 // sum(q) term that cancels in fp32). k: the int8 format's row length (its last block may
 // be short; no read past it).
-template <VnniRow R>
+template <Row32 R>
 TOPG_TARGET_VNNI inline __m256i vnni_codes(const uint8_t* p, int64_t b, int64_t k, __m256i& sw) {
-  const uint8_t* q = p + VnniLayout<R>::bb * b + VnniLayout<R>::codes_at;
-  if constexpr (VnniLayout<R>::is_signed) {
-    if constexpr (R == VnniRow::q8_0) {
+  const uint8_t* q = p + Row32Layout<R>::bb * b + Row32Layout<R>::codes_at;
+  if constexpr (Row32Layout<R>::is_signed) {
+    if constexpr (R == Row32::q8_0) {
       sw = load32(q);
     } else {  // the row's last block may be short: no read past it
       const int64_t left = k - 32 * b;
       sw = _mm256_maskz_loadu_epi8(left >= 32 ? ~__mmask32(0) : __mmask32((1u << left) - 1), q);
     }
     return _mm256_abs_epi8(sw);
-  } else if constexpr (R == VnniRow::q5_0 || R == VnniRow::q5_1) {  // 5th bits from qh's mask
+  } else if constexpr (R == Row32::q5_0 || R == Row32::q5_1) {  // 5th bits from qh's mask
     uint32_t hb;
     std::memcpy(&hb, q, 4);
     const __m256i two =
@@ -117,11 +69,11 @@ TOPG_TARGET_VNNI inline __m256i vnni_codes(const uint8_t* p, int64_t b, int64_t 
 // a += sum(u * q') * sb for block b of one activation row's codes xq: sum(u * q') as 8
 // int32 lanes of 4 products each (one vpdpbusd: unsigned u times signed q'; q' = q, or q
 // with w's sign for the signed formats).
-template <VnniRow R>
+template <Row32 R>
 TOPG_TARGET_VNNI inline void vnni_dot(__m256i u, __m256i sw, const int8_t* xq, int64_t b, __m256 sb,
                                       __m256& a) {
   __m256i x = load32(xq + 32 * b);
-  if constexpr (VnniLayout<R>::is_signed) x = _mm256_sign_epi8(x, sw);
+  if constexpr (Row32Layout<R>::is_signed) x = _mm256_sign_epi8(x, sw);
   const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
   a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sb, a);
 }
@@ -160,10 +112,10 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void vnni_pairs_q8_0(
 // d * xd and the constant terms are computed 8 blocks at a time; the last nb % 8 blocks
 // one at a time. Four accumulators per activation row (block j of a group of 8 adds to
 // j % 4). The int8 format's row scale multiplies the total.
-template <VnniRow R, int MR>
+template <Row32 R, int MR>
 TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
     const uint8_t* row, int64_t k, int64_t nb, const Q8Acts& x, float* out, int64_t ldo) {
-  const uint8_t* p = R == VnniRow::int8 ? row + 4 : row;
+  const uint8_t* p = R == Row32::int8 ? row + 4 : row;
   const __m256 zero = _mm256_setzero_ps();
   __m256 a[4][MR], cterm[MR];
   __m512 z[4][MR];  // q8_0: two blocks a zmm (vnni_pairs_q8_0)
@@ -174,7 +126,8 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
   }
   int64_t b0 = 0;
   for (; b0 + 8 <= nb; b0 += 8) {
-    stream_ahead<Ahead::l2>(p + VnniLayout<R>::bb * b0, 8 * VnniLayout<R>::bb);  // quant_kernels.h
+    stream_ahead<Ahead::l2>(p + Row32Layout<R>::bb * b0,
+                            8 * Row32Layout<R>::bb);  // quant_kernels.h
     // the 8 blocks' scales of each activation row, kept in memory: each block's FMA takes
     // its scale as a broadcast load (a lane permute per block and row is a port-5 uop)
     alignas(32) float sa[MR][8];
@@ -182,10 +135,10 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
     vnni_head<R>(p, b0, d, m);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r)
-      _mm256_store_ps(sa[r], vnni_scales<R>(d, m, b0, x.d[r], x.s[r], cterm[r]));
+      _mm256_store_ps(sa[r], block8_scales<R>(d, m, b0, x.d[r], x.s[r], cterm[r]));
     // GCC otherwise forwards the stores and broadcasts from registers (port-5 shuffles)
     asm("" : "+m"(sa));
-    if constexpr (R == VnniRow::q8_0) {
+    if constexpr (R == Row32::q8_0) {
       vnni_pairs_q8_0<MR>(p, b0, x, sa, z);
     } else {
 #pragma GCC unroll 8
@@ -202,41 +155,41 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) tail[r] = 0.f;
   for (; b0 < nb; ++b0) {
-    const uint8_t* h = p + VnniLayout<R>::bb * b0;
-    stream_ahead<Ahead::l2>(h, VnniLayout<R>::bb);
-    const float d = R == VnniRow::int8 ? 1.f : half_at(h);
-    const float m = VnniLayout<R>::has_min ? half_at(h + 2) : 0.f;
+    const uint8_t* h = p + Row32Layout<R>::bb * b0;
+    stream_ahead<Ahead::l2>(h, Row32Layout<R>::bb);
+    const float d = R == Row32::int8 ? 1.f : half_at(h);
+    const float m = Row32Layout<R>::has_min ? half_at(h + 2) : 0.f;
     __m256i sw = _mm256_setzero_si256();
     const __m256i u = vnni_codes<R>(p, b0, k, sw);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const float xd = x.d[r][b0], xs = x.s[r][b0], s = d * xd;
       // explicit fma: the same rounding however GCC vectorises the rows (quant_act_avx2.h)
-      if constexpr (VnniLayout<R>::has_min) tail[r] = std::fma(m * xd, xs, tail[r]);
-      if constexpr (R == VnniRow::q4_0) tail[r] = std::fma(-8.f * s, xs, tail[r]);
-      if constexpr (R == VnniRow::q5_0) tail[r] = std::fma(-16.f * s, xs, tail[r]);
+      if constexpr (Row32Layout<R>::has_min) tail[r] = std::fma(m * xd, xs, tail[r]);
+      if constexpr (R == Row32::q4_0) tail[r] = std::fma(-8.f * s, xs, tail[r]);
+      if constexpr (R == Row32::q5_0) tail[r] = std::fma(-16.f * s, xs, tail[r]);
       vnni_dot<R>(u, sw, x.q[r], b0, _mm256_set1_ps(s), a[0][r]);
     }
   }
   float rs = 1.f;
-  if constexpr (R == VnniRow::int8) std::memcpy(&rs, row, 4);
+  if constexpr (R == Row32::int8) std::memcpy(&rs, row, 4);
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     __m256 sum = _mm256_add_ps(_mm256_add_ps(a[0][r], a[1][r]), _mm256_add_ps(a[2][r], a[3][r]));
-    if constexpr (R == VnniRow::q8_0) {
+    if constexpr (R == Row32::q8_0) {
       const __m512 zz =
           _mm512_add_ps(_mm512_add_ps(z[0][r], z[1][r]), _mm512_add_ps(z[2][r], z[3][r]));
       sum = _mm256_add_ps(sum,
                           _mm256_add_ps(_mm512_castps512_ps256(zz), _mm512_extractf32x8_ps(zz, 1)));
     }
     const float total = hsum(_mm256_add_ps(sum, cterm[r])) + tail[r];
-    out[r * ldo] = R == VnniRow::int8 ? total * rs : total;
+    out[r * ldo] = R == Row32::int8 ? total * rs : total;
   }
 }
 
 // out[r * ldo + i] = dot_row_q8_vnni(w + i * rb) for weight rows i < n: one call for a
 // range of rows (a call per row cost about 20 cycles, a fifth of a 576-long q4_1 row).
-template <VnniRow R, int MR>
+template <Row32 R, int MR>
 TOPG_TARGET_VNNI void dot_rows_q8_vnni(const uint8_t* w, int64_t rb, int64_t n, int64_t k,
                                        int64_t nb, const Q8Acts& x, float* out, int64_t ldo) {
   for (int64_t i = 0; i < n; ++i) dot_row_q8_vnni<R, MR>(w + i * rb, k, nb, x, out + i, ldo);

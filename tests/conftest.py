@@ -85,23 +85,6 @@ NEEDS_CUDA = pytest.mark.skipif(
 )
 
 
-def run_avx2(tmp_path, script: str, payload: object) -> object:
-    """``script`` run in a subprocess with TOPG_DISABLE_AVX512=1 (the AVX2 forms of the
-    kernels): it loads ``payload`` from ``sys.argv[1]`` and saves its results to
-    ``sys.argv[2]``, which this returns."""
-    import os
-    import subprocess
-    import sys
-
-    path, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
-    path.write_text(script)
-    torch.save(payload, inp)
-    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
-    subprocess.run([sys.executable, str(path), str(inp), str(out)], env=env, check=True,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
-    return torch.load(out, weights_only=False)
-
-
 def requires_cuda_kernel(op: str):
     """Skip without a CUDA device (said first: it is the deeper reason), else unless
     ``topg::<op>`` has a native kernel at the CUDA key."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DTYPES, assert_close, requires_kernel, run_avx2
+from conftest import DTYPES, assert_close, requires_kernel
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -36,40 +36,9 @@ def _inputs(lead: tuple[int, ...], k: int, n: int, dtype: torch.dtype, bias: boo
 @example(m=257, k=1000, n=100, dtype=torch.bfloat16, bias=True)  # packed, 4 K blocks
 @example(m=16, k=7, n=1, dtype=torch.bfloat16, bias=True)  # dot path, K below one vector
 @example(m=64, k=1, n=1000, dtype=torch.float32, bias=False)
-@example(m=12, k=1031, n=6, dtype=torch.bfloat16, bias=True)  # bf16 widened: 3 K chunks
 def test_linear(m, k, n, dtype, bias):
     x, w, b = _inputs((m,), k, n, dtype, bias)
     assert_close(torch_topg.ops.linear(x, w, b), reference.linear(x, w, b), scale=_scale(k))
-
-
-_ROWS_ALONE_SCRIPT = """
-import sys, torch, torch_topg
-cases = torch.load(sys.argv[1])
-out = []
-for x, w in cases:
-    full = torch.ops.topg.linear(x, w, None)
-    out.append((full, [torch.ops.topg.linear(x[i : i + 1], w, None) for i in range(len(x))]))
-torch.save(out, sys.argv[2])
-"""
-
-
-@requires_kernel("linear")
-def test_linear_bf16_dot_rows_do_not_depend_on_m(tmp_path):
-    """bf16 on the dot path, AVX2 form (a subprocess with TOPG_DISABLE_AVX512=1): from 9
-    rows the weights are widened once per block for all rows (gemm_kernels.h
-    dot_rows_widened), below that once per group of 3; a row's output must be bitwise that
-    row alone (one row: the widening loop) for every M. K with several widened chunks, an
-    8-wide and a scalar tail, and N not a multiple of the 4-row block."""
-    torch.manual_seed(3)
-    cases = []
-    for m, k, n in [(9, 1031, 6), (16, 1048, 9), (13, 40, 5), (16, 512, 4)]:
-        x, w, _ = _inputs((m,), k, n, torch.bfloat16, False)
-        cases.append((x, w))
-    for (x, _), (full, alone) in zip(
-        cases, run_avx2(tmp_path, _ROWS_ALONE_SCRIPT, cases), strict=True
-    ):
-        for i, row in enumerate(alone):
-            assert torch.equal(full[i : i + 1], row), (tuple(x.shape), i)
 
 
 @requires_kernel("linear")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import TOL, requires_kernel, run_avx2
+from conftest import TOL, requires_kernel
 from hypothesis import given
 from hypothesis import strategies as st
 from op_samples import Gen, packed_weight
@@ -264,6 +264,23 @@ def test_native_int8_rounding_is_quantize_activations(m, blocks, seed):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
+def _run_avx2(tmp_path, script: str, payload: object) -> object:
+    """``script`` run in a subprocess with TOPG_DISABLE_AVX512=1 (the AVX2 forms of the
+    kernels): it loads ``payload`` from ``sys.argv[1]`` and saves its results to
+    ``sys.argv[2]``, which this returns."""
+    import os
+    import subprocess
+    import sys
+
+    path, inp, out = tmp_path / "avx2.py", tmp_path / "in.pt", tmp_path / "out.pt"
+    path.write_text(script)
+    torch.save(payload, inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512": "1"}
+    subprocess.run([sys.executable, str(path), str(inp), str(out)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    return torch.load(out, weights_only=False)
+
+
 _AVX2_Q8_SCRIPT = """
 import sys, torch, torch_topg
 x, packed = torch.load(sys.argv[1])
@@ -299,7 +316,7 @@ def test_int8_gemv_forms_match_reference(tmp_path):
     packed += [
         (packed_weight(kq, f, 37, k), f, k) for f in ("q4_k", "q5_k", "q6_k") for k in (256, 1536)
     ]
-    avx2 = run_avx2(tmp_path, _AVX2_Q8_SCRIPT, (x, packed))
+    avx2 = _run_avx2(tmp_path, _AVX2_Q8_SCRIPT, (x, packed))
     i = 0
     for q, f, k in packed:
         for m in (1, 5, 16):
@@ -367,7 +384,7 @@ def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
     )
     forms = {
         "this CPU's form": _int8_rows(x, packed),
-        "AVX2 form": run_avx2(tmp_path, script, (x, packed)),
+        "AVX2 form": _run_avx2(tmp_path, script, (x, packed)),
     }
     for name, results in forms.items():
         for (_, f, k), (alone, full) in zip(packed, results, strict=True):
@@ -411,7 +428,7 @@ def test_int8_gemm_avx2_form_matches_reference(tmp_path):
     cases = [("q4_0", 320), ("q4_1", 96), ("q5_0", 288), ("q5_1", 320), ("int4_g32", 357),
              ("int4_g64", 357), ("int4_g128", 600), ("q4_k", 512), ("q5_k", 512), ("q6_k", 512)]  # fmt: skip
     packed = [(packed_weight(g, f, 37, k), f, k) for f, k in cases]
-    avx2 = iter(run_avx2(tmp_path, _AVX2_GEMM_SCRIPT, (x, packed)))
+    avx2 = iter(_run_avx2(tmp_path, _AVX2_GEMM_SCRIPT, (x, packed)))
     for q, f, k in packed:
         got = {m: next(avx2) for m in (8, 16, 33)}
         xs = x[:, :k].contiguous()

@@ -17,7 +17,7 @@
 
 #include "common/op_checks.h"
 #include "dispatch.h"
-#include "gemm_packed.h"
+#include "gemm_kernels.h"
 #include "modes.h"
 #include "moe_items.h"
 #include "moe_kernels.h"

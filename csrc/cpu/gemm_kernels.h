@@ -8,7 +8,7 @@
 //   once, against MB rows of A at a time, keeping MB x RB Vec8 partial sums in registers
 //   and reducing them horizontally at the end. Memory-bound: the weight is read once from
 //   DRAM (re-reads for further MB chunks of A hit L1/L2).
-// * packed path (many rows; gemm_packed.h). Goto-style: K in blocks of KC; A packed once into fp32
+// * packed path (many rows). Goto-style: K in blocks of KC; A packed once into fp32
 //   MR-row tiles (k-major, so the micro-kernel broadcasts from contiguous memory); the
 //   weight packed per (KC x NR) panel into fp32 k-major (16 columns per k), converting
 //   bf16/fp16 on the way, so the 6x16 FMA micro-kernel runs at fp32 speed for every dtype.
@@ -41,18 +41,11 @@ constexpr int64_t MCT = 24;  // A tiles per L2 block: 144 rows x KC fp32 = 144 K
 // fixed cost for packing the whole weight, ~2.5 G elements/s per core).
 constexpr int64_t kDotMaxRows = 16;
 
-// A rows from which the dot path widens a block of bf16 weight rows to fp32 once for all
-// of them (dot_rows_widened), instead of once per group of 3 A rows. Measured on a Zen 3
-// (AVX2), [4096, 2048], 1 thread, 3-5 alternated runs, GFLOP/s before -> after: 8 rows
-// 40-43 -> 39-41, 9 rows 38-40 -> 48-50, 12 rows 41-44 -> 54-57, 16 rows 40-41 -> 53-56.
-constexpr int64_t kDotWidenRows = 9;
-
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Per-thread scratch that grows and is reused across calls (no page faults per call).
 inline float* scratch(int slot, int64_t n) {
-  // 0: packed weight block, 1: partial sums, 2: the dot path's fp32 copy of a bf16 block
-  thread_local std::vector<float> buf[3];
+  thread_local std::vector<float> buf[2];  // 0: packed weight block, 1: partial sums
   if (int64_t(buf[slot].size()) < n) buf[slot].resize(size_t(n));
   return buf[slot].data();
 }
@@ -269,101 +262,6 @@ inline const float* interleave_a_rows(const float* const* a, int64_t M, int64_t 
   return il;
 }
 
-// acc[m * RB + r] += a[m][k] * w[r][k - k0] for k in [k0, k1) (a multiple of 8 long), MB
-// fp32 A rows and RB fp32 weight rows holding that range: dot_block's 8-wide loop, its
-// accumulators kept in memory between calls (the same FMAs in the same order).
-template <int MB, int RB>
-inline void dot_chunk_f32(const float* const* a, const float* const* w, int64_t k0, int64_t k1,
-                          Vec8* acc) {
-  Vec8 s[MB][RB];
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) s[m][r] = acc[m * RB + r];
-  for (int64_t k = k0; k < k1; k += 8) {
-    Vec8 av[MB];
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) av[m] = Vec8::load(a[m] + k);
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const Vec8 wv = Vec8::load(w[r] + (k - k0));
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) s[m][r] = Vec8::fma(av[m], wv, s[m][r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) acc[m * RB + r] = s[m][r];
-}
-
-// dot_rows_range for bf16 weights from kDotWidenRows A rows. The dot blocks widen each
-// 16 bf16 weights with two unpacks for every group of 3 A rows (6 passes at 16 rows), on
-// the ports the FMAs use. Here a block of RB weight rows is widened once, KW columns at a
-// time, to fp32 in dot_a_row's layout (exact), and every group of 3 A rows passes over
-// that copy while it is in L1 (KW chosen so the copy and a group's A fit). The products
-// and their order per (A row, weight row) are dot_block<., ., bf16>'s (16-wide steps as
-// two 8-wide ones, lo then hi; the 8-wide and scalar tails the same), so the sums are
-// bitwise those of the other path, and a row's sum does not depend on M.
-template <typename T, typename Emit>
-void dot_rows_widened(const float* const* a, int64_t M, const T* w, int64_t ldw, int64_t K,
-                      int64_t n0, int64_t n1, Emit&& emit) {
-  constexpr int RB = 4;
-  constexpr int64_t KW = 512;  // 8 KiB of fp32 weights, 6 KiB of a group's A
-  const int64_t groups = ceil_div(M, 3), k8 = K / 8 * 8;
-  float* copy = scratch(2, RB * KW);
-  std::vector<Vec8> acc(size_t(groups * 3 * RB));
-  for (int64_t n = n0; n < n1; n += RB) {
-    const int rb = int(std::min<int64_t>(RB, n1 - n));
-    for (Vec8& v : acc) v = Vec8::zero();
-    const float* rows[RB];
-    for (int64_t k0 = 0; k0 < K; k0 += KW) {
-      const int64_t k1 = std::min(K, k0 + KW);
-      for (int r = 0; r < RB; ++r) {
-        // the row's columns [k0, k1): permuted in its full 16s below K / 16 * 16, as
-        // dot_a_row lays out the whole row (k0 is a multiple of 16)
-        if (r < rb) dot_a_row<T>(w + (n + r) * ldw + k0, k1 - k0, copy + r * KW);
-        rows[r] = copy + std::min(r, rb - 1) * KW;
-      }
-      const int64_t kv = std::min(k1, k8);  // the 8-wide part of this chunk
-      // the next chunk's weights (of this block, or the next block's first) are fetched
-      // while this one is summed: read in bursts between the passes, the weights came at
-      // about half the rate of the widening loop's steady reads
-      {
-        const bool last = k1 >= K;
-        const int64_t nn = last ? n + RB : n, kk = last ? 0 : k1;
-        const int nr = int(std::min<int64_t>(RB, n1 - nn));
-        const int64_t bytes = std::min(KW, K - kk) * int64_t(sizeof(T));
-        for (int r = 0; r < nr; ++r) {
-          const char* p = reinterpret_cast<const char*>(w + (nn + r) * ldw + kk);
-          for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 3);
-        }
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* const* ag = a + 3 * g;
-        Vec8* ac = acc.data() + g * 3 * RB;
-        switch (std::min<int64_t>(3, M - 3 * g)) {
-          case 1:
-            dot_chunk_f32<1, RB>(ag, rows, k0, kv, ac);
-            break;
-          case 2:
-            dot_chunk_f32<2, RB>(ag, rows, k0, kv, ac);
-            break;
-          default:
-            dot_chunk_f32<3, RB>(ag, rows, k0, kv, ac);
-        }
-      }
-      if (k1 < K) continue;
-      for (int64_t m = 0; m < M; ++m)
-        for (int r = 0; r < rb; ++r) {
-          float s = acc[size_t((m / 3) * 3 * RB + (m % 3) * RB + r)].sum();
-          for (int64_t kk = k8; kk < K; ++kk) s += a[m][kk] * rows[r][kk - k0];
-          emit(m, n + r, s);
-        }
-    }
-  }
-}
-
 // For weight rows [n0, n1) of W ([N, K], row stride ldw) and M fp32 rows a[0..M): calls
 // emit(m, n, sum) for every pair. Rows are taken RB at a time (pointer rows are clamped
 // so the tail block stays in bounds); each block is read from memory once for all M.
@@ -437,9 +335,6 @@ void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, i
     }
     return;
   }
-  if constexpr (kDotPermuted<T>) {
-    if (M >= kDotWidenRows) return dot_rows_widened(a, M, w, ldw, K, n0, n1, emit);
-  }
   for (int64_t n = n0; n < n1; n += RB) {
     const int rb = int(std::min<int64_t>(RB, n1 - n));
     const T* rows[RB];
@@ -503,6 +398,164 @@ void dot_rows_gated(const float* const* a, int64_t M, const T* wg, const T* wu, 
           emit(m + i, n + r, sums[i * 2 * P + r], sums[i * 2 * P + P + r]);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------
+// Packed path
+// ---------------------------------------------------------------------------------
+
+// Packed A layout for `m` rows padded to mp = ceil(m / MR) * MR, all of K: the K block
+// starting at k0 (length kc) holds tile t at ap + k0 * mp + t * kc * MR, as [kc][MR].
+inline int64_t packed_a_size(int64_t m, int64_t K) { return ceil_div(m, MR) * MR * K; }
+
+// Packs tile t of A: MR row pointers (nullptr = padding row, zeros), K columns.
+template <typename T>
+void pack_a_tile(const T* const* rows, int64_t K, int64_t mp, int64_t t, float* ap) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    float* dst = ap + k0 * mp + t * kc * MR;
+    for (int i = 0; i < MR; ++i) {
+      const T* src = rows[i];
+      if (src == nullptr) {
+        for (int64_t k = 0; k < kc; ++k) dst[k * MR + i] = 0.f;
+      } else {
+        src += k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * MR + i] = to_float(src[k]);
+      }
+    }
+  }
+}
+
+// One 8-column half of a weight panel: `valid` rows starting at `row0` (stride ldw).
+template <typename T>
+struct RowGroup {
+  const T* row0;
+  int valid;  // 0..8; missing rows pack as zeros
+};
+
+// Packs K columns [k0, k0 + kc) of two row groups into dst[kc][16] (fp32, k-major).
+template <typename T>
+void pack_b_panel(RowGroup<T> g0, RowGroup<T> g1, int64_t ldw, int64_t k0, int64_t kc, float* dst) {
+  const RowGroup<T> groups[2] = {g0, g1};
+  for (int g = 0; g < 2; ++g) {
+    const T* base = groups[g].row0 + k0;
+    const int valid = groups[g].valid;
+    int64_t k = 0;
+    for (; k + 8 <= kc; k += 8) {
+      Vec8 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = i < valid ? Vec8::load(base + i * ldw + k) : Vec8::zero();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) r[i].store(dst + (k + i) * NR + g * 8);
+    }
+    for (; k < kc; ++k)
+      for (int i = 0; i < 8; ++i)
+        dst[k * NR + g * 8 + i] = i < valid ? to_float(base[i * ldw + k]) : 0.f;
+  }
+}
+
+// c[6][16] = sum over kc of a[k][0..6) (outer) b[k][0..16): the register-blocked core,
+// 12 Vec8 accumulators, 2 loads + 6 broadcasts per 12 FMAs.
+inline void micro_6x16(int64_t kc, const float* a, const float* b, float* c) {
+  Vec8 c00 = Vec8::zero(), c01 = Vec8::zero(), c10 = Vec8::zero(), c11 = Vec8::zero();
+  Vec8 c20 = Vec8::zero(), c21 = Vec8::zero(), c30 = Vec8::zero(), c31 = Vec8::zero();
+  Vec8 c40 = Vec8::zero(), c41 = Vec8::zero(), c50 = Vec8::zero(), c51 = Vec8::zero();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const Vec8 b0 = Vec8::load(b), b1 = Vec8::load(b + 8);
+    Vec8 av(a[0]);
+    c00 = Vec8::fma(av, b0, c00);
+    c01 = Vec8::fma(av, b1, c01);
+    av = Vec8(a[1]);
+    c10 = Vec8::fma(av, b0, c10);
+    c11 = Vec8::fma(av, b1, c11);
+    av = Vec8(a[2]);
+    c20 = Vec8::fma(av, b0, c20);
+    c21 = Vec8::fma(av, b1, c21);
+    av = Vec8(a[3]);
+    c30 = Vec8::fma(av, b0, c30);
+    c31 = Vec8::fma(av, b1, c31);
+    av = Vec8(a[4]);
+    c40 = Vec8::fma(av, b0, c40);
+    c41 = Vec8::fma(av, b1, c41);
+    av = Vec8(a[5]);
+    c50 = Vec8::fma(av, b0, c50);
+    c51 = Vec8::fma(av, b1, c51);
+    a += MR;
+    b += NR;
+  }
+  c00.store(c + 0 * NR), c01.store(c + 0 * NR + 8);
+  c10.store(c + 1 * NR), c11.store(c + 1 * NR + 8);
+  c20.store(c + 2 * NR), c21.store(c + 2 * NR + 8);
+  c30.store(c + 3 * NR), c31.store(c + 3 * NR + 8);
+  c40.store(c + 4 * NR), c41.store(c + 4 * NR + 8);
+  c50.store(c + 5 * NR), c51.store(c + 5 * NR + 8);
+}
+
+// Computes the output tiles [t0, t1) x panels [p0, p1) of a product whose A is packed
+// (`ap`, mp rows padded, all of K). panel(p) returns the two RowGroups of weight panel p
+// (stride ldw). epi(t, p, tile) receives each finished 6x16 fp32 tile (row-major, ld 16).
+// Uses this thread's scratch for the packed weight block and the K-block partial sums.
+template <typename T, typename Panel, typename Epi>
+void gemm_tiles(const float* ap, int64_t mp, int64_t K, int64_t ldw, int64_t t0, int64_t t1,
+                int64_t p0, int64_t p1, Panel&& panel, Epi&& epi) {
+  const int64_t ntile = t1 - t0, npan = p1 - p0;
+  if (ntile <= 0 || npan <= 0) return;
+  float* bp = scratch(0, std::min(KC, K) * NR * npan);
+  float* cs = K > KC ? scratch(1, ntile * MR * npan * NR) : nullptr;  // partial sums
+  const int64_t ldc = npan * NR;
+  alignas(32) float tile[MR * NR];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const bool first = k0 == 0, last = k0 + kc >= K;
+    for (int64_t p = p0; p < p1; ++p) {
+      const auto [g0, g1] = panel(p);
+      pack_b_panel<T>(g0, g1, ldw, k0, kc, bp + (p - p0) * kc * NR);
+    }
+    for (int64_t tb = t0; tb < t1; tb += MCT) {
+      const int64_t te = std::min(t1, tb + MCT);
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* b = bp + (p - p0) * kc * NR;
+        for (int64_t t = tb; t < te; ++t) {
+          micro_6x16(kc, ap + k0 * mp + t * kc * MR, b, tile);
+          float* c = cs ? cs + (t - t0) * MR * ldc + (p - p0) * NR : nullptr;
+          if (!first)
+            for (int i = 0; i < MR; ++i)
+              for (int j = 0; j < NR; j += 8)
+                (Vec8::load(tile + i * NR + j) + Vec8::load(c + i * ldc + j))
+                    .store(tile + i * NR + j);
+          if (last) {
+            epi(t, p, static_cast<const float*>(tile));
+          } else {
+            for (int i = 0; i < MR; ++i)
+              for (int j = 0; j < NR; j += 8) Vec8::load(tile + i * NR + j).store(c + i * ldc + j);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The panel map of a plain [N, K] weight: panel p holds rows 16p .. 16p+15.
+template <typename T>
+struct LinearPanels {
+  const T* w;
+  int64_t N, ldw;
+  std::pair<RowGroup<T>, RowGroup<T>> operator()(int64_t p) const {
+    const int64_t r0 = p * NR, r1 = r0 + 8;
+    const int v0 = int(std::clamp<int64_t>(N - r0, 0, 8)),
+              v1 = int(std::clamp<int64_t>(N - r1, 0, 8));
+    return {RowGroup<T>{w + std::min(r0, N - 1) * ldw, v0},
+            RowGroup<T>{w + std::min(r1, N - 1) * ldw, v1}};
+  }
+};
+
+// Stores `n` (<= 8) fp32 values of v (+ bias) to dst, rounding once to T.
+template <typename T>
+inline void store_n(T* dst, Vec8 v, int n) {
+  if (n == 8)
+    v.store(dst);
+  else
+    store_partial(dst, v, n);
 }
 
 }  // namespace topg::gemm

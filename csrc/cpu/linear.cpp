@@ -20,7 +20,7 @@
 
 #include "common/op_checks.h"
 #include "dispatch.h"
-#include "gemm_packed.h"
+#include "gemm_kernels.h"
 #include "gemv_amx.h"
 #include "gemv_bf16dp.h"
 #include "modes.h"

@@ -1,8 +1,10 @@
-"""Where a batch-1 decode step's time goes, per phase of the one-call decode step, on one
+"""Where a decode step's time goes, per phase of the one-call decode step, on one
 GGUF file: the plan's own timers (``TOPG_PROFILE=1``), and each phase's weight bytes (from
 the file's tensors) over its time, so a phase that streams below the read limit stands
 out as compute-bound. The engine as ``real_size.py`` runs it (int8 activations, 2
-threads); each round decodes 64 tokens after a random 256-token prompt.
+threads); each round decodes 64 tokens after a random prompt (``--prompt-len``, 256), for
+``--batch`` sequences at once (default 1; the first sequence's token times then include the
+others' prefills, while the phases are the plan's decode steps alone).
 
     python python/benchmarks/decode_phases.py FILE.gguf [--rounds 2] [--fp32-activations]
 
@@ -60,29 +62,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--fp32-activations", action="store_true")
+    p.add_argument(
+        "--batch", type=int, default=1, help="sequences decoded together (a step's rows)"
+    )
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument(
+        "--dtype", default="float32", help="the engine's dtype (bfloat16 for a BF16 file's weights)"
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(2)
     from torch_topg.engine import Engine
 
     weights = phase_weights(a.file)
     q = {"method": "gguf", "int8_activations": not a.fp32_activations}
-    eng = Engine.from_pretrained(a.file, quantization=q, max_batch_size=1, max_model_len=1024,
+    eng = Engine.from_pretrained(a.file, quantization=q, dtype=getattr(torch, a.dtype),
+                                 max_batch_size=a.batch, max_model_len=1024,
                                  prefix_caching=False)  # fmt: skip
     try:
         eng.wait_warm()
         rng = random.Random(0)
         ids = lambda n: [rng.randrange(10, 40000) for _ in range(n)]  # noqa: E731
         kw = dict(temperature=0, ignore_eos=True)
-        eng.generate(ids(256), max_new_tokens=8, **kw)  # warm-up
+        warm = [ids(a.prompt_len) for _ in range(a.batch)]
+        eng.generate(warm, max_new_tokens=8, **kw)  # warm-up
         plan = eng.runner.plan
         for r in range(a.rounds):
             plan.reset_profile()
-            tt = eng.generate(ids(256), max_new_tokens=64, **kw)[0].outputs[0].token_times
+            prompts = [ids(a.prompt_len) for _ in range(a.batch)]
+            tt = eng.generate(prompts, max_new_tokens=64, **kw)[0].outputs[0].token_times
             prof = profile(plan)
             steps = prof["steps"]
             ms = {k: s / steps * 1e3 for k, s in prof["seconds"].items()}
+            # the first sequence's times: with batch > 1 the others' prefills too
             token_ms = (tt[-1] - tt[0]) / (len(tt) - 1) * 1e3
-            print(f"\nround {r + 1}: decode {token_ms:.1f} ms a token, the plan's phases "
+            print(f"\nround {r + 1} ({plan.last_members()} team members): decode "
+                  f"{token_ms:.1f} ms a step of {a.batch}, the plan's phases "
                   f"{sum(ms.values()):.1f} ms a step ({steps} steps)\n")  # fmt: skip
             print("| phase | formats | MB | ms a step | GB/s |\n|---|---|---|---|---|")
             for k, t in ms.items():

@@ -7,6 +7,7 @@ threads); each round decodes 64 tokens after a random prompt (``--prompt-len``, 
 others' prefills, while the phases are the plan's decode steps alone).
 
     python python/benchmarks/decode_phases.py FILE.gguf [--rounds 2] [--fp32-activations]
+        [--batch 16 --prompt-len 32] [--dtype bfloat16]
 
 docs/real-size.md ("Figures on a Zen 3") has a run.
 """

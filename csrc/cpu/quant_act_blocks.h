@@ -6,7 +6,6 @@
 
 #include <cstdint>
 
-#include "quant_act_k.h"
 #include "quant_kernels.h"
 
 namespace topg::quant {

@@ -166,8 +166,8 @@ TOPG_TARGET_VNNI __attribute__((always_inline)) inline void dot_row_q8_vnni(
       const float xd = x.d[r][b0], xs = x.s[r][b0], s = d * xd;
       // explicit fma: the same rounding however GCC vectorises the rows (quant_act_avx2.h)
       if constexpr (Row32Layout<R>::has_min) tail[r] = std::fma(m * xd, xs, tail[r]);
-      if constexpr (R == Row32::q4_0) tail[r] = std::fma(-8.f * s, xs, tail[r]);
-      if constexpr (R == Row32::q5_0) tail[r] = std::fma(-16.f * s, xs, tail[r]);
+      if constexpr (Row32Layout<R>::off != 0.f)  // q4_0, q5_0
+        tail[r] = std::fma(-Row32Layout<R>::off * s, xs, tail[r]);
       vnni_dot<R>(u, sw, x.q[r], b0, _mm256_set1_ps(s), a[0][r]);
     }
   }

@@ -16,7 +16,7 @@ from op_samples import Gen, packed_weight
 
 import torch_topg
 from torch_topg import reference
-from torch_topg.formats import dequantize, quantize_activations
+from torch_topg.formats import activation_group, dequantize, quantize_activations
 from torch_topg.quant import FORMATS, GGUF_FORMATS
 
 gguf = pytest.importorskip("gguf")
@@ -43,6 +43,23 @@ def test_quantize_activations_model():
     q = quantize_activations(x)
     assert q[0, 5].item() == 2.0 and q[0, 0].item() == -127.0
     assert q[1, 33].item() == 3.0 and (q[1, :33] == 0).all() and q.shape == (2, 40)
+    # groups of 256 (the K-quants): one scale for all 40 values (zero padded to 256)
+    x[1, 0] = 127.0
+    q = quantize_activations(x, 256)
+    assert q[1, 33].item() == 3.0 and q[1, 0].item() == 127.0 and q.shape == (2, 40)
+    x[1, 34] = 0.3  # 0.3 / (127 / 127) rounds to 0 in row 1's group; alone in a block of 32
+    assert quantize_activations(x, 256)[1, 34].item() == 0.0
+    assert quantize_activations(x)[1, 34].item() == pytest.approx(0.3, rel=5e-2)
+    assert [activation_group(f) for f in ("q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "int4_g32")] == [
+        256,
+        256,
+        256,
+        32,
+        32,
+        32,
+    ]
+    with pytest.raises(ValueError, match="group must be 32 or 256"):
+        quantize_activations(x, 64)
 
 
 def test_reference_rounds_once():
@@ -95,7 +112,9 @@ def _assert_int8_close(got, expected, x, w, fmt, k):
     """int8 activations: within a few ulps of the sum of |terms| (the integer kernels sum
     the block terms w = dw * u + cw as two products, and the K-quants' seeded bytes give
     large terms that cancel)."""
-    terms = quantize_activations(x.float()).abs() @ dequantize(w, fmt, k).abs().T
+    terms = (
+        quantize_activations(x.float(), activation_group(fmt)).abs() @ dequantize(w, fmt, k).abs().T
+    )
     err = (got.float() - expected.float()).abs()
     assert (err <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f"{fmt} {k}: {err.max()}"
 
@@ -264,6 +283,27 @@ def test_native_int8_rounding_is_quantize_activations(m, blocks, seed):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
+@requires_kernel("linear_q")
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@given(m=st.sampled_from([1, 3, 4, 8, 16, 40]), seed=st.integers(0, 2**31))
+def test_k_quant_activations_share_a_scale_per_256(fmt, m, seed):
+    """int8 activations against a K-quant weight: one scale per super-block of 256
+    (activation_group), in the GEMV and the GEMM paths. Rows whose blocks of 32 differ
+    in magnitude by 100x tell the two semantics apart: the result must be the
+    256-group reference's, far from what scales per 32 would give."""
+    k = 512
+    g = Gen("cpu", seed=seed)
+    w = packed_weight(g, fmt, 24, k)
+    x = g.randn(m, k) * 0.05
+    x[:, ::64] = 5.0  # one large value per other block of 32
+    got = torch_topg.ops.linear_q(x, w, fmt, int8_activations=True)
+    expected = reference.linear_q(x, w, fmt, int8_activations=True)
+    per32 = quantize_activations(x) @ dequantize(w, fmt, k).T
+    terms = quantize_activations(x, 256).abs() @ dequantize(w, fmt, k).abs().T
+    assert ((got - expected).abs() <= 1e-5 + 4e-7 * k**0.5 * terms).all()
+    assert (expected - per32).abs().max() > 100 * (got - expected).abs().max() + 1e-3
+
+
 def _run_avx2(tmp_path, script: str, payload: object) -> object:
     """``script`` run in a subprocess with TOPG_DISABLE_AVX512=1 (the AVX2 forms of the
     kernels): it loads ``payload`` from ``sys.argv[1]`` and saves its results to
@@ -329,7 +369,9 @@ def test_int8_gemv_forms_match_reference(tmp_path):
                 torch.ops.topg._set_batch_invariant(previous)
             # summation-order error: a few ulps of the sum of |terms| (the K-quants' seeded
             # bytes give large terms that cancel)
-            terms = quantize_activations(xs).abs() @ dequantize(q, f, k).abs().T
+            terms = (
+                quantize_activations(xs, activation_group(f)).abs() @ dequantize(q, f, k).abs().T
+            )
             for name, got in (("this CPU's form", here), ("AVX2 form", avx2[i])):
                 err = (got - ref).abs()
                 assert (err <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f"{name} {f} {k}: {err.max()}"
@@ -400,7 +442,9 @@ def test_int8_gemv_rows_do_not_depend_on_m(tmp_path):
         if f in ("q4_k", "q5_k", "q6_k"):
             assert torch.equal(here[1][-1], avx2[1][-1]), f
         ref = reference.linear_q(x[:, :k].contiguous(), q, f, int8_activations=True)
-        terms = quantize_activations(x[:, :k]).abs() @ dequantize(q, f, k).abs().T
+        terms = (
+            quantize_activations(x[:, :k], activation_group(f)).abs() @ dequantize(q, f, k).abs().T
+        )
         for got in (here[1][-1], avx2[1][-1]):
             assert ((got - ref).abs() <= 1e-5 + 4e-7 * k**0.5 * terms).all(), f
 

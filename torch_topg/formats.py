@@ -269,13 +269,28 @@ def dequantize(packed: torch.Tensor, format: str, k: int | None = None) -> torch
     return out.reshape(*lead, k)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """``linear_q(..., int8_activations=True)``'s view of ``x`` ``[..., K]``: per block of 32 (zero
-    padded), ``d = amax / 127``, ``q = round_half_even(clamp(x / d, -127, 127))`` (with
-    ``1 / d`` in float32, 0 for an all-zero block); returns ``q * d`` (float32 ``[..., K]``).
-    A block holding NaN or inf becomes NaN."""
+# The K-quants: one activation scale per super-block of 256 with int8 activations.
+_GROUP_256 = frozenset({"q4_k", "q5_k", "q6_k"})
+
+
+def activation_group(format: str) -> int:
+    """How many activations share one int8 scale in ``linear_q(..., format,
+    int8_activations=True)``: 256 for the K-quants (``q4_k``, ``q5_k``, ``q6_k``: one scale per
+    weight super-block, as llama.cpp's Q8_K, so a super-block's products sum in int32), else
+    32 (one per weight block, as llama.cpp's Q8_0)."""
+    return 256 if format in _GROUP_256 else 32
+
+
+def quantize_activations(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``linear_q(..., int8_activations=True)``'s view of ``x`` ``[..., K]``: per group of
+    ``group`` values (32 or 256: ``activation_group(format)``; zero padded),
+    ``d = amax / 127``, ``q = round_half_even(clamp(x / d, -127, 127))`` (with ``1 / d`` in
+    float32, 0 for an all-zero group); returns ``q * d`` (float32 ``[..., K]``). A group
+    holding NaN or inf becomes NaN."""
+    if group not in (32, 256):
+        raise ValueError(f"quantize_activations: group must be 32 or 256, got {group}")
     k = x.shape[-1]
-    xb = torch.nn.functional.pad(x.float(), (0, -k % 32)).reshape(*x.shape[:-1], -1, 32)
+    xb = torch.nn.functional.pad(x.float(), (0, -k % group)).reshape(*x.shape[:-1], -1, group)
     finite = torch.isfinite(xb).all(-1, keepdim=True)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)

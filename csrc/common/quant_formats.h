@@ -49,6 +49,13 @@ inline const Format* find_format(const std::string& name) {
     if (name == nf.name) return &nf.f;
   return nullptr;
 }
+// int8 activations share one scale per act_group values: 256 for the K-quants (a weight
+// super-block, as llama.cpp's Q8_K, so a super-block's products sum in int32), else 32.
+// Model in Python: torch_topg.formats.activation_group.
+TOPG_HD inline int64_t act_group(Fmt f) {
+  return f == Fmt::q4_k || f == Fmt::q5_k || f == Fmt::q6_k ? 256 : 32;
+}
+
 // Formats whose rows take any k (the last group padded); the GGUF ones need whole blocks.
 TOPG_HD inline bool pads(const Format& f) { return f.fmt == Fmt::int8 || f.fmt == Fmt::int4; }
 

@@ -98,7 +98,7 @@ void DecodePlan::moe_layer(const Layer& y, Member& m, team::Counter* c, const T*
   }
   if (c[cPrep].take() == 0) {
     if (e.fgu) {  // fused_moe_q's rows: fp32 padded, int8 blocks with int8 activations
-      xr_ = quant::prepare_rows(x, B, H, e.fgu->padded(H), e.a8);
+      xr_ = quant::prepare_rows(x, B, H, e.fgu->padded(H), e.a8, quant::act_group(e.fgu->fmt));
       std::fill(h, h + B * K * Ip, 0.f);  // h's padding past I stays zero
     } else {                              // fused_moe's: fp32 in the dot path's layout
       for (int64_t b = 0; b < B; ++b) gemm::dot_a_row<T>(x + b * H, H, x32_.data() + b * H);
@@ -154,7 +154,7 @@ void DecodePlan::moe_layer(const Layer& y, Member& m, team::Counter* c, const T*
   moe::ActRows ha{Ip, h};
   if (e.a8) {  // fused_moe_q rounds h to int8 blocks once, for every down item
     for (int64_t r = c[cRound].take(); r < B * K; r = c[cRound].take())
-      moe::q_round_h(h, Ip, r, h8q_.data(), h8d_.data(), h8s_.data());
+      moe::q_round_h(h, Ip, r, h8q_.data(), h8d_.data(), h8s_.data(), quant::act_group(e.fd->fmt));
     ha.q = h8q_.data(), ha.d = h8d_.data(), ha.s = h8s_.data();
     sync(kExperts);
   }

@@ -120,7 +120,8 @@ void moe_q(const Packed& wgu, const Packed& wd, const ActRows& xa, bool a8,
     hq.resize(h.size()), hd.resize(h.size() / 32), hs.resize(h.size() / 32);
     at::parallel_for(0, n_rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        moe::q_round_h(h.data(), Ip, r, hq.data(), hd.data(), hs.data());
+        moe::q_round_h(h.data(), Ip, r, hq.data(), hd.data(), hs.data(),
+                       quant::act_group(wd.f.fmt));
     });
     ha.q = hq.data(), ha.d = hd.data(), ha.s = hs.data();
   }
@@ -198,8 +199,8 @@ at::Tensor fused_moe_q_cpu(const at::Tensor& hidden, const at::Tensor& w_gate_up
       sort(cptr<int64_t>(ids));
     std::vector<float> out32(size_t(ntok * H), 0.f);
     if (I > 0) {
-      const quant::Rows xr =
-          quant::prepare_rows(cptr<T>(xc), ntok, H, fgu.padded(H), int8_activations);
+      const quant::Rows xr = quant::prepare_rows(cptr<T>(xc), ntok, H, fgu.padded(H),
+                                                 int8_activations, quant::act_group(fgu.fmt));
       ActRows xa{xr.Kp, xr.x32.data()};
       if (int8_activations) xa.q = xr.xq.data(), xa.d = xr.xd.data(), xa.s = xr.xsum.data();
       const Packed wgu{fgu, cptr<uint8_t>(w_gate_up), H, fgu.row_bytes(H), 2 * I};

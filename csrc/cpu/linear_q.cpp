@@ -109,7 +109,8 @@ at::Tensor linear_q_cpu(const at::Tensor& input_, const at::Tensor& weight, c10:
     const int64_t Kp = f.padded(K);
     const bool igemm = int8_activations && quant::use_gemm_q8(f.fmt, M);
     const bool gemv = !igemm && (M <= kQuantDotRows || batch_invariant());
-    Rows rows = prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, !igemm);
+    Rows rows =
+        prepare_rows(cptr<T>(input), M, K, Kp, int8_activations, quant::act_group(f.fmt), !igemm);
     const uint8_t* w = cptr<uint8_t>(weight);
     if (gemv) {
       linear_q_dot(f, rows, K, w, N, b, o);

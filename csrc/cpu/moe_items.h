@@ -126,11 +126,13 @@ inline void q_gate_up(const Packed& wgu, const ActRows& xa, bool q8, int64_t e, 
   }
 }
 
-// h row r (Ip values) rounded to int8 blocks (hq, hd, hs at r * Ip, r * Ip / 32), and the
-// row itself set to the rounded values (the fp32 paths' input), as linear_q rounds its input.
-inline void q_round_h(float* h, int64_t Ip, int64_t r, int8_t* hq, float* hd, float* hs) {
+// h row r (Ip values) rounded to int8 blocks (hq, hd, hs at r * Ip, r * Ip / 32; one scale
+// per `group`, the down weight's act_group), and the row itself set to the rounded values
+// (the fp32 paths' input), as linear_q rounds its input.
+inline void q_round_h(float* h, int64_t Ip, int64_t r, int8_t* hq, float* hd, float* hs,
+                      int64_t group) {
   float* hr = h + r * Ip;
-  quant::quantize_act(hr, Ip, hq + r * Ip, hd + r * Ip / 32, hs + r * Ip / 32);
+  quant::quantize_act(hr, Ip, hq + r * Ip, hd + r * Ip / 32, hs + r * Ip / 32, group);
   for (int64_t i = 0; i < Ip; ++i) hr[i] = float(hq[r * Ip + i]) * hd[(r * Ip + i) / 32];
 }
 

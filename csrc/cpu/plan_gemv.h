@@ -44,12 +44,17 @@ inline int64_t padded_k(int64_t K) { return (K + 255) / 256 * 256; }
 // (a / ap), as stored (src: the AVX-512 BF16 dot products), in AMX's B layout (bp:
 // gemv_amx.h, where the rows and K fit its tiles), and with packed weights as
 // fp32 padded with zeros (aq / aqp: linear_q's operand) and, with int8 activations, as
-// int8 blocks of 32 (xq codes, xd scales, xs code sums: quant::quantize_act).
+// int8 blocks of 32 (xq codes, xd scales, xs code sums: quant::quantize_act), one set per
+// activation group (32, and 256 for the K-quants: quant::act_group), each made from aq when
+// a weight first asks for it after a load (a member's weights may mix the two).
 struct GemvInput {
-  std::vector<float> a, aq, xd, xs, qsum;
+  std::vector<float> a, aq, qsum;
+  std::vector<float> xd[2], xs[2];
   std::vector<const float*> ap, aqp;
   std::vector<const void*> src;
-  std::vector<int8_t> xq;
+  std::vector<int8_t> xq[2];
+  bool a8_fresh[2] = {false, false};
+  int64_t rows_ = 0, kp_ = 0;
   std::vector<bf16> bp;
   quant::RowsScratch qs;
   quant::GemmQ8Scratch gs;     // the integer GEMM's packed strip (use_gemm_q8)
@@ -65,13 +70,28 @@ struct GemvInput {
       aq.resize(size_t(rows * padded_k(kmax)));
       aqp.resize(size_t(rows)), qsum.resize(size_t(rows));
     }
-    if (a8) xq.resize(aq.size()), xd.resize(aq.size() / 32), xs.resize(aq.size() / 32);
+    if (a8)
+      for (int g = 0; g < 2; ++g)
+        xq[g].resize(aq.size()), xd[g].resize(aq.size() / 32), xs[g].resize(aq.size() / 32);
+  }
+
+  // The int8 set of activation group `group` for the loaded rows: set 0 for 32, 1 for 256.
+  int a8_set(int64_t group) {
+    const int g = group == 256 ? 1 : 0;
+    if (!a8_fresh[g]) {
+      for (int64_t r = 0; r < rows_; ++r)
+        quant::quantize_act(aq.data() + r * kp_, kp_, xq[g].data() + r * kp_,
+                            xd[g].data() + r * kp_ / 32, xs[g].data() + r * kp_ / 32, group);
+      a8_fresh[g] = true;
+    }
+    return g;
   }
 
   // Row r is src + (idx ? idx[r] : r) * K.
   template <typename T>
   void load(const T* src_, int64_t K, int64_t rows, const int64_t* idx) {
     const int64_t Kp = padded_k(K);
+    rows_ = rows, kp_ = Kp, a8_fresh[0] = a8_fresh[1] = false;
     for (int64_t r = 0; r < rows; ++r) {
       const T* row = src_ + (idx ? idx[r] : r) * K;
       src[r] = row;
@@ -80,9 +100,6 @@ struct GemvInput {
         for (int64_t i = 0; i < K; ++i) dst[i] = to_float(row[i]);
         std::fill(dst + K, dst + Kp, 0.f);
         aqp[r] = dst;
-        if (a8)
-          quant::quantize_act(dst, Kp, xq.data() + r * Kp, xd.data() + r * Kp / 32,
-                              xs.data() + r * Kp / 32);
       }
       if (dp) continue;
       gemm::dot_a_row<T>(row, K, a.data() + r * K);
@@ -102,13 +119,15 @@ struct GemvInput {
   void dot(const Lin& w, int64_t K, int64_t rows, int64_t n0, int64_t n1, Emit&& emit) {
     if (w.f && w.a8 && quant::use_gemm_q8(w.f->fmt, rows)) {  // linear_q's integer GEMM
       const int64_t kp = padded_k(K);
-      const quant::VnniActs acts{xq.data(), xd.data(), xs.data(), kp, kp / 32};
+      const int g = a8_set(quant::act_group(w.f->fmt));
+      const quant::VnniActs acts{xq[g].data(), xd[g].data(), xs[g].data(), kp, kp / 32};
       quant::gemm_q8_rows(*w.f, w.data<uint8_t>(), w.rb, n0, n1, K, acts, rows, gs, emit);
       return;
     }
     if (w.f && w.a8) {  // linear_q's integer GEMV
-      quant::gemv_q8(*w.f, w.data<uint8_t>(), w.rb, n0, n1, K, xq.data(), xd.data(), xs.data(),
-                     padded_k(K), rows, emit);
+      const int g = a8_set(quant::act_group(w.f->fmt));
+      quant::gemv_q8(*w.f, w.data<uint8_t>(), w.rb, n0, n1, K, xq[g].data(), xd[g].data(),
+                     xs[g].data(), padded_k(K), rows, emit);
       return;
     }
     if (w.f) {  // linear_q's fp32-activation GEMV: each packed row made fp32 once

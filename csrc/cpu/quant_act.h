@@ -48,10 +48,13 @@ inline bool use_vnni() {
 #endif
 }
 
-// The activations of a row, padded with zeros to a multiple of 32, are quantised per block
-// of 32: d = amax / 127, q = round-to-nearest-even(x * (1 / d)) (0 when d = 0), and the
-// block's code sum. A block holding NaN or inf gets d = NaN, so its row's results are
-// NaN. Model in Python: torch_topg.formats.quantize_activations.
+// The activations of a row, padded with zeros to a multiple of the group, are quantised
+// with one scale per group of 32 (or 256 for the K-quants' weights: act_group in
+// common/quant_formats.h; the K forms sum a super-block in int32) and stored
+// per block of 32: d = amax / 127 over the group (each of its blocks stores it),
+// q = round-to-nearest-even(x * (1 / d)) (0 when d = 0), and each block's code sum. A group
+// holding NaN or inf gets d = NaN, so its row's results are NaN. Model in Python:
+// torch_topg.formats.quantize_activations.
 
 // The formats of the integer GEMM (gemm_q8_vnni.h, gemm_q8_pack.h): all of them; a format
 // added without a GEMM form takes the GEMV and the de-quantising GEMM instead.
@@ -72,41 +75,48 @@ inline bool int8_gemm(Fmt f) {
   return false;
 }
 
-// One block of 32, scalar: the definition (and the path of a block holding NaN or inf).
-inline void quantize_act_block(const float* xb, int8_t* q, float* d, float* qsum) {
+// One group of n (32 or 256) values, scalar: the definition (and the path of a group
+// holding NaN or inf).
+inline void quantize_act_group(const float* xg, int64_t n, int8_t* q, float* d, float* qsum) {
   float amax = 0.f;
   bool finite = true;
-  for (int i = 0; i < 32; ++i) {
-    finite = finite && std::isfinite(xb[i]);
-    amax = std::max(amax, std::fabs(xb[i]));
+  for (int64_t i = 0; i < n; ++i) {
+    finite = finite && std::isfinite(xg[i]);
+    amax = std::max(amax, std::fabs(xg[i]));
   }
   const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
-  int sum = 0;
-  for (int i = 0; i < 32; ++i) {
-    const int v = finite ? int(std::nearbyint(std::min(127.f, std::max(-127.f, xb[i] * id)))) : 0;
-    q[i] = int8_t(v);
-    sum += v;
+  for (int64_t b = 0; b < n / 32; ++b) {
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const float v = xg[32 * b + i] * id;
+      const int c = finite ? int(std::nearbyint(std::min(127.f, std::max(-127.f, v)))) : 0;
+      q[32 * b + i] = int8_t(c);
+      sum += c;
+    }
+    d[b] = finite ? db : std::nanf("");
+    qsum[b] = float(sum);
   }
-  *d = finite ? db : std::nanf("");
-  *qsum = float(sum);
 }
 
-// quantize_act_block over kp / 32 blocks. The AVX2 form computes the same floats (the
+// quantize_act_group over kp / group groups. The AVX2 form computes the same floats (the
 // same amax, d and 1 / d; x * id clamped, then rounded to nearest even as nearbyint does
 // in the default rounding mode), 8 lanes at a time.
-inline void quantize_act(const float* x, int64_t kp, int8_t* q, float* d, float* qsum) {
-  for (int64_t b = 0; b < kp / 32; ++b) {
-    const float* xb = x + 32 * b;
+inline void quantize_act(const float* x, int64_t kp, int8_t* q, float* d, float* qsum,
+                         int64_t group = 32) {
+  for (int64_t g = 0; g < kp / group; ++g) {
+    const float* xg = x + group * g;
+    int8_t* qg = q + group * g;
+    float *dg = d + group / 32 * g, *sg = qsum + group / 32 * g;
 #if TOPG_AVX2
     const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
-    __m256 v[4], amax = zero, bad = zero;
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_mul_ps(v[j], zero), zero, _CMP_NEQ_UQ));
+    __m256 amax = zero, bad = zero;
+    for (int64_t i = 0; i < group; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xg + i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_mul_ps(v, zero), zero, _CMP_NEQ_UQ));
     }
     if (!_mm256_testz_ps(bad, bad)) {  // NaN or inf: the scalar definition
-      quantize_act_block(xb, q + 32 * b, d + b, qsum + b);
+      quantize_act_group(xg, group, qg, dg, sg);
       continue;
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -114,23 +124,28 @@ inline void quantize_act(const float* x, int64_t kp, int8_t* q, float* d, float*
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float db = _mm_cvtss_f32(m4) / 127.f, id = db != 0.f ? 1.f / db : 0.f;
     const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
-    __m256i c[4];
-    for (int j = 0; j < 4; ++j)
-      c[j] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[j], vid))));
-    // int32 -> int8 in order: packs interleave 128-bit lanes, the permute restores them
-    const __m256i p16a = _mm256_packs_epi32(c[0], c[1]), p16b = _mm256_packs_epi32(c[2], c[3]);
-    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
-                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), p8);
-    const __m256i s32 =
-        _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    d[b] = db;
-    qsum[b] = float(_mm_cvtsi128_si32(s4));
+    for (int64_t b = 0; b < group / 32; ++b) {
+      const float* xb = xg + 32 * b;
+      __m256i c[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), vid);
+        c[j] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v)));
+      }
+      // int32 -> int8 in order: packs interleave 128-bit lanes, the permute restores them
+      const __m256i p16a = _mm256_packs_epi32(c[0], c[1]), p16b = _mm256_packs_epi32(c[2], c[3]);
+      const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 32 * b), p8);
+      const __m256i s32 =
+          _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      dg[b] = db;
+      sg[b] = float(_mm_cvtsi128_si32(s4));
+    }
 #else
-    quantize_act_block(xb, q + 32 * b, d + b, qsum + b);
+    quantize_act_group(xg, group, qg, dg, sg);
 #endif
   }
 }

@@ -1,19 +1,22 @@
-// int8 activations against the K-quants (q4_k, q5_k, q6_k): integer dot products per block of
-// 32 activations, as quant_act.h computes them for the 32-blocks formats. A K-quant's
-// super-block of 256 weights splits into 32-runs that line up with the activation blocks:
+// int8 activations against the K-quants (q4_k, q5_k, q6_k): the activations hold one scale
+// xd per super-block of 256 (act_group; llama.cpp's Q8_K), stored per block of 32 as for the
+// other formats (quant_act.h). A super-block of 256 weights splits into 32-runs that line
+// up with the activation blocks:
 //   q4_k   run j (of 8): 32 nibbles (the low or high halves of 32 bytes), w = d sc_j u -
-//          dmin m_j, so the run's sum is xd (d sc_j sum(u q) - dmin m_j sum(q));
+//          dmin m_j, so the super-block's sum is d xd sum_j sc_j sum(u q) - dmin xd sum_j
+//          m_j sum(q);
 //   q5_k   as q4_k, u with a 5th bit (0..31);
 //   q6_k   run j (of 8): 32 six-bit codes u (4 bits in ql, 2 in qh), w = d sc (u - 32), with
-//          one sc per 16 weights: the run's sum is xd d (sc_lo sum_lo + sc_hi sum_hi) of
-//          (u - 32) q, sum_lo over the first 16 weights.
-// Two forms of one text (quant_act_k_form.h), the same integers and the same fp32
-// summation order (bitwise the same sums):
-//   AVX-512 VNNI  one vpdpbusd per run (q6_k: two, the second sums 32 q per 4 bytes for
-//                 the -32 offset), the run's scales from a super-block's scale vector;
-//   AVX2          the same with maddubs / madd for each vpdpbusd (a form with one FMA
-//                 chain and a scalar scale and minimum per run was 1.36x slower at 1B
-//                 Q4_K_M on a Zen 3: docs/real-size.md, "Figures on a Zen 3").
+//          one sc per 16 weights: the super-block's sum is d xd sum_j (sc_lo sum_lo + sc_hi
+//          sum_hi) of (u - 32) q, sum_lo over a run's first 16 weights.
+// The integer sums over a super-block stay in int32 (|sum| < 2^26), one conversion and one
+// FMA per super-block. Two forms of one text (quant_act_k_form.h), the same integers and
+// the same fp32 summation order (bitwise the same sums):
+//   AVX-512 VNNI  per run one vpdpbusd (q6_k: two, the second sums 32 q per 4 bytes for
+//                 the -32 offset), then an int32 multiply by the run's scales;
+//   AVX2          maddubs, then madd against the scales as int16 lanes (the same lanes).
+// (Scales per 32-run, the semantics before 2026-12-07, cost a conversion and an FMA per
+// run: the AVX2 GEMV is 10-27% faster per super-block: docs/cpu-kernels.md.)
 // Without AVX2: dot_row_q8_avx2's scalar loop (de-quantised weights, rounded activations).
 #pragma once
 
@@ -50,57 +53,64 @@ inline __m256i load32(const void* p) {
 }
 
 // The per-super-block work both forms share (AVX2 instructions only, so the VNNI form
-// inlines them too). q4_k / q5_k super-block s at p: sv[r][j] = d sc_j xd_r,j, run j's
-// scale for activation row r (in memory: each run's FMA takes it as a broadcast load, not
-// a lane permute, a port-5 uop), and the minimums' term -dmin mn_j xd_r,j xs_r,j added to
-// cterm[r].
+// inlines them too). q4_k / q5_k super-block s at p: the minimums' term -dmin mn_j xd_r,j
+// xs_r,j added to cterm[r] (8 lanes, one per run); returns the 8 run scales (6 bits each)
+// in the low 8 bytes.
 template <int MR>
-__attribute__((always_inline)) inline void k45_scales(const uint8_t* p, int64_t s, const Q8Acts& x,
-                                                      float (*sv)[8], __m256* cterm) {
+__attribute__((always_inline)) inline __m128i k45_mins(const uint8_t* p, int64_t s, const Q8Acts& x,
+                                                       __m256* cterm) {
   uint8_t sc[8], mn[8];
   k_scales(p + 4, sc, mn);
   uint64_t sc8, mn8;
   std::memcpy(&sc8, sc, 8), std::memcpy(&mn8, mn, 8);
-  const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))));
   const __m256 mnv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))));
-  const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(half_at(p)), scv);
   const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(half_at(p + 2)), mnv);
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     const __m256 xdv = _mm256_loadu_ps(x.d[r] + 8 * s);  // the runs' activation scales
-    _mm256_store_ps(sv[r], _mm256_mul_ps(dsc, xdv));
     cterm[r] = _mm256_fnmadd_ps(dmn, _mm256_mul_ps(xdv, _mm256_loadu_ps(x.s[r] + 8 * s)), cterm[r]);
   }
+  return _mm_cvtsi64_si128(int64_t(sc8));
 }
 
-// q6_k half h of the super-block at p: its 8 scales (16 weights each) as 8 lanes, times d.
-__attribute__((always_inline)) inline __m256 q6k_scales(const uint8_t* p, int h, __m256 d) {
-  int64_t sc8;
-  std::memcpy(&sc8, p + 192 + 8 * h, 8);
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sc8))), d);
+// The AVX2 form's scaled dots: int32 lane i = sc_i * (sum over bytes 4i..4i+3 of u * x),
+// u unsigned. maddubs does not saturate for the K-quants' codes (|u x + u' x'| <= 63 * 127 *
+// 2 < 2^15; q6_k's (u - 32) x pairs as the difference of two maddubs, |.| <= 2 * 32 * 127 +
+// 2 * 63 * 127), so the lanes are exact and equal the VNNI form's.
+// 8 int8 scales as int16 lanes, the same 8 in both 128-bit halves; a run's pair picked by
+// one byte shuffle (int16 a in the low half's lanes, b in the high half's).
+__attribute__((always_inline)) inline __m256i k_scales_i16(__m128i b8) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(b8));
 }
-
-// Run q of a q6_k half: lanes 0-3 the scale of its first 16 weights, 4-7 of the next 16.
-__attribute__((always_inline)) inline __m256 q6k_run_scale(__m256 scv, int q) {
-  return _mm256_permutevar8x32_ps(scv, _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1,
-                                                         2 * q + 1, 2 * q + 1, 2 * q + 1));
+__attribute__((always_inline)) inline __m256i k_pick_i16(__m256i v, int a, int b) {
+  const char a0 = char(2 * a), a1 = char(2 * a + 1), b0 = char(2 * b), b1 = char(2 * b + 1);
+  return _mm256_shuffle_epi8(
+      v, _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, b0, b1,
+                          b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1));
 }
-
-// dpbusd's int32 lanes from AVX2: lane i = sum over bytes 4i..4i+3 of u * x, u unsigned.
-// Exact for the K-quants' codes (|u x + u' x'| <= 63 * 127 * 2 < 2^15: maddubs does not
-// saturate), so both forms get the same integers and, summed in one order, the same floats.
-inline __m256i udot4(__m256i u, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+__attribute__((always_inline)) inline __m256i k_sdot_avx2(__m256i u, __m256i x, __m256i sc) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc);
+}
+__attribute__((always_inline)) inline __m256i k_sdot6_avx2(__m256i u, __m256i x, __m256i sc) {
+  const __m256i k32 = _mm256_set1_epi8(32);
+  return _mm256_madd_epi16(
+      _mm256_sub_epi16(_mm256_maddubs_epi16(u, x), _mm256_maddubs_epi16(k32, x)), sc);
 }
 
 // The AVX2 form: dot_row_q8_k_avx2_fmt<R, MR> (quant_act_k_form.h).
 #define TOPG_K_FORM dot_row_q8_k_avx2_fmt
 #define TOPG_K_TARGET
-#define TOPG_K_DOT(u, x) udot4(u, x)
+#define TOPG_K_SCALES(b8) k_scales_i16(b8)
+#define TOPG_K_PICK(v, a, b) k_pick_i16(v, a, b)
+#define TOPG_K_SDOT(u, x, sc) k_sdot_avx2(u, x, sc)
+#define TOPG_K_SDOT6(u, x, sc) k_sdot6_avx2(u, x, sc)
 #include "quant_act_k_form.h"
 #undef TOPG_K_FORM
 #undef TOPG_K_TARGET
-#undef TOPG_K_DOT
+#undef TOPG_K_SCALES
+#undef TOPG_K_PICK
+#undef TOPG_K_SDOT
+#undef TOPG_K_SDOT6
 
 // The AVX2 form by the row's format.
 template <int MR>
@@ -113,14 +123,32 @@ inline void dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const Q8A
 #endif
 
 #if TOPG_VNNI_BUILT
-// The VNNI form: dot_row_q8_k_vnni<R, MR>, the AVX2 form's text with vpdpbusd.
+// The VNNI form: dot_row_q8_k_vnni<R, MR>, the AVX2 form's text with vpdpbusd, the scale
+// applied by an int32 multiply (the same lanes as madd's).
+TOPG_TARGET_VNNI __attribute__((always_inline)) inline __m256i k_sdot_vnni(__m256i u, __m256i x,
+                                                                           __m256i sc) {
+  return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x), sc);
+}
+TOPG_TARGET_VNNI __attribute__((always_inline)) inline __m256i k_sdot6_vnni(__m256i u, __m256i x,
+                                                                            __m256i sc) {
+  const __m256i zero = _mm256_setzero_si256(), k32 = _mm256_set1_epi8(32);
+  return _mm256_mullo_epi32(
+      _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, u, x), _mm256_dpbusd_epi32(zero, k32, x)), sc);
+}
 #define TOPG_K_FORM dot_row_q8_k_vnni
 #define TOPG_K_TARGET TOPG_TARGET_VNNI
-#define TOPG_K_DOT(u, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x)
+#define TOPG_K_SCALES(b8) _mm256_cvtepi8_epi32(b8)
+#define TOPG_K_PICK(v, a, b) \
+  _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(a, a, a, a, b, b, b, b))
+#define TOPG_K_SDOT(u, x, sc) k_sdot_vnni(u, x, sc)
+#define TOPG_K_SDOT6(u, x, sc) k_sdot6_vnni(u, x, sc)
 #include "quant_act_k_form.h"
 #undef TOPG_K_FORM
 #undef TOPG_K_TARGET
-#undef TOPG_K_DOT
+#undef TOPG_K_SCALES
+#undef TOPG_K_PICK
+#undef TOPG_K_SDOT
+#undef TOPG_K_SDOT6
 
 // out[r * ldo + i] = dot_row_q8_k_vnni(w + i * rb) for weight rows i < n.
 template <Fmt R, int MR>

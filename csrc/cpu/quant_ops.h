@@ -27,7 +27,8 @@ inline constexpr int64_t kGemvRows = 16;
 
 // The kernels' inputs from the activations [M, K]: fp32 rows [M, padded(K)] (zeros past
 // K), and with int8_activations the int8 codes, scales and code sums
-// per 32 (quant::quantize_act); the fp32 rows then hold the rounded values (q * d), or,
+// per 32, one scale per `group` (the weight format's act_group: quant::quantize_act); the
+// fp32 rows then hold the rounded values (q * d), or,
 // with keep_fp32 false (the integer GEMM reads only the int8 blocks), are not kept.
 struct Rows {
   int64_t M = 0, Kp = 0;
@@ -38,7 +39,7 @@ struct Rows {
 
 template <typename T>
 Rows prepare_rows(const T* x, int64_t M, int64_t K, int64_t Kp, bool int8_activations,
-                  bool keep_fp32 = true) {
+                  int64_t group, bool keep_fp32 = true) {
   Rows r;
   r.M = M, r.Kp = Kp;
   const int64_t nb = Kp / 32;
@@ -60,7 +61,7 @@ Rows prepare_rows(const T* x, int64_t M, int64_t K, int64_t Kp, bool int8_activa
       if (!int8_activations) continue;
       int8_t* q = r.xq.data() + m * Kp;
       float* d = r.xd.data() + m * nb;
-      quant::quantize_act(xr, Kp, q, d, r.xsum.data() + m * nb);
+      quant::quantize_act(xr, Kp, q, d, r.xsum.data() + m * nb, group);
       if (keep_fp32)
         for (int64_t i = 0; i < Kp; ++i) xr[i] = float(q[i]) * d[i / 32];
     }

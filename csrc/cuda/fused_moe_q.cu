@@ -162,7 +162,8 @@ at::Tensor fused_moe_q_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_u
   TOPG_CHECK(n_assign <= 65535, op, "too many (token, expert) assignments for one call (", n_assign,
              ")");
   TOPG_CUDA_DISPATCH_FLOAT(x.scalar_type(), op, T, [&] {
-    const at::Tensor x32 = q::prepare_rows(cdptr<T>(x), T_, H, xp, int8_activations, x.options());
+    const at::Tensor x32 = q::prepare_rows(
+        cdptr<T>(x), T_, H, xp, int8_activations ? quant::act_group(sz.fgu.fmt) : 0, x.options());
     at::Tensor h = at::zeros({n_assign, hp}, x.options().dtype(at::kFloat));
     at::Tensor y = at::empty({n_assign, H}, x.options().dtype(at::kFloat));
     auto run = [&](auto* id) {
@@ -172,9 +173,10 @@ at::Tensor fused_moe_q_cuda(const at::Tensor& hidden, const at::Tensor& w_gate_u
                                                cdptr<uint8_t>(w_gate_up), sz.fgu, H, I, E, act,
                                                h.data_ptr<float>(), hp);
       TOPG_CUDA_LAUNCH_CHECK();
-      const at::Tensor hr = int8_activations ? q::prepare_rows(h.data_ptr<float>(), n_assign, hp,
-                                                               hp, true, x.options())
-                                             : h;
+      const at::Tensor hr = int8_activations
+                                ? q::prepare_rows(h.data_ptr<float>(), n_assign, hp, hp,
+                                                  quant::act_group(sz.fd.fmt), x.options())
+                                : h;
       down_kernel<Id><<<dim3(unsigned(ceil_div(H, kWarps)), unsigned(n_assign)), kWarps * 32, 0,
                         current_stream()>>>(hr.data_ptr<float>(), hp, id, cdptr<uint8_t>(w_down),
                                             sz.fd, H, I, E, y.data_ptr<float>());

@@ -2,7 +2,7 @@
 // weights (quant.cuh; formats in torch_topg/quant/formats.py).
 //
 // linear_q: the activations become fp32 rows padded to the format's blocks (rounded to
-// int8 per 32 first with int8_activations: rows_kernel), then
+// int8 with int8_activations, one scale per act_group: rows_kernel), then
 //   M <= kRows  GEMV: one warp per output feature for all M rows; each lane de-quantises
 //               runs of 32 weights in registers (load_run) and dots them with every row,
 //               so the packed row is read once (memory-bound decode);
@@ -75,7 +75,8 @@ at::Tensor linear_q_cuda(const at::Tensor& input_, const at::Tensor& weight,
   const int64_t kp = sz.f.padded(K), rb = sz.f.row_bytes(K);
   TOPG_CUDA_DISPATCH_FLOAT(input.scalar_type(), op, T, [&] {
     const at::Tensor x32 =
-        q::prepare_rows(cdptr<T>(input), M, K, kp, int8_activations, input.options());
+        q::prepare_rows(cdptr<T>(input), M, K, kp,
+                        int8_activations ? quant::act_group(sz.f.fmt) : 0, input.options());
     const uint8_t* w = cdptr<uint8_t>(weight);
     if (M <= kRows) {
       const int64_t blocks = ceil_div(N, kWarps);

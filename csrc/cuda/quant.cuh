@@ -151,39 +151,60 @@ __device__ __forceinline__ float dot32(const float (&w)[32], const float* x) {
   return s;
 }
 
-// Activation rows as the kernels read them: out [rows, kp] fp32, zeros past k; with `a8`
-// each run of 32 rounded to int8 as the reference's quantize_activations (scale
-// amax / 127, round half to even, a run holding NaN / inf all NaN), stored as q * d.
-// One warp per run of 32.
-template <typename T>
-__global__ void rows_kernel(const T* __restrict__ x, int64_t rows, int64_t k, int64_t kp, bool a8,
+// Activation rows as the kernels read them: out [rows, kp] fp32, zeros past k; with
+// `group` (32 or 256: act_group of the weight's format; 0: not rounded) each group rounded
+// to int8 as the reference's quantize_activations (scale amax / 127, round half to even, a
+// group holding NaN / inf all NaN), stored as q * d. One warp per group (kp is a multiple
+// of it), lane i holding elements i, i + 32, ...
+template <typename T, int G>
+__global__ void rows_kernel(const T* __restrict__ x, int64_t rows, int64_t k, int64_t kp,
                             float* __restrict__ out) {
+  constexpr int kPer = G == 0 ? 1 : G / 32;
   const int lane = threadIdx.x & 31;
-  const int64_t run = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int64_t runs = kp / 32;
-  if (run >= rows * runs) return;  // whole warp
-  const int64_t r = run / runs, e = 32 * (run % runs) + lane;
-  float v = e < k ? to_float(x[r * k + e]) : 0.f;
-  if (a8) {
-    const bool finite = __all_sync(0xffffffffu, isfinite(v));
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    const float q = rintf(fminf(127.f, fmaxf(-127.f, v * id)));
-    v = finite ? __fmul_rn(q, d) : __int_as_float(0x7fc00000);
+  const int64_t grp = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t groups = kp / (32 * kPer);
+  if (grp >= rows * groups) return;  // whole warp
+  const int64_t r = grp / groups, e0 = 32 * kPer * (grp % groups) + lane;
+  float v[kPer];
+  bool fin = true;
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int64_t e = e0 + 32 * i;
+    v[i] = e < k ? to_float(x[r * k + e]) : 0.f;
+    fin = fin && isfinite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
   }
-  out[r * kp + e] = v;
+  if (G != 0) {
+    const bool finite = __all_sync(0xffffffffu, fin);
+    const float d = warp_max(amax) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const float q = rintf(fminf(127.f, fmaxf(-127.f, v[i] * id)));
+      v[i] = finite ? __fmul_rn(q, d) : __int_as_float(0x7fc00000);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) out[r * kp + e0 + 32 * i] = v[i];
 }
 
+// group: act_group(format) with int8 activations, else 0.
 template <typename T>
-inline at::Tensor prepare_rows(const T* x, int64_t rows, int64_t k, int64_t kp, bool a8,
+inline at::Tensor prepare_rows(const T* x, int64_t rows, int64_t k, int64_t kp, int64_t group,
                                const at::TensorOptions& opts) {
   at::Tensor out = at::empty({rows, kp}, opts.dtype(at::kFloat));
-  const int64_t runs = rows * (kp / 32);
-  if (runs == 0) return out;
+  const int64_t warps = rows * (kp / (group == 256 ? 256 : 32));
+  if (warps == 0) return out;
   constexpr int kWarps = 8;
-  TOPG_CHECK(ceil_div(runs, kWarps) <= INT32_MAX, "linear_q", "too many activation rows");
-  rows_kernel<T><<<unsigned(ceil_div(runs, kWarps)), kWarps * 32, 0, current_stream()>>>(
-      x, rows, k, kp, a8, out.data_ptr<float>());
+  TOPG_CHECK(ceil_div(warps, kWarps) <= INT32_MAX, "linear_q", "too many activation rows");
+  const unsigned blocks = unsigned(ceil_div(warps, kWarps));
+  float* o = out.data_ptr<float>();
+  if (group == 256)
+    rows_kernel<T, 256><<<blocks, kWarps * 32, 0, current_stream()>>>(x, rows, k, kp, o);
+  else if (group == 32)
+    rows_kernel<T, 32><<<blocks, kWarps * 32, 0, current_stream()>>>(x, rows, k, kp, o);
+  else
+    rows_kernel<T, 0><<<blocks, kWarps * 32, 0, current_stream()>>>(x, rows, k, kp, o);
   TOPG_CUDA_LAUNCH_CHECK();
   return out;
 }

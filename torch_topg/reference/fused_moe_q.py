@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_topg.formats import dequantize, quantize_activations
+from torch_topg.formats import activation_group, dequantize, quantize_activations
 from torch_topg.reference.fused_moe import ACTIVATIONS
 
 
@@ -31,13 +31,17 @@ def fused_moe_q(
             f"[0, {num_experts}) (the experts of 'w_gate_up')"
         )
     act = ACTIVATIONS[activation]
-    rnd = quantize_activations if int8_activations else (lambda t: t)
-    x, weights = rnd(hidden_states.float()), topk_weights.float()
+    down_format = down_format or format
+
+    def rnd(t: torch.Tensor, fmt: str) -> torch.Tensor:
+        return quantize_activations(t, activation_group(fmt)) if int8_activations else t
+
+    x, weights = rnd(hidden_states.float(), format), topk_weights.float()
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():  # experts that were hit, each once
         token, slot = torch.where(ids == e)
         gate_up = x[token] @ dequantize(w_gate_up[e], format, hidden).T
-        h = rnd(act(gate_up[:, :inter]) * gate_up[:, inter:])
-        y = h @ dequantize(w_down[e], down_format or format, inter).T
+        h = rnd(act(gate_up[:, :inter]) * gate_up[:, inter:], down_format)
+        y = h @ dequantize(w_down[e], down_format, inter).T
         out.index_add_(0, token, y * weights[token, slot, None])
     return out.to(hidden_states.dtype)

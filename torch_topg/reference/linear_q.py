@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_topg.formats import dequantize, quantize_activations
+from torch_topg.formats import activation_group, dequantize, quantize_activations
 
 
 def linear_q(
@@ -18,5 +18,8 @@ def linear_q(
 ) -> torch.Tensor:
     w = dequantize(weight, format, input.shape[-1])  # float32 [N, K]
     b = None if bias is None else bias.float()
-    x = quantize_activations(input) if int8_activations else input.float()
+    if int8_activations:
+        x = quantize_activations(input, activation_group(format))
+    else:
+        x = input.float()
     return F.linear(x, w, b).to(input.dtype)

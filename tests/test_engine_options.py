@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from engine_utils import tiny
@@ -151,3 +152,35 @@ def test_plain_steps_never_import_the_speculative_package():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("file_type", "quantization", "dtype", "expected"),
+    [
+        (32, "gguf", None, torch.bfloat16),  # a BF16 file served packed: its own dtype
+        (1, "gguf", None, torch.float32),  # F16: the CPU default
+        (15, "gguf", None, torch.float32),  # Q4_K_M: the CPU default
+        (32, None, None, torch.float32),  # de-quantised: the CPU default
+        (32, "gguf", "float32", torch.float32),  # as given
+    ],
+)
+def test_a_bf16_gguf_file_served_packed_computes_in_bfloat16(
+    tmp_path, file_type, quantization, dtype, expected
+):
+    """dtype unset, on the CPU, quantization="gguf": the file's general.file_type decides
+    (float32 would widen a BF16 file's weights at load); anything else keeps float32."""
+    import gguf
+
+    from torch_topg.engine.config import dtype_of
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_file_type(file_type)
+    w.add_tensor("x", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    args = EngineArgs(quantization=quantization, dtype=dtype)
+    assert dtype_of(args, torch.device("cpu"), path) == expected
+    assert dtype_of(args, torch.device("cpu")) == (expected if dtype else torch.float32)
+    assert dtype_of(EngineArgs(quantization="gguf"), torch.device("cpu"), tmp_path / "no.gguf") == (
+        torch.float32
+    )

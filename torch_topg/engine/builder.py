@@ -72,7 +72,7 @@ def from_pretrained(cls: type, model: str | os.PathLike[str] | None = None, **op
         return start_tp_engine(cls, model, args)
     method, _ = resolve_quantization(args.quantization)
     device = device_of(args)
-    dtype = dtype_of(args, device)
+    dtype = dtype_of(args, device, model)
     depth = args.prefetch_depth
     # Offloaded: the weights stay on the host; offload() moves the resident parts (and
     # streams the layers) to `device`, so a model larger than the GPU can load.

@@ -42,11 +42,33 @@ def device_of(args: EngineArgs) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def dtype_of(args: EngineArgs, device: torch.device) -> torch.dtype:
-    """``dtype``: as given, else float32 on the CPU and bfloat16 elsewhere."""
+def dtype_of(args: EngineArgs, device: torch.device, model: Any = None) -> torch.dtype:
+    """``dtype``: as given, else bfloat16 off the CPU; on the CPU float32, but bfloat16 for
+    a BF16 GGUF file ``model`` served packed (``quantization="gguf"``): its weights'
+    own dtype, as llama.cpp computes it (float32 would widen every weight at load and
+    run the steps on fp32 weights: a 16-row step at 1B took 650 ms against 375 on a Zen 3,
+    docs/real-size.md)."""
     if args.dtype is not None:
         return args.dtype
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if model is not None and _packed_bf16_file(args, model) else torch.float32
+
+
+def _packed_bf16_file(args: EngineArgs, model: Any) -> bool:
+    """Whether ``model`` is a GGUF file whose weights are BF16 (``general.file_type``
+    MOSTLY_BF16), loaded with ``quantization="gguf"``."""
+    from torch_topg.quant.loading import resolve_quantization
+
+    if resolve_quantization(args.quantization)[0] != "gguf" or not str(model).endswith(".gguf"):
+        return False
+    from torch_topg.quant.gguf_arch import read_metadata
+
+    try:
+        meta, _ = read_metadata(model)
+    except (OSError, ValueError):  # the loader reports a missing or broken file
+        return False
+    return meta.get("general.file_type") == 32  # gguf.LlamaFileType.MOSTLY_BF16
 
 
 def resolve(

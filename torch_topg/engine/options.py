@@ -274,8 +274,10 @@ class EngineArgs:
     dtype: Any = option(
         None,
         "`float32`, `bfloat16`, `float16` or a torch dtype. float32 on the CPU: outputs "
-        "equal transformers' fp32 token for token.",
-        _dtype, shown="float32 on the CPU, bfloat16 on CUDA", parse=str,
+        "equal transformers' fp32 token for token; a BF16 GGUF file with "
+        "`quantization=\"gguf\"` computes in bfloat16, its weights' dtype.",
+        _dtype, shown="float32 on the CPU (a BF16 GGUF file served packed: bfloat16), bfloat16 on CUDA",
+        parse=str,
     )  # fmt: skip
     tp_size: int = option(
         1,

@@ -493,7 +493,7 @@ def start_tp_engine(cls: type, model: Any, args: Any) -> Any:
 
     tp_size, quantization = args.tp_size, args.quantization
     device = device_of(args)
-    dtype = dtype_of(args, device)
+    dtype = dtype_of(args, device, model)
     folder, config = _check_model(model, tp_size)
     kv = _kv_split(config, tp_size)  # raises when tp_size > KV heads
     if _active:

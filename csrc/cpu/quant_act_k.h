@@ -12,9 +12,9 @@
 // The integer sums over a super-block stay in int32 (|sum| < 2^26), one conversion and one
 // FMA per super-block. Two forms of one text (quant_act_k_form.h), the same integers and
 // the same fp32 summation order (bitwise the same sums):
-//   AVX-512 VNNI  per run one vpdpbusd (q6_k: two, the second sums 32 q per 4 bytes for
-//                 the -32 offset), then an int32 multiply by the run's scales;
-//   AVX2          maddubs, then madd against the scales as int16 lanes (the same lanes).
+//   AVX2          per run maddubs (q6_k: two, the second for the -32 offset), then madd
+//                 against the run's scales as int16 lanes and an int32 add;
+//   AVX-512 VNNI  the same with one vpdpwssd for the madd and the add (the same lanes).
 // (Scales per 32-run, the semantics before 2026-12-07, cost a conversion and an FMA per
 // run: the AVX2 GEMV is 10-27% faster per super-block: docs/cpu-kernels.md.)
 // Without AVX2: dot_row_q8_avx2's scalar loop (de-quantised weights, rounded activations).
@@ -73,12 +73,16 @@ __attribute__((always_inline)) inline __m128i k45_mins(const uint8_t* p, int64_t
   return _mm_cvtsi64_si128(int64_t(sc8));
 }
 
-// The AVX2 form's scaled dots: int32 lane i = sc_i * (sum over bytes 4i..4i+3 of u * x),
-// u unsigned. maddubs does not saturate for the K-quants' codes (|u x + u' x'| <= 63 * 127 *
-// 2 < 2^15; q6_k's (u - 32) x pairs as the difference of two maddubs, |.| <= 2 * 32 * 127 +
-// 2 * 63 * 127), so the lanes are exact and equal the VNNI form's.
+// A run's products as int16 pairs: maddubs (unsigned u x signed q, adjacent pairs summed)
+// does not saturate for the K-quants' codes (|u x + u' x'| <= 2 * 63 * 127 < 2^15); q6_k's
+// (u - 32) x pairs as the difference of two maddubs (|.| <= 2 * 32 * 127 + 2 * 63 * 127).
+__attribute__((always_inline)) inline __m256i k_pairs6(__m256i u, __m256i x) {
+  return _mm256_sub_epi16(_mm256_maddubs_epi16(u, x),
+                          _mm256_maddubs_epi16(_mm256_set1_epi8(32), x));
+}
 // 8 int8 scales as int16 lanes, the same 8 in both 128-bit halves; a run's pair picked by
-// one byte shuffle (int16 a in the low half's lanes, b in the high half's).
+// one byte shuffle (int16 a in the low half's lanes, b in the high half's): the pairs'
+// multiplier (madd / vpdpwssd), so int32 lane i = scale * (sum over bytes 4i..4i+3).
 __attribute__((always_inline)) inline __m256i k_scales_i16(__m128i b8) {
   return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(b8));
 }
@@ -88,29 +92,15 @@ __attribute__((always_inline)) inline __m256i k_pick_i16(__m256i v, int a, int b
       v, _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, b0, b1,
                           b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1));
 }
-__attribute__((always_inline)) inline __m256i k_sdot_avx2(__m256i u, __m256i x, __m256i sc) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc);
-}
-__attribute__((always_inline)) inline __m256i k_sdot6_avx2(__m256i u, __m256i x, __m256i sc) {
-  const __m256i k32 = _mm256_set1_epi8(32);
-  return _mm256_madd_epi16(
-      _mm256_sub_epi16(_mm256_maddubs_epi16(u, x), _mm256_maddubs_epi16(k32, x)), sc);
-}
 
 // The AVX2 form: dot_row_q8_k_avx2_fmt<R, MR> (quant_act_k_form.h).
 #define TOPG_K_FORM dot_row_q8_k_avx2_fmt
 #define TOPG_K_TARGET
-#define TOPG_K_SCALES(b8) k_scales_i16(b8)
-#define TOPG_K_PICK(v, a, b) k_pick_i16(v, a, b)
-#define TOPG_K_SDOT(u, x, sc) k_sdot_avx2(u, x, sc)
-#define TOPG_K_SDOT6(u, x, sc) k_sdot6_avx2(u, x, sc)
+#define TOPG_K_MADD(acc, p, sc) _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc))
 #include "quant_act_k_form.h"
 #undef TOPG_K_FORM
 #undef TOPG_K_TARGET
-#undef TOPG_K_SCALES
-#undef TOPG_K_PICK
-#undef TOPG_K_SDOT
-#undef TOPG_K_SDOT6
+#undef TOPG_K_MADD
 
 // The AVX2 form by the row's format.
 template <int MR>
@@ -123,32 +113,15 @@ inline void dot_row_q8_k_avx2(Fmt fmt, const uint8_t* row, int64_t nb, const Q8A
 #endif
 
 #if TOPG_VNNI_BUILT
-// The VNNI form: dot_row_q8_k_vnni<R, MR>, the AVX2 form's text with vpdpbusd, the scale
-// applied by an int32 multiply (the same lanes as madd's).
-TOPG_TARGET_VNNI __attribute__((always_inline)) inline __m256i k_sdot_vnni(__m256i u, __m256i x,
-                                                                           __m256i sc) {
-  return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x), sc);
-}
-TOPG_TARGET_VNNI __attribute__((always_inline)) inline __m256i k_sdot6_vnni(__m256i u, __m256i x,
-                                                                            __m256i sc) {
-  const __m256i zero = _mm256_setzero_si256(), k32 = _mm256_set1_epi8(32);
-  return _mm256_mullo_epi32(
-      _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, u, x), _mm256_dpbusd_epi32(zero, k32, x)), sc);
-}
+// The VNNI form: dot_row_q8_k_vnni<R, MR>, the AVX2 form's text with one vpdpwssd for each
+// madd and add (the same int32 lanes).
 #define TOPG_K_FORM dot_row_q8_k_vnni
 #define TOPG_K_TARGET TOPG_TARGET_VNNI
-#define TOPG_K_SCALES(b8) _mm256_cvtepi8_epi32(b8)
-#define TOPG_K_PICK(v, a, b) \
-  _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(a, a, a, a, b, b, b, b))
-#define TOPG_K_SDOT(u, x, sc) k_sdot_vnni(u, x, sc)
-#define TOPG_K_SDOT6(u, x, sc) k_sdot6_vnni(u, x, sc)
+#define TOPG_K_MADD(acc, p, sc) _mm256_dpwssd_epi32(acc, p, sc)
 #include "quant_act_k_form.h"
 #undef TOPG_K_FORM
 #undef TOPG_K_TARGET
-#undef TOPG_K_SCALES
-#undef TOPG_K_PICK
-#undef TOPG_K_SDOT
-#undef TOPG_K_SDOT6
+#undef TOPG_K_MADD
 
 // out[r * ldo + i] = dot_row_q8_k_vnni(w + i * rb) for weight rows i < n.
 template <Fmt R, int MR>

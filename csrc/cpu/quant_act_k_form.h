@@ -2,12 +2,8 @@
 // form, once as the VNNI form, with
 //   TOPG_K_FORM              the function's name,
 //   TOPG_K_TARGET            its target attribute (empty for AVX2),
-//   TOPG_K_SCALES(b8)        8 int8 scales (the low 8 bytes of b8) as a vector the runs pick
-//                            from (int16 lanes for madd, int32 lanes for mullo),
-//   TOPG_K_PICK(v, a, b)     a run's scales from it: scale a for bytes 0..15, b for 16..31,
-//   TOPG_K_SDOT(u, x, sc)    int32 lane i = sc_i * sum over bytes 4i..4i+3 of u * x, u unsigned
-//                            (madd(maddubs(u, x), sc), or mullo(vpdpbusd(0, u, x), sc)),
-//   TOPG_K_SDOT6(u, x, sc)   the same for (u - 32) * x, u a q6_k code.
+//   TOPG_K_MADD(acc, p, sc)  acc + the int16 pairs of p times those of sc, summed per int32
+//                            lane (madd then add; VNNI: one vpdpwssd).
 // One text, so both forms sum the same integers in the same fp32 order (bitwise the same
 // sums; test_int8_gemv_rows_do_not_depend_on_m asserts it on VNNI CPUs). (One C++ body
 // templated on the dot cannot be: GCC will not inline the VNNI dot into a function
@@ -37,20 +33,19 @@ TOPG_K_TARGET __attribute__((always_inline)) inline void TOPG_K_FORM(const uint8
       constexpr int64_t bb = R == Fmt::q5_k ? 176 : 144;
       const uint8_t* p = row + bb * s;
       stream_ahead(p, bb);  // L1: L2 measured no faster for q4_k (quant_kernels.h)
-      const __m256i scv = TOPG_K_SCALES(k45_mins<MR>(p, s, x, cterm));
+      const __m256i scv = k_scales_i16(k45_mins<MR>(p, s, x, cterm));
       d = half_at(p);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         __m256i lo, hi;
         k45_runs<R>(p, c, lo, hi);
-        const __m256i sl = TOPG_K_PICK(scv, 2 * c, 2 * c);
-        const __m256i sh = TOPG_K_PICK(scv, 2 * c + 1, 2 * c + 1);
+        const __m256i sl = k_pick_i16(scv, 2 * c, 2 * c);
+        const __m256i sh = k_pick_i16(scv, 2 * c + 1, 2 * c + 1);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           const int8_t* xr = x.q[r] + 256 * s + 64 * c;
-          isum[r] =
-              _mm256_add_epi32(isum[r], _mm256_add_epi32(TOPG_K_SDOT(lo, load32(xr), sl),
-                                                         TOPG_K_SDOT(hi, load32(xr + 32), sh)));
+          isum[r] = TOPG_K_MADD(isum[r], _mm256_maddubs_epi16(lo, load32(xr)), sl);
+          isum[r] = TOPG_K_MADD(isum[r], _mm256_maddubs_epi16(hi, load32(xr + 32)), sh);
         }
       }
     } else {  // q6_k
@@ -59,16 +54,16 @@ TOPG_K_TARGET __attribute__((always_inline)) inline void TOPG_K_FORM(const uint8
       d = half_at(p + 208);
       for (int h = 0; h < 2; ++h) {
         const __m256i scv =
-            TOPG_K_SCALES(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 192 + 8 * h)));
+            k_scales_i16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 192 + 8 * h)));
         __m256i u[4];
         q6k_runs(p + 64 * h, p + 128 + 32 * h, u);
         for (int q = 0; q < 4; ++q) {
           const int j = 4 * h + q;
-          const __m256i sj = TOPG_K_PICK(scv, 2 * q, 2 * q + 1);
+          const __m256i sj = k_pick_i16(scv, 2 * q, 2 * q + 1);
 #pragma GCC unroll 4
           for (int r = 0; r < MR; ++r) {
             const __m256i xv = load32(x.q[r] + 256 * s + 32 * j);
-            isum[r] = _mm256_add_epi32(isum[r], TOPG_K_SDOT6(u[q], xv, sj));
+            isum[r] = TOPG_K_MADD(isum[r], k_pairs6(u[q], xv), sj);
           }
         }
       }

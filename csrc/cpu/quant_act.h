@@ -25,6 +25,8 @@
 // phases per step, 2 threads): gate/up 2.2-2.5 -> 1.4-1.6 ms, down 1.0 -> 0.6 ms.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -98,11 +100,15 @@ inline void quantize_act_group(const float* xg, int64_t n, int8_t* q, float* d, 
   }
 }
 
-// quantize_act_group over kp / group groups. The AVX2 form computes the same floats (the
+// quantize_act_group over kp / group groups (kp: a multiple of the group, as every packed
+// format's padded K is of its act_group). The AVX2 form computes the same floats (the
 // same amax, d and 1 / d; x * id clamped, then rounded to nearest even as nearbyint does
 // in the default rounding mode), 8 lanes at a time.
 inline void quantize_act(const float* x, int64_t kp, int8_t* q, float* d, float* qsum,
-                         int64_t group = 32) {
+                         int64_t group) {
+  TORCH_CHECK(group == 32 || group == 256, "quantize_act: group ", group, " (32 or 256)");
+  TORCH_CHECK(kp % group == 0, "quantize_act: ", kp, " activations are not whole groups of ",
+              group);
   for (int64_t g = 0; g < kp / group; ++g) {
     const float* xg = x + group * g;
     int8_t* qg = q + group * g;

@@ -45,8 +45,9 @@ def fused_moe_q(
         down_format: the format of ``w_down`` (default: ``format``; a Q4_K_M file keeps
             some down projections in Q6_K).
         activation: ``"silu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
-        int8_activations: round ``x`` and the intermediate ``h`` to int8 per block of
-            32 before their products, as ``linear_q(..., int8_activations=True)``.
+        int8_activations: round ``x`` and the intermediate ``h`` to int8 before their
+            products, as ``linear_q(..., int8_activations=True)`` rounds its input for the
+            gate/up and the down format (one scale per 32, per 256 for the K-quants).
 
     Returns:
         ``[T, H]`` in the dtype of ``hidden_states``; fp32 math, rounded once.

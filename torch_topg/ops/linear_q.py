@@ -31,8 +31,9 @@ def linear_q(
             ``"q4_k"``, ``"q5_k"``, ``"q6_k"`` (K a multiple of the block, 32 or 256), ``"int8"``,
             ``"int4_g32"``, ``"int4_g64"``, ``"int4_g128"`` (any K).
         bias: ``[N]`` in the dtype of ``input``, or None.
-        int8_activations: quantise ``input`` per block of 32 to int8 first
-            (``torch_topg.quant.quantize_activations``: scale ``amax / 127``, round to
+        int8_activations: quantise ``input`` to int8 first, one scale per group of 32 (per
+            256 for the K-quants: ``torch_topg.formats.activation_group``;
+            ``torch_topg.formats.quantize_activations``: scale ``amax / 127``, round to
             nearest even), as llama.cpp does, so the CPU GEMV runs integer dot products;
             about 1.7x faster on 4-bit weights in cache, ~0.5% off the exact product.
 

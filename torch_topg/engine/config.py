@@ -62,13 +62,13 @@ def _packed_bf16_file(args: EngineArgs, model: Any) -> bool:
 
     if resolve_quantization(args.quantization)[0] != "gguf" or not str(model).endswith(".gguf"):
         return False
-    from torch_topg.quant.gguf_arch import read_metadata
+    from torch_topg.quant.gguf_arch import read_value
 
     try:
-        meta, _ = read_metadata(model)
+        file_type = read_value(model, "general.file_type")
     except (OSError, ValueError):  # the loader reports a missing or broken file
         return False
-    return meta.get("general.file_type") == 32  # gguf.LlamaFileType.MOSTLY_BF16
+    return file_type == 32  # gguf.LlamaFileType.MOSTLY_BF16
 
 
 def resolve(

@@ -129,6 +129,22 @@ class _Cursor:
             return [self.value(sub) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {kind} at byte {self.pos}")
 
+    def skip(self, kind: int) -> None:
+        """Moves past a value as :meth:`value` reads it, building nothing."""
+        if kind in _SCALAR:
+            self.take(np.dtype(_SCALAR[kind]).itemsize)
+        elif kind == _STRING:
+            self.take(self.unpack("<Q")[0])
+        elif kind == _ARRAY:
+            sub, count = self.unpack("<IQ")
+            if sub in _SCALAR:
+                self.take(np.dtype(_SCALAR[sub]).itemsize * count)
+            else:
+                for _ in range(count):
+                    self.skip(sub)
+        else:
+            raise ValueError(f"unknown GGUF value type {kind} at byte {self.pos}")
+
 
 @dataclass(frozen=True)
 class FileTensor:
@@ -149,15 +165,21 @@ class FileTensor:
     data: np.ndarray
 
 
-def _parse(buf: bytes, path: str, infos: list | None = None) -> tuple[dict[str, Any], list[str]]:
-    """(metadata, tensor names); with ``infos``, also appends (name, dims innermost
-    first, type, data offset) per tensor, then the offset where the data begins."""
-    c = _Cursor(buf)
+def _header(c: _Cursor, path: str) -> tuple[int, int]:
+    """(tensor count, metadata count) after checking the file's magic and version."""
     magic, version, n_tensors, n_kv = c.unpack("<4sIQQ")
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(
             f"{path}: not a little-endian GGUF v2/v3 (magic {magic!r}, version {version})"
         )
+    return n_tensors, n_kv
+
+
+def _parse(buf: bytes, path: str, infos: list | None = None) -> tuple[dict[str, Any], list[str]]:
+    """(metadata, tensor names); with ``infos``, also appends (name, dims innermost
+    first, type, data offset) per tensor, then the offset where the data begins."""
+    c = _Cursor(buf)
+    n_tensors, n_kv = _header(c, path)
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string()
@@ -195,6 +217,33 @@ def read_metadata(
                 if infos is not None:
                     infos.clear()
                 return _parse(head, os.fspath(path), infos)
+            except _Truncated:
+                if len(head) < size:
+                    raise ValueError(
+                        f"{os.fspath(path)}: the file ends inside its metadata"
+                    ) from None
+                size *= 4
+
+
+def read_value(path: str | os.PathLike[str], key: str) -> Any:
+    """The metadata value ``key`` of the GGUF file ``path`` (None if absent), the other
+    entries skipped, not built (building the tokenizer's string arrays is most of
+    :func:`read_metadata`'s time)."""
+    size = 4 << 20
+    with open(path, "rb") as f:
+        while True:
+            f.seek(0)
+            head = f.read(size)
+            c = _Cursor(head)
+            try:
+                _, n_kv = _header(c, os.fspath(path))
+                for _ in range(n_kv):
+                    name = c.string()
+                    (kind,) = c.unpack("<I")
+                    if name == key:
+                        return c.value(kind)
+                    c.skip(kind)
+                return None
             except _Truncated:
                 if len(head) < size:
                     raise ValueError(

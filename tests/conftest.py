@@ -2,6 +2,8 @@
 
 Profiles: ``ci`` (default, quick) and ``thorough`` (on demand):
     TOPG_HYPOTHESIS_PROFILE=thorough make test
+The thorough profile also runs the whole product of the model-level test matrices that
+the quick one covers by halves (``cover``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,23 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("TOPG_HYPOTHESIS_PROFILE", "ci"))
+THOROUGH = os.environ.get("TOPG_HYPOTHESIS_PROFILE") == "thorough"
+
+
+def cover(*axes: list) -> list[tuple]:
+    """The cases of a model-level test matrix (each case compiles or builds a model: 5-10 s
+    on 2 cores): the whole product with the thorough profile; otherwise the cases whose
+    indices along the axes sum to an even number, half of them, in which every value of
+    every axis appears and, for three axes of which two have two values, every pair of
+    values of any two axes (for example 4 presets x batch 1, 8 x fp32, bf16: 8 of 16,
+    each preset at both batches and in both dtypes, each batch in both dtypes)."""
+    import itertools
+
+    cases = itertools.product(*(list(enumerate(a)) for a in axes))
+    return [
+        tuple(v for _, v in case) for case in cases if THOROUGH or sum(i for i, _ in case) % 2 == 0
+    ]
+
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

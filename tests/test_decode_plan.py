@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from conftest import cover
 from engine_utils import Seqs, hf_greedy, prompts, tiny
 from hypothesis import given
 from hypothesis import strategies as st
@@ -129,9 +130,20 @@ def _compare_steps(r: ModelRunner, seqs: Seqs, steps: int) -> None:
         nxt = _compare(r, seqs.decode_batch(nxt), step).argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("preset", LOWERED)
+def _id(v) -> str | None:
+    return (
+        {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v)
+        if isinstance(v, torch.dtype)
+        else None
+    )
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# Each family at batch 1 and 8 and in both dtypes, each batch in both dtypes (conftest.cover;
+# the whole product with the thorough profile)
+@pytest.mark.parametrize(("preset", "batch", "dtype"), cover(LOWERED, [1, 8], DTYPES), ids=_id)
 def test_plan_equals_compiled_graph(preset, batch, dtype):
     r = _runner(preset, dtype)
     assert r.plan is not None, r.plan_reason
@@ -140,12 +152,14 @@ def test_plan_equals_compiled_graph(preset, batch, dtype):
     _compare_steps(r, seqs, steps=32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# each format in one dtype, the dtypes alternating (the whole product: thorough profile)
+QUANTISED = [("llama-tiny", "q4_1"), ("llama-tiny", "int4_g64"), ("qwen2-tiny", "q8_0"),
+             ("qwen3-tiny", "int8"), ("mistral-tiny", "q4_0")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("preset", "fmt"),
-    [("llama-tiny", "q4_1"), ("llama-tiny", "int4_g64"), ("qwen2-tiny", "q8_0"),
-     ("qwen3-tiny", "int8"), ("mistral-tiny", "q4_0")],
-)  # fmt: skip
+    ("preset", "fmt", "dtype"), [(*c, d) for c, d in cover(QUANTISED, DTYPES)], ids=_id
+)
 def test_quantised_model_plan_equals_compiled_graph(preset, fmt, dtype):
     """Packed projections (int4_g64: K = 160 pads its last group), a q8_0 LM head and a
     q8_0 embedding: the plan runs linear_q's kernel per row, so logits and KV stay
@@ -212,8 +226,7 @@ def test_int8_activations_with_k_quant_formats_plan_equals_compiled_graph(dtype)
     _compare_decode_and_verify(r, 15, steps=6, verify=[[5, 6, 7, 8, 9], [10, 11]])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
+@pytest.mark.parametrize(("preset", "dtype"), cover(["llama-tiny", "qwen2-tiny"], DTYPES), ids=_id)
 def test_plan_equals_graph_on_verify_steps_and_short_chunks(preset, dtype):
     """Steps of several tokens a sequence: speculative verify steps (k + 1 rows, all
     sampled), a short prefill chunk beside decodes, one sequence alone with 15 tokens."""

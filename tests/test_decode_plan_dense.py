@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import cover
 from engine_utils import prompts
 from test_decode_plan import (
     _compare_decode_and_verify,
@@ -47,8 +48,12 @@ def _family(name: str) -> torch.nn.Module:
 FAMILIES = ["granite", "smollm3", "olmo2"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", FAMILIES)
+# each family in one dtype, alternating (conftest.cover; both: the thorough profile)
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    cover(FAMILIES, [torch.float32, torch.bfloat16]),
+    ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v),
+)
 def test_dense_plan_equals_compiled_graph(family, dtype):
     r = _model_runner(_family(family).to(dtype))
     assert r.plan is not None, r.plan_reason

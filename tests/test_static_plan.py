@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from conftest import cover
 from engine_utils import tiny
 
 from torch_topg import _native
@@ -70,8 +71,10 @@ def _run_two_generates(preset: str, batch: int) -> list[dict]:
 
 
 @pytest.mark.skipif(not NATIVE, reason="native library not loaded: no topg.DecodePlan to run")
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
+# each preset at batch 1 or 3, alternating (conftest.cover; both: the thorough profile)
+@pytest.mark.parametrize(
+    ("preset", "batch"), cover(["llama-tiny", "qwen2-tiny", "qwen3-tiny"], [1, 3])
+)
 def test_static_cache_decode_runs_on_the_plan(preset, batch):
     plans = _run_two_generates(preset, batch)
     assert plans == [{"active": True, "reason": "", "steps": 8 + 4, "fallback_steps": 0}]

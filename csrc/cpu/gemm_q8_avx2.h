@@ -1,6 +1,7 @@
 // The AVX2 form of the int8-activation GEMM (gemm_q8_vnni.h), for CPUs without AVX-512
 // VNNI (Zen 3, TOPG_DISABLE_AVX512=1): the same math and the same per-item packing, with
-// 8 weight rows across the 8 int32 lanes of a ymm.
+// 8 weight rows across the 8 int32 lanes of a ymm. This file: the 32-block formats; the
+// K-quants (one activation scale per super-block) in gemm_q8_avx2_k.h.
 //
 // Layout: per group of 8 rows, for every 4 codes along K, 32 bytes holding those 4 codes
 // of each of the 8 rows; the scales [K / SB][8]. Packing unpacks the 8 rows of a chunk of
@@ -28,49 +29,66 @@ namespace topg::quant {
 inline bool avx2_signed(Fmt f) { return f == Fmt::q8_0 || f == Fmt::int8; }
 
 #if defined(__x86_64__) && defined(__GNUC__) && TOPG_AVX2
-// Rows [0, rows) of the 8 packed rows at w into codes [kw / 4][8] and dw, cw [kw / SB][8].
+// Codes [0, len) of 8 rows of bytes (row r at u + r * ld) into the layout: for every 4
+// codes, 8 dwords (one a row) at codes[8 * (c / 4) + r]; 8 x 8 dwords transposed in registers.
+inline void transpose8_dwords(const uint8_t* u, int64_t ld, int64_t len, uint32_t* codes) {
+  for (int64_t c0 = 0; c0 < len; c0 += 32) {
+    __m256i z[8], t[8];
+    for (int r = 0; r < 8; ++r) z[r] = load32(u + r * ld + c0);
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  // z[4 h + i]: lane L holds dword 4 L + i of rows 4h..4h+3
+      z[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+      z[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+      z[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+      z[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    uint32_t* o = codes + c0 / 4 * 8;
+    for (int i = 0; i < 4; ++i) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o + 8 * i),
+                         _mm256_permute2x128_si256(z[i], z[4 + i], 0x20));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o + 8 * (4 + i)),
+                         _mm256_permute2x128_si256(z[i], z[4 + i], 0x31));
+    }
+  }
+}
+
+// acc[r][c] to out[c * ldo + 8 r + j], columns from 8 r + j >= cols not written.
+template <int R, int C>
+inline void avx2_store_tile(const __m256 (&acc)[R][C], float* out, int64_t ldo, int64_t cols) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int r = 0; r < R; ++r) {
+    const int64_t left = cols - 8 * r;
+    if (left <= 0) break;
+    const __m256i keep =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(left, 8))), lane);
+    for (int c = 0; c < C; ++c) _mm256_maskstore_ps(out + c * ldo + 8 * r, keep, acc[r][c]);
+  }
+}
+
+// Rows [0, rows) of the 8 packed rows at w into codes [kw / 4][8] and dw, cw [kw / 32][8]
+// (the 32-block formats; the K-quants pack in gemm_q8_avx2_k.h).
 inline void gemm_pack_group8(const Format& f, const uint8_t* w, int64_t rb, int64_t rows, int64_t k,
                              uint32_t* codes, float* dw, float* cw) {
   constexpr int64_t kChunk = 256;
   alignas(32) uint8_t u[8 * kChunk];
-  const int64_t kw = f.padded(k), sb = gemm_scale_block(f.fmt);
-  const bool kq = f.fmt == Fmt::q4_k || f.fmt == Fmt::q5_k || f.fmt == Fmt::q6_k;
+  const int64_t kw = f.padded(k);
   for (int64_t k0 = 0; k0 < kw; k0 += kChunk) {
-    const int64_t len = std::min(kChunk, kw - k0), nsb = len / sb;
+    const int64_t len = std::min(kChunk, kw - k0), nsb = len / 32;
     for (int64_t r = 0; r < 8; ++r) {
       uint8_t* ur = u + r * kChunk;
-      float *d = dw + (k0 / sb) * 8 + r, *c = cw + (k0 / sb) * 8 + r;
+      float *d = dw + (k0 / 32) * 8 + r, *c = cw + (k0 / 32) * 8 + r;
       if (r >= rows) {
         std::memset(ur, 0, size_t(len));
         for (int64_t j = 0; j < nsb; ++j) d[8 * j] = 0.f, c[8 * j] = 0.f;
-      } else if (kq) {
-        gemm_super_block(f.fmt, w + r * rb, k0 / 256, ur, d, c, 8);
       } else {
         for (int64_t b = 0; b < len / 32; ++b)
           gemm_block(f, w + r * rb, k, k0 / 32 + b, ur + 32 * b, d[8 * b], c[8 * b]);
       }
     }
-    for (int64_t c0 = 0; c0 < len; c0 += 32) {  // 8 rows x 8 dwords, transposed
-      __m256i z[8], t[8];
-      for (int r = 0; r < 8; ++r) z[r] = load32(u + r * kChunk + c0);
-      for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
-      }
-      for (int h = 0; h < 2; ++h) {  // z[4 h + i]: lane L holds dword 4 L + i of rows 4h..4h+3
-        z[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        z[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        z[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        z[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-      }
-      uint32_t* o = codes + (k0 + c0) / 4 * 8;
-      for (int i = 0; i < 4; ++i) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o + 8 * i),
-                           _mm256_permute2x128_si256(z[i], z[4 + i], 0x20));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o + 8 * (4 + i)),
-                           _mm256_permute2x128_si256(z[i], z[4 + i], 0x31));
-      }
-    }
+    transpose8_dwords(u, kChunk, len, codes + k0 / 4 * 8);
   }
 }
 
@@ -128,14 +146,7 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
       }
     }
   }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int r = 0; r < R; ++r) {
-    const int64_t left = cols - 8 * r;
-    if (left <= 0) break;
-    const __m256i keep =
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(left, 8))), lane);
-    for (int c = 0; c < C; ++c) _mm256_maskstore_ps(out + (m0 + c) * ldo + 8 * r, keep, acc[r][c]);
-  }
+  avx2_store_tile<R, C>(acc, out + m0 * ldo, ldo, cols);
 }
 
 // All M activation rows against groups [0, R) of 8 rows, 3 activation rows at a time.
@@ -173,7 +184,9 @@ inline void gemm_q8_strip_avx2(const Format& f, const uint8_t* w, int64_t rb, in
                                int64_t cols, const VnniActs& x, int64_t M, GemmQ8Scratch& sc,
                                float* out, int64_t ldo) {
   TORCH_CHECK(!avx2_signed(f.fmt), "linear_q: no AVX2 integer GEMM for q8_0 / int8");
-  const int64_t kw = f.padded(k), sb = gemm_scale_block(f.fmt), nsb = kw / sb;
+  TORCH_CHECK(gemm_scale_block(f.fmt) == 32 && f.fmt != Fmt::q4_k && f.fmt != Fmt::q5_k,
+              "linear_q: the K-quants' AVX2 GEMM is gemm_q8_strip_avx2_k");
+  const int64_t kw = f.padded(k), nsb = kw / 32;
   const int64_t gcodes = kw / 4 * 8, gscales = nsb * 8;  // per group of 8
   const int64_t groups = (cols + 7) / 8;
   uint32_t* codes = sc.codes.fit<uint32_t>(4 * gcodes);
@@ -183,8 +196,6 @@ inline void gemm_q8_strip_avx2(const Format& f, const uint8_t* w, int64_t rb, in
     gemm_pack_group8(f, w + 8 * g * rb, rb, std::min<int64_t>(8, cols - 8 * g), k,
                      codes + g * gcodes, dw + g * gscales, cw + g * gscales);
   switch (gemm_offset(f.fmt)) {
-    case -32:
-      return avx2_groups<16, -32>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
     case -8:
       return avx2_groups<32, -8>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
     case -16:

@@ -42,6 +42,7 @@
 #include <cstring>
 
 #include "gemm_q8_avx2.h"
+#include "gemm_q8_avx2_k.h"
 #include "gemm_q8_pack.h"
 #include "gemv_avx512.h"
 #include "modes.h"
@@ -168,7 +169,11 @@ TOPG_TARGET_VNNI void vnni_strip(const uint32_t* codes, const float* dw, const f
 inline void gemm_q8_strip(const Format& f, const uint8_t* w, int64_t rb, int64_t k, int64_t cols,
                           const VnniActs& x, int64_t M, GemmQ8Scratch& sc, float* out,
                           int64_t ldo) {
-  if (!use_vnni()) return gemm_q8_strip_avx2(f, w, rb, k, cols, x, M, sc, out, ldo);
+  if (!use_vnni()) {
+    if (f.fmt == Fmt::q4_k || f.fmt == Fmt::q5_k || f.fmt == Fmt::q6_k)
+      return gemm_q8_strip_avx2_k(f, w, rb, k, cols, x, M, sc, out, ldo);
+    return gemm_q8_strip_avx2(f, w, rb, k, cols, x, M, sc, out, ldo);
+  }
   const int64_t kw = f.padded(k), sb = gemm_scale_block(f.fmt), nsb = kw / sb;
   const int64_t gcodes = (kw + 63) / 64 * 16 * 16, gscales = nsb * 16;  // per group of 16
   uint32_t* codes = sc.codes.fit<uint32_t>(2 * gcodes);

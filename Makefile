@@ -64,7 +64,7 @@ TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: build
 	TOPG_REQUIRE_NATIVE=1 $(PY) -m pytest -q $(XDIST) --durations=15 tests
-	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q $(XDIST) --durations=15 -p no:warnings -m "not native_independent" tests
+	TOPG_DISABLE_NATIVE=1 $(PY) -m pytest -q $(XDIST) --durations=15 -p no:warnings -m "not native_independent and not above_ops" tests
 
 # The engine on SmolLM2 (real weights): streams an answer, then serves 8 concurrent
 # requests (tokens/s, TTFT, batch sizes). The eager / Inductor / topg comparison of

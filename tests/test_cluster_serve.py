@@ -28,6 +28,8 @@ from cluster_utils import tiny_chat_engine, tiny_tokenizer  # noqa: E402
 from torch_topg.cluster.deploy import ClusterSpec, deploy, scale  # noqa: E402
 from torch_topg.cluster.replica import EngineSpec, RouterOptions  # noqa: E402
 
+pytestmark = pytest.mark.above_ops  # the reference lane deselects it (docs/build.md)
+
 TESTS = Path(__file__).parent
 GREEDY = {"temperature": 0, "ignore_eos": True}
 TIMEOUT = 60  # seconds any one HTTP call may take: nothing may hang

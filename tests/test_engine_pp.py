@@ -26,10 +26,13 @@ from torch_topg.engine import Engine
 from torch_topg.engine.errors import ParameterError
 from torch_topg.models import build_model
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with gloo is not available",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="torch.distributed with gloo is not available",
+    ),
+    pytest.mark.above_ops,  # the reference lane deselects it (docs/build.md)
+]
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[1]

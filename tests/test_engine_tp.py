@@ -23,10 +23,13 @@ import torch_topg
 from torch_topg.engine import Engine
 from torch_topg.models import build_model, smollm2_available
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with gloo is not available",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="torch.distributed with gloo is not available",
+    ),
+    pytest.mark.above_ops,  # the reference lane deselects it (docs/build.md)
+]
 pytest.importorskip("transformers")
 
 GREEDY = dict(temperature=0, ignore_eos=True)

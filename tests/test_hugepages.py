@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from torch_topg.engine import Engine
 from torch_topg.utils import hugepages
 
+pytestmark = pytest.mark.above_ops  # the reference lane deselects it (docs/build.md)
+
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.uint8]
 
 

@@ -4,7 +4,7 @@
 // K-quants (one activation scale per super-block) in gemm_q8_avx2_k.h.
 //
 // Layout: per group of 8 rows, for every 4 codes along K, 32 bytes holding those 4 codes
-// of each of the 8 rows; the scales [K / SB][8]. Packing unpacks the 8 rows of a chunk of
+// of each of the 8 rows; the scales [K / 32][8]. Packing unpacks the 8 rows of a chunk of
 // 256 codes with gemm_block / gemm_super_block (gemm_q8_pack.h) into a 2 KiB buffer, then
 // transposes each 8 x 8 dwords in registers.
 //
@@ -94,7 +94,7 @@ inline void gemm_pack_group8(const Format& f, const uint8_t* w, int64_t rb, int6
 
 // out[(m0 + c) * ldo + 8 r + j] (c < C activation rows, r < R groups of 8 rows; columns
 // from 8 r + j >= cols not written) = the rows' sums. OFF: as vnni_tile's.
-template <int R, int C, int SB, int OFF>
+template <int R, int C, int OFF>
 inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, int64_t gcodes,
                       int64_t gscales, int64_t nsb, const VnniActs& x, int64_t m0, float* out,
                       int64_t ldo, int64_t cols) {
@@ -104,7 +104,7 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
   for (int c = 0; c < C; ++c) {
     const int64_t row = x.row(m0 + c);
     xq[c] = x.q + row * x.kp, xd[c] = x.xd + row * x.nb;
-    xs[c] = SB == 16 ? x.xs16 + (m0 + c) * nsb : x.xsum + row * x.nb;
+    xs[c] = x.xsum + row * x.nb;
     for (int r = 0; r < R; ++r) acc[r][c] = _mm256_setzero_ps();
   }
   const __m256i ones = _mm256_set1_epi16(1);
@@ -122,7 +122,7 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
       const __m256i init = _mm256_set1_epi32(OFF * int(xs[c][b]));
       for (int r = 0; r < R; ++r) ia[r][c] = init;
     }
-    for (int64_t s = b * (SB / 4); s < (b + 1) * (SB / 4); s += 2) {
+    for (int64_t s = 8 * b; s < 8 * (b + 1); s += 2) {
       __m256i w0[R], w1[R];
       for (int r = 0; r < R; ++r) w0[r] = code(r, s), w1[r] = code(r, s + 1);
       for (int c = 0; c < C; ++c) {
@@ -138,7 +138,7 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
       const __m256 d = _mm256_load_ps(dw + r * gscales + 8 * b);
       const __m256 m = _mm256_load_ps(cw + r * gscales + 8 * b);
       for (int c = 0; c < C; ++c) {
-        const float xdb = xd[c][b * SB / 32];
+        const float xdb = xd[c][b];
         const __m256 sv = _mm256_mul_ps(d, _mm256_set1_ps(xdb));
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][c]), sv, acc[r][c]);
         if constexpr (OFF == 0)
@@ -150,21 +150,19 @@ inline void avx2_tile(const uint32_t* codes, const float* dw, const float* cw, i
 }
 
 // All M activation rows against groups [0, R) of 8 rows, 3 activation rows at a time.
-template <int R, int SB, int OFF>
+template <int R, int OFF>
 inline void avx2_strip(const uint32_t* codes, const float* dw, const float* cw, int64_t gcodes,
                        int64_t gscales, int64_t nsb, const VnniActs& x, int64_t M, float* out,
                        int64_t ldo, int64_t cols) {
   constexpr int C = 3;
   int64_t m = 0;
   for (; m + C <= M; m += C)
-    avx2_tile<R, C, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
-  if (M - m == 2)
-    avx2_tile<R, 2, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
-  if (M - m == 1)
-    avx2_tile<R, 1, SB, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+    avx2_tile<R, C, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+  if (M - m == 2) avx2_tile<R, 2, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
+  if (M - m == 1) avx2_tile<R, 1, OFF>(codes, dw, cw, gcodes, gscales, nsb, x, m, out, ldo, cols);
 }
 
-template <int SB, int OFF>
+template <int OFF>
 inline void avx2_groups(const uint32_t* codes, const float* dw, const float* cw, int64_t gcodes,
                         int64_t gscales, int64_t nsb, const VnniActs& x, int64_t M, float* out,
                         int64_t ldo, int64_t cols) {
@@ -173,9 +171,9 @@ inline void avx2_groups(const uint32_t* codes, const float* dw, const float* cw,
     const uint32_t* cg = codes + g * gcodes;
     const float *dg = dw + g * gscales, *mg = cw + g * gscales;
     if (left > 8)
-      avx2_strip<2, SB, OFF>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
+      avx2_strip<2, OFF>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
     else
-      avx2_strip<1, SB, OFF>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
+      avx2_strip<1, OFF>(cg, dg, mg, gcodes, gscales, nsb, x, M, out + 8 * g, ldo, left);
   }
 }
 
@@ -197,11 +195,11 @@ inline void gemm_q8_strip_avx2(const Format& f, const uint8_t* w, int64_t rb, in
                      codes + g * gcodes, dw + g * gscales, cw + g * gscales);
   switch (gemm_offset(f.fmt)) {
     case -8:
-      return avx2_groups<32, -8>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+      return avx2_groups<-8>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
     case -16:
-      return avx2_groups<32, -16>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+      return avx2_groups<-16>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
     default:
-      return avx2_groups<32, 0>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
+      return avx2_groups<0>(codes, dw, cw, gcodes, gscales, nsb, x, M, out, ldo, cols);
   }
 }
 #endif

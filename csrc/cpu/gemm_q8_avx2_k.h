@@ -39,42 +39,28 @@ inline int32_t k_pair16(int a, int b) {
 // codes into u and its scales into lane r of ks (that super-block's kKVecs x 8 int32),
 // the 6-bit scales decoded once.
 inline void gemm_k_row(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u, int32_t* ks, int r) {
-  auto store = [&](int64_t at, __m256i v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + at), v);
-  };
   if (!row) {
     std::memset(u, 0, 256);
     for (int64_t v = 0; v < kKVecs; ++v) ks[8 * v + r] = 0;
     return;
   }
   float d, dmin = 0.f;
+  const uint8_t* p;
   if (fmt == Fmt::q6_k) {
-    const uint8_t* p = row + 210 * s;
+    p = row + 210 * s;
     const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
     d = half_at(p + 208);
     for (int i = 0; i < 16; ++i) ks[8 * i + r] = k_pair16(sc[i], sc[i]);
     for (int i = 0; i < 8; ++i) ks[8 * (kKPairs + i) + r] = k_pair16(sc[2 * i], sc[2 * i + 1]);
-    for (int h = 0; h < 2; ++h) {
-      __m256i v[4];
-      q6k_runs(p + 64 * h, p + 128 + 32 * h, v);
-      for (int q = 0; q < 4; ++q) store(128 * h + 32 * q, v[q]);
-    }
   } else {
-    const uint8_t* p = row + (fmt == Fmt::q5_k ? 176 : 144) * s;
+    p = row + (fmt == Fmt::q5_k ? 176 : 144) * s;
     uint8_t sc[8], mn[8];
     k_scales(p + 4, sc, mn);
     d = half_at(p), dmin = half_at(p + 2);
     for (int j = 0; j < 8; ++j) ks[8 * j + r] = k_pair16(sc[j], sc[j]);
     for (int i = 0; i < 4; ++i) ks[8 * (kKPairs + i) + r] = k_pair16(mn[2 * i], mn[2 * i + 1]);
-    for (int c = 0; c < 4; ++c) {
-      __m256i lo, hi;
-      if (fmt == Fmt::q5_k)
-        k45_runs<Fmt::q5_k>(p, c, lo, hi);
-      else
-        k45_runs<Fmt::q4_k>(p, c, lo, hi);
-      store(64 * c, lo), store(64 * c + 32, hi);
-    }
   }
+  gemm_super_block_codes(fmt, p, u);
   std::memcpy(ks + 8 * kKD + r, &d, 4);
   std::memcpy(ks + 8 * kKDmin + r, &dmin, 4);
 }

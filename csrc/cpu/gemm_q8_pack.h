@@ -171,18 +171,13 @@ inline void gemm_block(const Format& f, const uint8_t* row, int64_t k, int64_t b
   }
 }
 
-// Super-block s of a q4_k / q5_k / q6_k row: its 256 codes u and the (dw, cw) of its
-// scale blocks (8 of 32 codes, q6_k 16 of 16) at dw[j * ld], cw[j * ld].
-inline void gemm_super_block(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u, float* dw,
-                             float* cw, int64_t ld = 16) {
+// The 256 unsigned codes of the K-quant super-block at p (q4_k / q5_k: 144 / 176 bytes,
+// q6_k: 210) into u.
+inline void gemm_super_block_codes(Fmt fmt, const uint8_t* p, uint8_t* u) {
   auto store = [&](int64_t at, __m256i v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + at), v);
   };
   if (fmt == Fmt::q6_k) {
-    const uint8_t* p = row + 210 * s;
-    const float d = half_at(p + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-    for (int i = 0; i < 16; ++i) dw[ld * i] = d * float(sc[i]), cw[ld * i] = -32.f * dw[ld * i];
     for (int h = 0; h < 2; ++h) {
       __m256i v[4];
       q6k_runs(p + 64 * h, p + 128 + 32 * h, v);
@@ -190,12 +185,6 @@ inline void gemm_super_block(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u,
     }
     return;
   }
-  const int64_t bb = fmt == Fmt::q5_k ? 176 : 144;
-  const uint8_t* p = row + bb * s;
-  const float d = half_at(p), dmin = half_at(p + 2);
-  uint8_t sc[8], mn[8];
-  k_scales(p + 4, sc, mn);
-  for (int j = 0; j < 8; ++j) dw[ld * j] = d * float(sc[j]), cw[ld * j] = -(dmin * float(mn[j]));
   for (int c = 0; c < 4; ++c) {
     __m256i lo, hi;
     if (fmt == Fmt::q5_k)
@@ -204,6 +193,25 @@ inline void gemm_super_block(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u,
       k45_runs<Fmt::q4_k>(p, c, lo, hi);
     store(64 * c, lo), store(64 * c + 32, hi);
   }
+}
+
+// Super-block s of a q4_k / q5_k / q6_k row: its 256 codes u and the (dw, cw) of its
+// scale blocks (8 of 32 codes, q6_k 16 of 16) at dw[j * ld], cw[j * ld].
+inline void gemm_super_block(Fmt fmt, const uint8_t* row, int64_t s, uint8_t* u, float* dw,
+                             float* cw, int64_t ld = 16) {
+  if (fmt == Fmt::q6_k) {
+    const uint8_t* p = row + 210 * s;
+    const float d = half_at(p + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int i = 0; i < 16; ++i) dw[ld * i] = d * float(sc[i]), cw[ld * i] = -32.f * dw[ld * i];
+    return gemm_super_block_codes(fmt, p, u);
+  }
+  const uint8_t* p = row + (fmt == Fmt::q5_k ? 176 : 144) * s;
+  const float d = half_at(p), dmin = half_at(p + 2);
+  uint8_t sc[8], mn[8];
+  k_scales(p + 4, sc, mn);
+  for (int j = 0; j < 8; ++j) dw[ld * j] = d * float(sc[j]), cw[ld * j] = -(dmin * float(mn[j]));
+  gemm_super_block_codes(fmt, p, u);
 }
 
 // 16 rows of 16 dwords (row r at u + r * ld) transposed: out[16 j + r] = dword j of row r.

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,6 +201,23 @@ def _parse(buf: bytes, path: str, infos: list | None = None) -> tuple[dict[str, 
     return meta, names
 
 
+def _from_head(path: str | os.PathLike[str], parse: Callable[[bytes], Any]) -> Any:
+    """``parse`` of the file's first bytes: 4 MiB, then 4x more while it runs past them."""
+    size = 4 << 20
+    with open(path, "rb") as f:
+        while True:
+            f.seek(0)
+            head = f.read(size)
+            try:
+                return parse(head)
+            except _Truncated:
+                if len(head) < size:
+                    raise ValueError(
+                        f"{os.fspath(path)}: the file ends inside its metadata"
+                    ) from None
+                size *= 4
+
+
 def read_metadata(
     path: str | os.PathLike[str], infos: list | None = None
 ) -> tuple[dict[str, Any], list[str]]:
@@ -208,48 +225,32 @@ def read_metadata(
     read off the file's start. Values: Python scalars and strings; arrays of numbers as
     numpy arrays, of strings as lists. Raises ValueError if ``path`` is not such a file.
     (``infos``: see :func:`_parse`.)"""
-    size = 4 << 20
-    with open(path, "rb") as f:
-        while True:
-            f.seek(0)
-            head = f.read(size)
-            try:
-                if infos is not None:
-                    infos.clear()
-                return _parse(head, os.fspath(path), infos)
-            except _Truncated:
-                if len(head) < size:
-                    raise ValueError(
-                        f"{os.fspath(path)}: the file ends inside its metadata"
-                    ) from None
-                size *= 4
+
+    def parse(head: bytes) -> tuple[dict[str, Any], list[str]]:
+        if infos is not None:
+            infos.clear()
+        return _parse(head, os.fspath(path), infos)
+
+    return _from_head(path, parse)
 
 
 def read_value(path: str | os.PathLike[str], key: str) -> Any:
     """The metadata value ``key`` of the GGUF file ``path`` (None if absent), the other
     entries skipped, not built (building the tokenizer's string arrays is most of
     :func:`read_metadata`'s time)."""
-    size = 4 << 20
-    with open(path, "rb") as f:
-        while True:
-            f.seek(0)
-            head = f.read(size)
-            c = _Cursor(head)
-            try:
-                _, n_kv = _header(c, os.fspath(path))
-                for _ in range(n_kv):
-                    name = c.string()
-                    (kind,) = c.unpack("<I")
-                    if name == key:
-                        return c.value(kind)
-                    c.skip(kind)
-                return None
-            except _Truncated:
-                if len(head) < size:
-                    raise ValueError(
-                        f"{os.fspath(path)}: the file ends inside its metadata"
-                    ) from None
-                size *= 4
+
+    def parse(head: bytes) -> Any:
+        c = _Cursor(head)
+        _, n_kv = _header(c, os.fspath(path))
+        for _ in range(n_kv):
+            name = c.string()
+            (kind,) = c.unpack("<I")
+            if name == key:
+                return c.value(kind)
+            c.skip(kind)
+        return None
+
+    return _from_head(path, parse)
 
 
 def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[FileTensor]]:

@@ -106,3 +106,53 @@ def test_linear_bad_input(args, match):
     with pytest.raises(RuntimeError, match=match):  # the fake kernel checks the same
         with torch._subclasses.FakeTensorMode() as mode:
             torch_topg.ops.linear(*(None if a is None else mode.from_tensor(a) for a in args))
+
+
+_SPLIT_SCRIPT = """
+import sys, torch, torch_topg
+from torch_topg import modes
+cases = torch.load(sys.argv[1])
+out = [[torch_topg.ops.linear(x[:m], w, b) for m in range(1, x.shape[0] + 1)]
+       for x, w, b in cases]
+torch.save((modes.cpu_kernels(), out), sys.argv[2])
+"""
+
+
+@requires_kernel("linear")
+def test_bf16_split_form_matches_reference(tmp_path):
+    """The bf16 GEMV of AVX-512 CPUs without AVX-512 BF16 (gemv_bf16split.h: 32 bf16
+    weights split into their even and odd halves as fp32, tiles of 4 weight rows x 4 A
+    rows), forced in a subprocess on any AVX-512 CPU (TOPG_DISABLE_AVX512_BF16=1,
+    TOPG_DISABLE_AMX=1): near the reference at 1-16 rows, and each row bitwise the same at
+    every row count (the one-row step's logits equal a verify step's). K: below one
+    vector, not a multiple of 32 (the masked tail), several tails; N: groups of 4 and
+    their remainders."""
+    import os
+    import subprocess
+    import sys
+
+    from torch_topg import modes
+
+    if "avx512" not in modes.cpu_kernels():
+        pytest.skip("the CPU has no AVX-512F (or TOPG_DISABLE_AVX512 is set)")
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for k, n, bias in [(7, 5, True), (32, 4, False), (33, 9, False), (100, 37, True),
+                       (576, 6, False), (2100, 13, True)]:  # fmt: skip
+        x = torch.randn(16, k, generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+        b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+        cases.append((x, w, b))
+    inp, res, script = tmp_path / "in.pt", tmp_path / "out.pt", tmp_path / "split.py"
+    script.write_text(_SPLIT_SCRIPT)
+    torch.save(cases, inp)
+    env = {**os.environ, "TOPG_DISABLE_AVX512_BF16": "1", "TOPG_DISABLE_AMX": "1"}
+    subprocess.run([sys.executable, str(script), str(inp), str(res)], env=env, check=True,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    kernels, out = torch.load(res, weights_only=False)
+    assert "avx512_bf16split" in kernels, kernels
+    for (x, w, b), per_m in zip(cases, out, strict=True):
+        k = x.shape[1]
+        assert_close(per_m[-1], reference.linear(x, w, b), scale=_scale(k))
+        for m, got in enumerate(per_m, start=1):
+            assert torch.equal(got, per_m[-1][:m]), f"K={k}: rows of a {m}-row call"

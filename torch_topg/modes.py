@@ -86,8 +86,8 @@ def cpu_kernels() -> list[str]:
     """The instruction-set forms the native CPU kernels chose at run time, from the CPU's
     features and the ``TOPG_DISABLE_AVX512`` / ``TOPG_DISABLE_AMX`` switches: ``"avx2"``
     (the build's baseline), ``"avx512"`` (fp32 GEMV of 3-16 rows; 1-16 on Intel CPUs),
-    ``"avx512_bf16"`` (bf16 GEMV and paged attention), ``"avx512_vnni"`` (int8-activation GEMV
-    and GEMM),
+    ``"avx512_bf16"`` (bf16 GEMV and paged attention), ``"avx512_bf16split"`` (bf16 GEMV of
+    1-16 rows on AVX-512 CPUs without BF16), ``"avx512_vnni"`` (int8-activation GEMV and GEMM),
     ``"amx_bf16"`` (bf16 GEMV of 1-16 rows on AMX tiles). Empty without the native library.
     Benchmarks record it beside their figures."""
     if not _native.is_loaded():

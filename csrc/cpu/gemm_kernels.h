@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gemv_avx512.h"
+#include "gemv_bf16split.h"
 #include "gemv_f32_tiles.h"
 #include "vec.h"
 
@@ -262,13 +263,44 @@ inline const float* interleave_a_rows(const float* const* a, int64_t M, int64_t 
   return il;
 }
 
+// The copy of the M fp32 A rows that dot_rows_range reads for weights of type T, made in
+// buf: fp32 weights the interleaved copy above, bf16 weights on CPUs with AVX-512F and no
+// AVX-512 BF16 the split copy (gemv_bf16split.h); nullptr where it reads the row pointers.
+template <typename T>
+inline const float* prepare_a_rows(const float* const* a, int64_t M, int64_t K,
+                                   AlignedFloats& buf) {
+  if constexpr (std::is_same_v<T, float>) return interleave_a_rows(a, M, K, buf);
+#if TOPG_F32X16
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (use_bf16split()) {  // the rows in dot_a_row<bf16>'s layout
+      int32_t perm[32];
+      for (int k = 0; k < 32; ++k) perm[k] = int32_t(dot_a_index<bf16>(k, 32));
+      float* as = buf.fit(M * split_k(K));
+      split_a_rows(a, M, K, perm, [K](int64_t k) { return dot_a_index<bf16>(k, K); }, as);
+      return as;
+    }
+  }
+#endif
+  return nullptr;
+}
+
 // For weight rows [n0, n1) of W ([N, K], row stride ldw) and M fp32 rows a[0..M): calls
 // emit(m, n, sum) for every pair. Rows are taken RB at a time (pointer rows are clamped
 // so the tail block stays in bounds); each block is read from memory once for all M.
-// il: the rows' interleave_a_rows copy (fp32 only), or nullptr.
+// il: the rows' prepare_a_rows<T> copy, or nullptr (then the bf16 split form makes its own).
 template <typename T, typename Emit>
 void dot_rows_range(const float* const* a, int64_t M, const T* w, int64_t ldw, int64_t K,
                     int64_t n0, int64_t n1, Emit&& emit, const float* il = nullptr) {
+#if TOPG_F32X16
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (use_bf16split()) {  // AVX-512F without AVX-512 BF16 (gemv_bf16split.h)
+      thread_local AlignedFloats own;
+      if (!il) il = prepare_a_rows<bf16>(a, M, K, own);
+      dot_rows_bf16split(il, M, w, ldw, K, n0, n1, emit);
+      return;
+    }
+  }
+#endif
   // Weight rows per block: 8 for one A row (8 accumulators), else 4 against up to 3 A
   // rows at a time (12 accumulators + 3 A vectors + 1 weight vector = 16 ymm).
   constexpr int RB = 4;

@@ -143,6 +143,49 @@ inline void pack_passes(const float* const* a, int64_t M, int64_t K, int64_t pas
 #define TOPG_F32X16 1
 #define TOPG_TARGET_F32X16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
+// r[j] = the sum of v[j]'s 16 lanes, for j < 16: per 128-bit lane L, S_L = (l0 + l2) +
+// (l1 + l3), then (S_0 + S_1) + (S_2 + S_3) (a fixed tree: the same order every call).
+TOPG_TARGET_F32X16 __attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of 4 vectors
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // lanes 0+1 and 2+3 of two of them
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The sum of v's 16 lanes, in reduce16's order.
+TOPG_TARGET_F32X16 __attribute__((always_inline)) inline float reduce1(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_cvtss_f32(v);
+}
+
+// s[j] = the sum of v[j]'s 16 lanes for j < 8, in reduce16's order (its first three steps
+// on 8 vectors).
+TOPG_TARGET_F32X16 __attribute__((always_inline)) inline void reduce8(const __m512* v, float* s) {
+  __m512 b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, _MM_SHUFFLE(2, 3, 0, 1)));
+  // e's 128-bit lanes: [v0..v3 sums, same, v4..v7 sums, same]
+  _mm256_storeu_ps(s, _mm512_castps512_ps256(_mm512_shuffle_f32x4(e, e, _MM_SHUFFLE(2, 0, 2, 0))));
+}
+
 // acc[i][0] lanes 0-7 / 8-15: dot_row_seq's partials 0 / 1 of A row i, acc[i][1]: 2 / 3.
 template <int MB>
 using Acc16 = __m512[MB][2];

@@ -76,9 +76,8 @@ void linear_dot(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T
       a[m] = a32.data() + m * K;
     }
   }
-  gemm::AlignedFloats il_buf;  // the fp32 path's interleaved A (gemm::interleave_a_rows)
-  const float* il = nullptr;
-  if constexpr (std::is_same_v<T, float>) il = gemm::interleave_a_rows(a.data(), M, K, il_buf);
+  gemm::AlignedFloats il_buf;  // A as the dot path reads it (gemm::prepare_a_rows)
+  const float* il = gemm::prepare_a_rows<T>(a.data(), M, K, il_buf);
   parallel_items(gemm::ceil_div(N, rows), [&](int64_t item) {
     const int64_t n0 = item * rows, n1 = std::min(N, n0 + rows);
     gemm::dot_rows_range(

@@ -12,6 +12,7 @@
 
 #include "gemv_amx.h"
 #include "gemv_bf16dp.h"
+#include "gemv_bf16split.h"
 #include "quant_act.h"
 
 namespace topg {
@@ -30,11 +31,13 @@ bool set_index_checks(bool enabled) { return g_index_checks.exchange(enabled); }
 
 // What the run-time checks chose (the CPU's features and the TOPG_DISABLE_* switches):
 // "avx2" always (the build's baseline), then "avx512" (gemv_avx512.h), "avx512_bf16"
-// (gemv_bf16dp.h, paged_bf16dp.h), "avx512_vnni" (quant_act.h), "amx_bf16" (gemv_amx.h).
+// (gemv_bf16dp.h, paged_bf16dp.h) or "avx512_bf16split" (gemv_bf16split.h), "avx512_vnni"
+// (quant_act.h), "amx_bf16" (gemv_amx.h).
 std::vector<std::string> cpu_kernels() {
   std::vector<std::string> out{"avx2"};
   if (gemm::use_avx512()) out.push_back("avx512");
   if (gemm::use_bf16dp()) out.push_back("avx512_bf16");
+  if (gemm::use_bf16split()) out.push_back("avx512_bf16split");
   if (quant::use_vnni()) out.push_back("avx512_vnni");
   if (gemm::amx::enabled()) out.push_back("amx_bf16");
   return out;

@@ -58,7 +58,7 @@ struct GemvInput {
   std::vector<bf16> bp;
   quant::RowsScratch qs;
   quant::GemmQ8Scratch gs;     // the integer GEMM's packed strip (use_gemm_q8)
-  gemm::AlignedFloats il_buf;  // the fp32 rows interleaved (gemm::interleave_a_rows)
+  gemm::AlignedFloats il_buf;  // the rows as the dot path reads them (gemm::prepare_a_rows)
   const float* il = nullptr;
   bool packed = false, a8 = false, dp = false, amx = false;
 
@@ -109,9 +109,7 @@ struct GemvInput {
       if (amx && gemm::amx::fits(rows, K))
         gemm::amx::pack_b(reinterpret_cast<const bf16* const*>(src.data()), rows, K, bp.data());
     }
-    il = nullptr;
-    if constexpr (std::is_same_v<T, float>)
-      il = gemm::interleave_a_rows(ap.data(), rows, K, il_buf);
+    il = dp ? nullptr : gemm::prepare_a_rows<T>(ap.data(), rows, K, il_buf);
   }
 
   // emit(r, n, sum) for weight rows [n0, n1) of w against the loaded rows.

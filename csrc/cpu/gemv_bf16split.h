@@ -131,25 +131,31 @@ TOPG_TARGET_F32X16 inline void split_tile(const float* as, int64_t kp, const bf1
   _mm512_storeu_ps(s, reduce16(acc));
 }
 
-// Weight rows this far ahead are prefetched while the tile's first A pass reads a group.
+// The rows ahead that the first pass prefetches: 32 KiB of rows, 4 to 8 of them. A fixed 8
+// (128 KiB ahead at K = 8,192, into L1) read the 1B BF16 file's [2048, 8192] down projection
+// at one row 8% slower than the AVX2 form; the 1B BF16 decode step, alternated processes
+// (Ice Lake-class Xeon, 2026-12-07): AVX2 form 92.4-96.0 ms, this 93.4-95.3 (8 rows ahead:
+// 96.5-97.4; T1 hints or 8 weight rows side by side for one A row: slower still).
 constexpr int64_t kBf16SplitPrefetchRows = 8;
+constexpr int64_t kBf16SplitAheadBytes = 32 << 10;
 
 // For weight rows [n0, n1) of W ([N, K] bf16, row stride ldw) and M A rows split at as
 // (split_a_rows): emit(m, n, sum) for every pair; groups of 4 weight rows against up to 4
-// A rows a pass, the first pass prefetching the group 8 rows ahead. (K in chunks whose A
-// rows stay in L1, the tiles' sums parked in memory between chunks, was slower at 16 rows:
-// 50 against 66 GFLOP/s, one thread, [256, 2048]: the parked tiles kept their
-// accumulators on the stack.)
+// A rows a pass, the first pass prefetching the rows 4-8 ahead (kBf16SplitAheadBytes).
+// (K in chunks whose A rows stay in L1, the tiles' sums parked in memory between chunks,
+// was slower at 16 rows: 50 against 66 GFLOP/s, one thread, [256, 2048]: the parked
+// tiles kept their accumulators on the stack.)
 template <typename Emit>
 TOPG_TARGET_F32X16 void dot_rows_bf16split(const float* as, int64_t M, const bf16* w, int64_t ldw,
                                            int64_t K, int64_t n0, int64_t n1, Emit&& emit) {
   const int64_t kp = split_k(K);
+  const int64_t ahead =
+      std::clamp<int64_t>(kBf16SplitAheadBytes / (K * 2), 4, kBf16SplitPrefetchRows);
   float s[16];
   for (int64_t n = n0; n < n1; n += 4) {
     const int g = int(std::min<int64_t>(4, n1 - n));
     const bf16* rows = w + n * ldw;
-    const bf16* pf =
-        n + kBf16SplitPrefetchRows + 4 <= n1 ? rows + kBf16SplitPrefetchRows * ldw : nullptr;
+    const bf16* pf = n + ahead + 4 <= n1 ? rows + ahead * ldw : nullptr;
     for (int64_t m = 0; m < M; m += 4) {
       const int ra = int(std::min<int64_t>(4, M - m));
       with_rows<4>(g, [&]<int G>() {

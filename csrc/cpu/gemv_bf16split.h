@@ -2,8 +2,8 @@
 // Ice Lake), chosen at run time; the library itself is built for x86-64-v3.
 //
 // Without vdpbf16ps, a bf16 weight must become fp32 before its FMA. The AVX2 path
-// (gemm_kernels.h dot_block) widens 8 weights at a time (a zero-extension and a shift per
-// 8) into 8 lanes and runs 3 A rows a pass in 16 ymm registers: at 16 A rows (a decode step
+// (gemm_kernels.h dot_block) widens the weights into 8 lanes (two unpacks per 16) and runs
+// 3 A rows a pass in 16 ymm registers: at 16 A rows (a decode step
 // of 16 streams) it is bound by the arithmetic at half the zmm rate, with the weights
 // widened again in each of the 6 passes. Here a 64-byte load of 32 bf16 weights gives
 // two fp32 vectors with one instruction each: the even-indexed weights (w << 16 in each
@@ -19,7 +19,7 @@
 //
 // Tiles: 4 weight rows x up to 4 A rows (16 accumulators, the 8 split weight vectors, the
 // A vectors from L1 as memory operands): 32 FMAs and 8 integer ops per 4 x 32 weights.
-// One A row reads the 4 weight rows side by side and prefetches the rows 8 ahead (T0).
+// The first A pass over a group prefetches 32 KiB of rows ahead (4-8 rows, T0).
 // TOPG_DISABLE_AVX512=1 turns it off (the AVX2 path); CPUs with AVX-512 BF16 take
 // gemv_bf16dp.h's form unless TOPG_DISABLE_AVX512_BF16=1 (how they test this one).
 #pragma once
@@ -48,12 +48,14 @@ inline bool use_bf16split() {
 }
 
 #if TOPG_F32X16
+// The length of a split A row: K rounded up to 32.
+inline int64_t split_k(int64_t K) { return (K + 31) / 32 * 32; }
+
 // The split copy of M fp32 A rows (exact bf16 values): row m at as + m * split_k(K), per
 // 32 values the 16 even-indexed ones, then the 16 odd-indexed ones, the last partial 32
 // zero-padded. The rows come in the dot path's layout (gemm_kernels.h dot_a_row<bf16>,
 // positions permuted within 16s): value k of a row is at pos(k); in a whole block of 32,
 // value k0 + j at k0 + perm[j] (the same for every whole block).
-inline int64_t split_k(int64_t K) { return (K + 31) / 32 * 32; }
 
 template <typename Pos>
 TOPG_TARGET_F32X16 inline void split_a_rows(const float* const* a, int64_t M, int64_t K,

@@ -88,6 +88,22 @@ TOPG_TARGET_F32X16 __attribute__((always_inline)) inline __m512 bf16_odd(__m512i
   return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
 }
 
+// acc[r * 4 + i] += the products of the split A row i at a (rows kp apart) and the split
+// weight vectors (we[r], wo[r]) of one step of 32 values: the even half, then the odd.
+template <int G, int RA>
+TOPG_TARGET_F32X16 __attribute__((always_inline)) inline void split_fmas(const float* a, int64_t kp,
+                                                                         const __m512 (&we)[G],
+                                                                         const __m512 (&wo)[G],
+                                                                         __m512 (&acc)[16]) {
+  for (int i = 0; i < RA; ++i) {
+    const __m512 ae = _mm512_loadu_ps(a + i * kp), ao = _mm512_loadu_ps(a + i * kp + 16);
+    for (int r = 0; r < G; ++r) {
+      acc[r * 4 + i] = _mm512_fmadd_ps(ae, we[r], acc[r * 4 + i]);
+      acc[r * 4 + i] = _mm512_fmadd_ps(ao, wo[r], acc[r * 4 + i]);
+    }
+  }
+}
+
 // s[r * 4 + i] = a_i . w_r for G <= 4 weight rows w_r = w + r * ldw and RA <= 4 split A
 // rows (as + i * kp), each sum in the order above. pf: G rows to prefetch (T0) meanwhile,
 // one line per 32 weights of each, or nullptr.
@@ -105,14 +121,7 @@ TOPG_TARGET_F32X16 inline void split_tile(const float* as, int64_t kp, const bf1
       const __m512i v = _mm512_loadu_si512(w + r * ldw + k);
       we[r] = bf16_even(v), wo[r] = bf16_odd(v);
     }
-    for (int i = 0; i < RA; ++i) {
-      const __m512 ae = _mm512_loadu_ps(as + i * kp + k),
-                   ao = _mm512_loadu_ps(as + i * kp + k + 16);
-      for (int r = 0; r < G; ++r) {
-        acc[r * 4 + i] = _mm512_fmadd_ps(ae, we[r], acc[r * 4 + i]);
-        acc[r * 4 + i] = _mm512_fmadd_ps(ao, wo[r], acc[r * 4 + i]);
-      }
-    }
+    split_fmas<G, RA>(as + k, kp, we, wo, acc);
   }
   if (k < K) {
     const __mmask32 mask = __mmask32((1u << (K - k)) - 1);
@@ -121,14 +130,7 @@ TOPG_TARGET_F32X16 inline void split_tile(const float* as, int64_t kp, const bf1
       const __m512i v = _mm512_maskz_loadu_epi16(mask, w + r * ldw + k);
       we[r] = bf16_even(v), wo[r] = bf16_odd(v);
     }
-    for (int i = 0; i < RA; ++i) {
-      const __m512 ae = _mm512_loadu_ps(as + i * kp + k),
-                   ao = _mm512_loadu_ps(as + i * kp + k + 16);
-      for (int r = 0; r < G; ++r) {
-        acc[r * 4 + i] = _mm512_fmadd_ps(ae, we[r], acc[r * 4 + i]);
-        acc[r * 4 + i] = _mm512_fmadd_ps(ao, wo[r], acc[r * 4 + i]);
-      }
-    }
+    split_fmas<G, RA>(as + k, kp, we, wo, acc);
   }
   _mm512_storeu_ps(s, reduce16(acc));
 }

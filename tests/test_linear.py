@@ -156,3 +156,56 @@ def test_bf16_split_form_matches_reference(tmp_path):
         assert_close(per_m[-1], reference.linear(x, w, b), scale=_scale(k))
         for m, got in enumerate(per_m, start=1):
             assert torch.equal(got, per_m[-1][:m]), f"K={k}: rows of a {m}-row call"
+
+
+_PACKED_SCRIPT = """
+import sys, torch, torch_topg
+from torch_topg import modes
+cases = torch.load(sys.argv[1])
+torch.save((modes.cpu_kernels(), [torch_topg.ops.linear(x, w, b) for x, w, b in cases]),
+           sys.argv[2])
+"""
+
+
+@requires_kernel("linear")
+def test_packed_gemm_16_lane_kernel_bitwise_the_8_lane_one(tmp_path):
+    """The packed GEMM's AVX-512 micro-kernel (gemm_f32x16.h: two 6-row tiles x two
+    16-column panels) against the 8-lane 6 x 16 one (TOPG_DISABLE_AVX512=1), each in a
+    subprocess (AVX-512 BF16 and AMX off, so bf16 takes the packed path too): every sum
+    the same bits. Rows: an odd tile count, a lone tile, tile pairs; N: an odd panel count
+    and partial panels; K: one K block, several with a tail (partial sums)."""
+    import os
+    import subprocess
+    import sys
+
+    from torch_topg import modes
+
+    if "avx512" not in modes.cpu_kernels():
+        pytest.skip("the CPU has no AVX-512F (or TOPG_DISABLE_AVX512 is set)")
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for m, k, n, dtype, bias in [
+        (17, 1, 16, torch.float32, False), (18, 257, 33, torch.float32, True),
+        (30, 1000, 100, torch.bfloat16, True), (64, 300, 48, torch.float16, False),
+        (257, 520, 129, torch.bfloat16, False), (40, 64, 7, torch.float32, True),
+    ]:  # fmt: skip
+        x = torch.randn(m, k, generator=g).to(dtype)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if bias else None
+        cases.append((x, w, b))
+    inp = tmp_path / "in.pt"
+    script = tmp_path / "packed.py"
+    script.write_text(_PACKED_SCRIPT)
+    torch.save(cases, inp)
+    outs = []
+    base = {**os.environ, "TOPG_DISABLE_AVX512_BF16": "1", "TOPG_DISABLE_AMX": "1"}
+    for extra in ({}, {"TOPG_DISABLE_AVX512": "1"}):
+        res = tmp_path / f"out{len(outs)}.pt"
+        subprocess.run([sys.executable, str(script), str(inp), str(res)], env={**base, **extra},
+                       check=True, cwd=tmp_path, timeout=300)  # fmt: skip
+        outs.append(torch.load(res, weights_only=False))
+    (k16, wide), (k8, narrow) = outs
+    assert "avx512" in k16 and "avx512" not in k8, (k16, k8)
+    for (x, w, b), got, want in zip(cases, wide, narrow, strict=True):
+        assert_close(got, reference.linear(x, w, b), scale=_scale(x.shape[1]))
+        assert torch.equal(got, want), f"M={x.shape[0]} K={x.shape[1]} N={w.shape[0]} {x.dtype}"

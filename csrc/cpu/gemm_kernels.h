@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "gemm_f32x16.h"
 #include "gemv_avx512.h"
 #include "gemv_bf16split.h"
 #include "gemv_f32_tiles.h"
@@ -535,33 +536,64 @@ void gemm_tiles(const float* ap, int64_t mp, int64_t K, int64_t ldw, int64_t t0,
   float* bp = scratch(0, std::min(KC, K) * NR * npan);
   float* cs = K > KC ? scratch(1, ntile * MR * npan * NR) : nullptr;  // partial sums
   const int64_t ldc = npan * NR;
-  alignas(32) float tile[MR * NR];
+  alignas(64) float tile[4][MR * NR];
+#if TOPG_F32X16
+  static_assert(MR == 6 && NR == 16, "micro_x16 computes 6 x 16 tiles");
+  const bool wide = use_avx512();  // two panels (and two tiles) a micro-kernel call
+#else
+  const bool wide = false;
+#endif
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool first = k0 == 0, last = k0 + kc >= K;
+    // Adds tile `tl` (tile t, panel p) to the earlier K blocks' sums; hands it to epi at
+    // the last block, else keeps it as the partial sum.
+    const auto finish = [&](int64_t t, int64_t p, float* tl) {
+      float* c = cs ? cs + (t - t0) * MR * ldc + (p - p0) * NR : nullptr;
+      if (!first)
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; j += 8)
+            (Vec8::load(tl + i * NR + j) + Vec8::load(c + i * ldc + j)).store(tl + i * NR + j);
+      if (last) {
+        epi(t, p, static_cast<const float*>(tl));
+      } else {
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; j += 8) Vec8::load(tl + i * NR + j).store(c + i * ldc + j);
+      }
+    };
     for (int64_t p = p0; p < p1; ++p) {
       const auto [g0, g1] = panel(p);
       pack_b_panel<T>(g0, g1, ldw, k0, kc, bp + (p - p0) * kc * NR);
     }
     for (int64_t tb = t0; tb < t1; tb += MCT) {
       const int64_t te = std::min(t1, tb + MCT);
-      for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t p = p0; p < p1;) {
         const float* b = bp + (p - p0) * kc * NR;
-        for (int64_t t = tb; t < te; ++t) {
-          micro_6x16(kc, ap + k0 * mp + t * kc * MR, b, tile);
-          float* c = cs ? cs + (t - t0) * MR * ldc + (p - p0) * NR : nullptr;
-          if (!first)
-            for (int i = 0; i < MR; ++i)
-              for (int j = 0; j < NR; j += 8)
-                (Vec8::load(tile + i * NR + j) + Vec8::load(c + i * ldc + j))
-                    .store(tile + i * NR + j);
-          if (last) {
-            epi(t, p, static_cast<const float*>(tile));
-          } else {
-            for (int i = 0; i < MR; ++i)
-              for (int j = 0; j < NR; j += 8) Vec8::load(tile + i * NR + j).store(c + i * ldc + j);
+        const int np = wide && p + 1 < p1 ? 2 : 1;
+        for (int64_t t = tb; t < te;) {
+          const float* at = ap + k0 * mp + t * kc * MR;
+#if TOPG_F32X16
+          if (np == 2) {
+            const int nt = t + 1 < te ? 2 : 1;
+            const float* as[2] = {at, nt == 2 ? at + kc * MR : at};
+            float* cs4[4] = {tile[0], tile[1], tile[2], tile[3]};
+            if (nt == 2)
+              micro_x16<2>(kc, as, b, b + kc * NR, cs4);
+            else
+              micro_x16<1>(kc, as, b, b + kc * NR, cs4);
+            for (int u = 0; u < nt; ++u) {
+              finish(t + u, p, tile[2 * u]);
+              finish(t + u, p + 1, tile[2 * u + 1]);
+            }
+            t += nt;
+            continue;
           }
+#endif
+          micro_6x16(kc, at, b, tile[0]);
+          finish(t, p, tile[0]);
+          ++t;
         }
+        p += np;
       }
     }
   }

@@ -63,12 +63,13 @@ def test_compiled_once_nothing_while_serving():
         assert eng.stats()["compile"]["compilations"] == ready
 
 
-def test_background_compile_serves_uncompiled_until_compiled(monkeypatch):
+def test_background_compile_serves_on_the_plan_until_compiled(monkeypatch):
     """background_compile: the engine is ready before its multi-token graph compiles;
-    until then such steps run the model un-compiled (one-token steps on the plan), the
-    compiled graph takes over after, and greedy outputs equal transformers' throughout.
-    The compile thread is held until the first requests are done, so the un-compiled
-    path surely runs; deterministic=True keeps the warm-up synchronous."""
+    until then every step fits the decode plan (a prompt longer than the plan's steps in
+    chunks: ModelRunner.step_token_cap) and runs there, none un-compiled; the compiled
+    graph takes over after, and greedy outputs equal transformers' throughout. The
+    compile thread is held until the first requests are done, so the capped steps surely
+    run; deterministic=True keeps the warm-up synchronous."""
     from torch_topg.engine import model_runner
 
     eager_calls, release = [], threading.Event()
@@ -85,28 +86,70 @@ def test_background_compile_serves_uncompiled_until_compiled(monkeypatch):
     monkeypatch.setattr(model_runner, "model_step", counted)
     monkeypatch.setattr(model_runner.ModelRunner, "_compile_in_background", held)
     ref = tiny("llama-tiny")
-    ps = prompts(3, [9, 23, 4])
+    ps = prompts(3, [9, 23, 40])  # 23 and 40: more than one plan step (15 tokens)
     want = [hf_greedy(ref, p, 8) for p in ps]
-    with Engine.from_model(tiny("llama-tiny"), block_size=4) as eng:
+    eng = Engine.from_model(tiny("llama-tiny"), block_size=4)
+    try:
         if not eng.stats()["decode_plan"]["active"]:  # no native plan (the reference lane):
-            release.set()  # the one-token class compiles too, so the warm-up is synchronous
             assert eng.stats()["compile"]["background"] == "off"
+            assert eng.runner.step_token_cap is None
             return
         assert eng.stats()["compile"]["background"] == "compiling"
+        assert eng.runner.step_token_cap == model_runner.PLAN_MAX_TOKENS - 1
+        plan_steps = eng.runner.plan_steps
         got = [r.token_ids for r in eng.generate(ps, max_new_tokens=8, **GREEDY)]
-        assert got == want and max(eager_calls) > 1  # prefill steps ran un-compiled
+        assert got == want and eager_calls == []  # nothing ran un-compiled
+        assert eng.runner.plan_steps - plan_steps >= 3 + 8  # the chunks and the decodes
         release.set()
         assert eng.runner.wait_compiled(timeout=600)
         assert eng.stats()["compile"]["background"] == "done"  # before any step adopts it
-        n = len(eager_calls)
+        assert eng.runner.step_token_cap is None
+        n = len(eager_calls)  # (the compile traced model_step once)
         got = [r.token_ids for r in eng.generate(ps, max_new_tokens=8, **GREEDY)]
         assert got == want and len(eager_calls) == n  # the compiled graph from here on
         st = eng.stats()["compile"]
         assert st["background"] == "done" and st["compilations"] >= 1, st
         assert st["while_serving"] == 0, st
-    release.set()
+    finally:
+        release.set()  # (a failed check must not leave the compile thread held)
+        eng.shutdown()
     with Engine.from_model(tiny("llama-tiny"), block_size=4, deterministic=True) as eng:
         assert eng.stats()["compile"]["background"] == "off"
+
+
+def test_background_compile_steps_run_uncompiled_without_a_plan(monkeypatch):
+    """Where the decode plan drops while the graph compiles (its weights moved and it no
+    longer lowers), the cap lifts and a long prefill runs the model un-compiled, as
+    before the cap; outputs still equal transformers'."""
+    from torch_topg.engine import model_runner
+
+    eager_calls, release = [], threading.Event()
+    step, compile_step = model_runner.model_step, model_runner.ModelRunner._compile_in_background
+
+    def counted(*args):
+        eager_calls.append(args[1].shape[1])
+        return step(*args)
+
+    def held(self, b):
+        release.wait(600)
+        compile_step(self, b)
+
+    monkeypatch.setattr(model_runner, "model_step", counted)
+    monkeypatch.setattr(model_runner.ModelRunner, "_compile_in_background", held)
+    ref = tiny("llama-tiny")
+    ps = prompts(2, [30])
+    want = [hf_greedy(ref, p, 4) for p in ps]
+    eng = Engine.from_model(tiny("llama-tiny"), block_size=4)
+    try:
+        if eng.stats()["compile"]["background"] != "compiling":
+            pytest.skip("no decode plan here (the reference lane): no background compile")
+        eng.runner.plan, eng.runner._plan_wanted = None, "dropped by the test"
+        assert eng.runner.step_token_cap is None
+        got = [r.token_ids for r in eng.generate(ps, max_new_tokens=4, **GREEDY)]
+        assert got == want and max(eager_calls) > model_runner.PLAN_MAX_TOKENS
+    finally:
+        release.set()  # before the shut-down, which waits for the compile thread
+        eng.shutdown()
 
 
 def test_chunked_prefill_and_preemption_keep_outputs():

@@ -196,10 +196,12 @@ def test_gguf_load_mapped_then_copied_equals_copied(monkeypatch):
     # every tensor, and no weight left in the read-only mapping (nothing can fault on a
     # write). Every tensor counts as big here, so every one takes the mapped path. With
     # the compile in the background, the first steps run on the mapped tensors and the
-    # copy happens on the compile thread, between steps: the tokens of an un-compiled
-    # engine before, those of a compiled one after (int8 activations: the compiled
-    # graph's fused ops round the activations from other inputs, and this prompt's
-    # first three tokens lie within 0.4 nats of each other). Prefix caching is off: the
+    # copy happens on the compile thread, between steps: those steps run on the decode
+    # plan (the prompt in chunks: ModelRunner.step_token_cap), whose sums are the compiled
+    # graph's, so the tokens of a compiled engine before and after (an un-compiled one
+    # differs: int8 activations, the compiled graph's fused ops round the activations
+    # from other inputs, and this prompt's first three tokens lie within 0.4 nats of
+    # each other). Prefix caching is off: the
     # second request would prefill only the prompt's last 5 tokens, whose int8 sums take
     # another path than the 37-row prefill's where the CPU has no VNNI (the GEMV against
     # the AVX2 integer GEMM from 8 rows: the same rounded activations, another summation
@@ -226,8 +228,8 @@ def test_gguf_load_mapped_then_copied_equals_copied(monkeypatch):
             assert not [t.shape for t in tensors if _in_read_only_file_map(t)]
             runs[f"{huge}-{compile}-{background}"] = tokens(eng)
     eager, compiled = runs[f"{1 << 40}-False-False"], runs["4096-True-False"]
-    assert runs["4096-False-False"] == eager and runs["during"] == eager, runs
-    assert runs["4096-True-True"] == compiled, runs
+    assert runs["4096-False-False"] == eager, runs
+    assert runs["during"] == compiled and runs["4096-True-True"] == compiled, runs
 
 
 def _engine_run(monkeypatch, on: bool):

@@ -401,6 +401,9 @@ class Engine:
         """One step: plan proposals, schedule, run the model, sample, update, emit."""
         st = self._stats
         t0 = time.perf_counter()
+        cap = self.runner.step_token_cap  # while the graph compiles: steps the plan runs
+        budget = self.config.max_num_batched_tokens
+        self.scheduler.max_num_batched_tokens = budget if cap is None else min(budget, cap)
         self.proposer.plan(self.scheduler)
         out = self.scheduler.schedule()
         self.proposer.propose(out)

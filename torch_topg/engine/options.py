@@ -372,8 +372,9 @@ class EngineArgs:
     background_compile: bool = option(
         True,
         "where the decode plan runs one-token steps (CPU, not `deterministic`), compile the "
-        "multi-token step on a thread of its own while the first such steps run the model "
-        "un-compiled: the engine is ready seconds sooner ([engine.md](engine.md)).",
+        "multi-token step on a thread of its own, meanwhile running every step on the plan "
+        "(prompts in chunks of 15 tokens): the engine is ready seconds sooner "
+        "([engine.md](engine.md)).",
         _bool,
     )  # fmt: skip
     decode_plan: bool = option(

@@ -11,7 +11,8 @@
 // * packed path (many rows). Goto-style: K in blocks of KC; A packed once into fp32
 //   MR-row tiles (k-major, so the micro-kernel broadcasts from contiguous memory); the
 //   weight packed per (KC x NR) panel into fp32 k-major (16 columns per k), converting
-//   bf16/fp16 on the way, so the 6x16 FMA micro-kernel runs at fp32 speed for every dtype.
+//   bf16/fp16 on the way, so the 6x16 FMA micro-kernel runs at fp32 speed for every dtype
+//   (with AVX-512F two tiles x two panels at 16 lanes, the same sums: gemm_f32x16.h).
 //   Partial sums of K blocks go to an fp32 scratch; the final block hands each 6x16 tile
 //   to a caller epilogue (bias + store, the MoE activation, or the routed scatter-add).
 #pragma once
@@ -576,11 +577,11 @@ void gemm_tiles(const float* ap, int64_t mp, int64_t K, int64_t ldw, int64_t t0,
           if (np == 2) {
             const int nt = t + 1 < te ? 2 : 1;
             const float* as[2] = {at, nt == 2 ? at + kc * MR : at};
-            float* cs4[4] = {tile[0], tile[1], tile[2], tile[3]};
+            float* outs[4] = {tile[0], tile[1], tile[2], tile[3]};
             if (nt == 2)
-              micro_x16<2>(kc, as, b, b + kc * NR, cs4);
+              micro_x16<2>(kc, as, b, b + kc * NR, outs);
             else
-              micro_x16<1>(kc, as, b, b + kc * NR, cs4);
+              micro_x16<1>(kc, as, b, b + kc * NR, outs);
             for (int u = 0; u < nt; ++u) {
               finish(t + u, p, tile[2 * u]);
               finish(t + u, p + 1, tile[2 * u + 1]);

@@ -63,13 +63,9 @@ def test_compiled_once_nothing_while_serving():
         assert eng.stats()["compile"]["compilations"] == ready
 
 
-def test_background_compile_serves_on_the_plan_until_compiled(monkeypatch):
-    """background_compile: the engine is ready before its multi-token graph compiles;
-    until then every step fits the decode plan (a prompt longer than the plan's steps in
-    chunks: ModelRunner.step_token_cap) and runs there, none un-compiled; the compiled
-    graph takes over after, and greedy outputs equal transformers' throughout. The
-    compile thread is held until the first requests are done, so the capped steps surely
-    run; deterministic=True keeps the warm-up synchronous."""
+def _held_compile(monkeypatch) -> tuple[list[int], threading.Event]:
+    """The background compile held until the returned event is set, and the token counts of
+    the steps that run the model un-compiled (model_step) recorded in the returned list."""
     from torch_topg.engine import model_runner
 
     eager_calls, release = [], threading.Event()
@@ -85,6 +81,19 @@ def test_background_compile_serves_on_the_plan_until_compiled(monkeypatch):
 
     monkeypatch.setattr(model_runner, "model_step", counted)
     monkeypatch.setattr(model_runner.ModelRunner, "_compile_in_background", held)
+    return eager_calls, release
+
+
+def test_background_compile_serves_on_the_plan_until_compiled(monkeypatch):
+    """background_compile: the engine is ready before its multi-token graph compiles;
+    until then every step fits the decode plan (a prompt longer than the plan's steps in
+    chunks: ModelRunner.step_token_cap) and runs there, none un-compiled; the compiled
+    graph takes over after, and greedy outputs equal transformers' throughout. The
+    compile thread is held until the first requests are done, so the capped steps surely
+    run; deterministic=True keeps the warm-up synchronous."""
+    from torch_topg.engine import model_runner
+
+    eager_calls, release = _held_compile(monkeypatch)
     ref = tiny("llama-tiny")
     ps = prompts(3, [9, 23, 40])  # 23 and 40: more than one plan step (15 tokens)
     want = [hf_greedy(ref, p, 8) for p in ps]
@@ -123,26 +132,16 @@ def test_background_compile_steps_run_uncompiled_without_a_plan(monkeypatch):
     before the cap; outputs still equal transformers'."""
     from torch_topg.engine import model_runner
 
-    eager_calls, release = [], threading.Event()
-    step, compile_step = model_runner.model_step, model_runner.ModelRunner._compile_in_background
-
-    def counted(*args):
-        eager_calls.append(args[1].shape[1])
-        return step(*args)
-
-    def held(self, b):
-        release.wait(600)
-        compile_step(self, b)
-
-    monkeypatch.setattr(model_runner, "model_step", counted)
-    monkeypatch.setattr(model_runner.ModelRunner, "_compile_in_background", held)
+    eager_calls, release = _held_compile(monkeypatch)
     ref = tiny("llama-tiny")
     ps = prompts(2, [30])
     want = [hf_greedy(ref, p, 4) for p in ps]
     eng = Engine.from_model(tiny("llama-tiny"), block_size=4)
     try:
         if eng.stats()["compile"]["background"] != "compiling":
-            pytest.skip("no decode plan here (the reference lane): no background compile")
+            pytest.skip(
+                "the native decode plan is not loaded (reference lane): no background compile"
+            )
         eng.runner.plan, eng.runner._plan_wanted = None, "dropped by the test"
         assert eng.runner.step_token_cap is None
         got = [r.token_ids for r in eng.generate(ps, max_new_tokens=4, **GREEDY)]

@@ -84,88 +84,110 @@ TOPG_TARGET_BF16DP inline void dp_rows(const bf16* const* a, const bf16* w, cons
   }
 }
 
-// Weight rows per tile (dp_tile) and A rows per tile pass.
-constexpr int kTileW = 4, kTileA = 4;
+// Weight rows per tile (dp_tile) and A rows per tile pass: 24 accumulators, 6 weight
+// vectors and one A vector, 31 of the 32 zmm registers.
+constexpr int kTileW = 6, kTileA = 4;
 
-// s[r * 4 + i] = a[i] . w_r for RA <= 4 bf16 rows a and the 4 weight rows w_r = w + r * ldw,
+// s[r * 4 + i] = a[i] . w_r for RA <= 4 bf16 rows a and W <= 6 weight rows w_r = w + r * ldw,
 // each sum in dp_rows' order (one accumulator fed 32 products at a time front to back,
-// the last 32 masked, and the same lane tree: reduce16), so a tile gives the bits
-// dp_rows gives. One A vector serves 4 weight rows and one weight vector 4 A rows: half
-// a load per vdpbf16ps, against 9 / 8 in dp_rows at 8 rows. With PF, the 4 weight rows
-// at pf are prefetched (T0: into L1 and L2) meanwhile, one line per 32 weights of each.
-// T0 rather than T1 here: [3072, 576] x 8 rows, weights cold, 2 threads, through
-// topg::linear, three alternations: 134-146 us against 136-166 with T1 (standalone
-// kernel, aligned buffers, 7 alternations: medians 119 against 127 us; NTA 118, none 151).
-// The fp32 tiles (gemv_avx512.h) showed no difference beyond the noise and keep T1.
-template <int RA, bool PF>
+// the last 32 masked, and the same lane tree: reduce16 and reduce8), so a tile gives the
+// bits dp_rows gives. A tile of fewer rows (the rows left at the end of a range) leaves
+// the other accumulators zero. One A vector serves 6 weight rows and one weight vector 4 A rows:
+// 10 loads per 24 vdpbf16ps, against 9 / 8 in dp_rows at 8 rows. With PF, the weight
+// rows r of pf with bit r of pfm are prefetched into L2 (T1) meanwhile, one line per 32
+// weights of each. Measured (standalone kernel, 1 thread, 16 A rows, K = 2,048, a Zen 4
+// at 2.6 GHz whose vdpbf16ps peaks at 226 GFLOP/s a core, 2026-12-08): [480, 2048] in L2
+// 4 x 4 tiles 132-136 GFLOP/s, 6 x 4 171; [16384, 2048] x 4 weights cold, T0 / T1
+// prefetch 9.1-9.4 / 8.3-8.8 ms (4 x 4), 6 x 4 with T1 7.9-8.3 ms. (An Intel Xeon with
+// AMX, 4 x 4, [3072, 576] x 8 rows, had measured T0 slightly ahead of T1: 119 against
+// 127 us, medians of 7; its bf16 GEMVs take the AMX tiles, gemv_amx.h.)
+template <int W, int RA, bool PF>
 TOPG_TARGET_BF16DP inline void dp_tile(const bf16* const* a, const bf16* w, int64_t ldw,
-                                       const bf16* pf, int64_t K, float* s) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+                                       const bf16* pf, int64_t K, float* s, unsigned pfm) {
+  __m512 acc[4 * kTileW];
+  for (int i = 0; i < 4 * kTileW; ++i) acc[i] = _mm512_setzero_ps();
   // The loop and the tail written out apart: in one masked loop body (or a helper taking
   // acc by pointer) GCC kept acc in memory, at half the rate (measured).
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    __m512bh wv[kTileW];
-    for (int r = 0; r < kTileW; ++r) {
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
+    __m512bh wv[W];
+    for (int r = 0; r < W; ++r) {
+      if constexpr (PF)
+        if (pfm >> r & 1)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T1);
       wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
     }
     for (int i = 0; i < RA; ++i) {
       const __m512bh av = (__m512bh)_mm512_loadu_si512(a[i] + k);
-      for (int r = 0; r < kTileW; ++r) acc[r * 4 + i] = _mm512_dpbf16_ps(acc[r * 4 + i], av, wv[r]);
+      for (int r = 0; r < W; ++r) acc[r * 4 + i] = _mm512_dpbf16_ps(acc[r * 4 + i], av, wv[r]);
     }
   }
   if (k < K) {
     const __mmask32 mask = __mmask32((1u << (K - k)) - 1);
-    __m512bh wv[kTileW];
-    for (int r = 0; r < kTileW; ++r) {
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
+    __m512bh wv[W];
+    for (int r = 0; r < W; ++r) {
+      if constexpr (PF)
+        if (pfm >> r & 1)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T1);
       wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + k);
     }
     for (int i = 0; i < RA; ++i) {
       const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(mask, a[i] + k);
-      for (int r = 0; r < kTileW; ++r) acc[r * 4 + i] = _mm512_dpbf16_ps(acc[r * 4 + i], av, wv[r]);
+      for (int r = 0; r < W; ++r) acc[r * 4 + i] = _mm512_dpbf16_ps(acc[r * 4 + i], av, wv[r]);
     }
   }
+  static_assert(kTileW == 6, "the lane trees below cover 24 accumulators");
   _mm512_storeu_ps(s, reduce16(acc));
+  reduce8(acc + 16, s + 16);
 }
 
-// Weight rows this far ahead are prefetched into L2 while a row is read.
-constexpr int64_t kBf16dpPrefetchRows = 8;
+// Weight rows this far ahead are prefetched into L2 while a row (dp_rows) or a tile
+// (dp_tile: two tiles ahead) is read.
+constexpr int64_t kBf16dpPrefetchRows = 8, kBf16dpTilePrefetchRows = 2 * kTileW;
 
 // For weight rows [n0, n1) of W ([N, K] bf16, row stride ldw) and M bf16 rows a[0..M):
 // emit(m, n, sum) for every pair. Rows are read front to back (the hardware prefetcher
-// follows one stream best) and the row 8 ahead is prefetched (dp_rows: into L2, T1; dp_tile:
-// T0) as a row is read, so that with several A rows the reads of later rows overlap the arithmetic.
+// follows one stream best) and the rows ahead are prefetched into L2 as a row is read, so
+// that with several A rows the reads of later rows overlap the arithmetic.
 // One or two A rows: one weight row at a time (dp_rows; bound by the reads). Three or
-// more: tiles of 4 weight rows x up to 4 A rows (dp_tile; bound by the arithmetic at 8
-// rows, whose loads it halves), the rows left over one at a time. Every path sums an
-// output in the same order: a row's result does not depend on the rows beside it.
-// Measured (standalone kernel, 1 thread, [256, 576] in L2, 8 A rows, 2026-12-02): the
-// one-row-at-a-time form 130-138 GFLOP/s, 4 x 4 tiles 332-354 (8 x 2 tiles 293-312,
-// 8 x 1 without the emit and prefetch 177-182).
+// more: tiles of 6 weight rows x up to 4 A rows (dp_tile; bound by the arithmetic from 8
+// rows, whose loads it more than halves), the last tile of a range with the rows left.
+// Each pass over a tile (4 A rows) prefetches its share of the tile two ahead (weight row
+// r in pass r mod passes), a steady stream rather than all of it in the first pass. Every
+// path sums an output in the same order: a row's result does not depend on the rows
+// beside it. Measured (standalone kernel, 1 thread, [256, 576] in L2, 8 A rows,
+// 2026-12-02): the one-row-at-a-time form 130-138 GFLOP/s, 4 x 4 tiles 332-354 (8 x 2
+// tiles 293-312, 8 x 1 without the emit and prefetch 177-182). The 1B model's decode step
+// of 16 rows in bf16 (python/benchmarks/decode_phases.py, Zen 4, 2 threads, alternated
+// processes, 2026-12-08): 4 x 4 tiles, T0, all prefetched in the first pass 179-193 ms;
+// 6 x 4, T1, 159-181; and the prefetch spread over the passes 162-173.
 template <typename Emit>
 TOPG_TARGET_BF16DP void dot_rows_bf16dp(const bf16* const* a, int64_t M, const bf16* w, int64_t ldw,
                                         int64_t K, int64_t n0, int64_t n1, Emit&& emit) {
-  float s[16];
+  float s[4 * kTileW];
   int64_t n = n0;
   if (M >= 3) {
-    for (; n + kTileW <= n1; n += kTileW) {
+    for (; n < n1; n += kTileW) {
       const bf16* row = w + n * ldw;
-      const bf16* pf =
-          n + kBf16dpPrefetchRows + kTileW <= n1 ? row + kBf16dpPrefetchRows * ldw : nullptr;
-      for (int64_t m = 0; m < M; m += kTileA) {
-        const int ra = int(std::min<int64_t>(kTileA, M - m));
-        with_rows<kTileA>(ra, [&]<int RA>() {
-          if (pf && m == 0)
-            dp_tile<RA, true>(a + m, row, ldw, pf, K, s);
-          else
-            dp_tile<RA, false>(a + m, row, ldw, nullptr, K, s);
-          for (int r = 0; r < kTileW; ++r)
-            for (int i = 0; i < RA; ++i) emit(m + i, n + r, s[r * 4 + i]);
-        });
-      }
+      const bf16* pf = n + kBf16dpTilePrefetchRows + kTileW <= n1
+                           ? row + kBf16dpTilePrefetchRows * ldw
+                           : nullptr;
+      with_rows<kTileW>(int(std::min<int64_t>(kTileW, n1 - n)), [&]<int W>() {
+        const int64_t passes = (M + kTileA - 1) / kTileA;
+        for (int64_t m = 0; m < M; m += kTileA) {
+          const int ra = int(std::min<int64_t>(kTileA, M - m));
+          unsigned pfm = 0;
+          for (int r = 0; r < W; ++r) pfm |= unsigned(r % passes == m / kTileA) << r;
+          with_rows<kTileA>(ra, [&]<int RA>() {
+            if (pf && pfm)
+              dp_tile<W, RA, true>(a + m, row, ldw, pf, K, s, pfm);
+            else
+              dp_tile<W, RA, false>(a + m, row, ldw, nullptr, K, s, 0);
+            for (int r = 0; r < W; ++r)
+              for (int i = 0; i < RA; ++i) emit(m + i, n + r, s[r * 4 + i]);
+          });
+        }
+      });
     }
   }
   for (; n < n1; ++n) {

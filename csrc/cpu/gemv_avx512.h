@@ -160,15 +160,6 @@ TOPG_TARGET_F32X16 __attribute__((always_inline)) inline __m512 reduce16(const _
                        _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The sum of v's 16 lanes, in reduce16's order.
-TOPG_TARGET_F32X16 __attribute__((always_inline)) inline float reduce1(__m512 v) {
-  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
-  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
-  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm512_cvtss_f32(v);
-}
-
 // s[j] = the sum of v[j]'s 16 lanes for j < 8, in reduce16's order (its first three steps
 // on 8 vectors).
 TOPG_TARGET_F32X16 __attribute__((always_inline)) inline void reduce8(const __m512* v, float* s) {

@@ -47,53 +47,20 @@ inline bool use_bf16dp() {
 #define TOPG_BF16DP 1
 #define TOPG_TARGET_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-// reduce16, reduce8, reduce1: gemv_avx512.h (shared with gemv_bf16split.h).
-
-// s[i] = a[i] . w for RA bf16 rows a and one weight row w: one accumulator per output,
-// fed 32 products at a time front to back (the last 32 lanes masked), so an output's sum
-// runs in one order whatever RA is: a row's result does not depend on the rows beside
-// it. With PF, the weight row `pf` (a later row) is prefetched into L2 meanwhile, one
-// line per 32 weights read.
-template <int RA, bool PF>
-TOPG_TARGET_BF16DP inline void dp_rows(const bf16* const* a, const bf16* w, const bf16* pf,
-                                       int64_t K, float* s) {
-  __m512 acc[RA];
-  for (int i = 0; i < RA; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T1);
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int i = 0; i < RA; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(a[i] + k), wv);
-  }
-  if (k < K) {
-    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T1);
-    const __mmask32 mask = __mmask32((1u << (K - k)) - 1);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
-    for (int i = 0; i < RA; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, a[i] + k), wv);
-  }
-  if constexpr (RA >= 3) {  // the same tree as reduce1, 8 sums at a time
-    __m512 v[8];
-    for (int i = 0; i < 8; ++i) v[i] = i < RA ? acc[i] : _mm512_setzero_ps();
-    float t[8];
-    reduce8(v, t);
-    for (int i = 0; i < RA; ++i) s[i] = t[i];
-  } else {
-    for (int i = 0; i < RA; ++i) s[i] = reduce1(acc[i]);
-  }
-}
+// reduce16, reduce8: gemv_avx512.h (shared with gemv_bf16split.h).
 
 // Weight rows per tile (dp_tile) and A rows per tile pass: 24 accumulators, 6 weight
 // vectors and one A vector, 31 of the 32 zmm registers.
 constexpr int kTileW = 6, kTileA = 4;
 
 // s[r * 4 + i] = a[i] . w_r for RA <= 4 bf16 rows a and W <= 6 weight rows w_r = w + r * ldw,
-// each sum in dp_rows' order (one accumulator fed 32 products at a time front to back,
-// the last 32 masked, and the same lane tree: reduce16 and reduce8), so a tile gives the
-// bits dp_rows gives. A tile of fewer rows (the rows left at the end of a range) leaves
-// the other accumulators zero. One A vector serves 6 weight rows and one weight vector 4 A rows:
-// 10 loads per 24 vdpbf16ps, against 9 / 8 in dp_rows at 8 rows. With PF, the weight
+// each sum in one order whatever RA and W are (one accumulator fed 32 products at a time
+// front to back, the last 32 masked, then one lane tree: reduce16 and reduce8 add a
+// vector's lanes in the same order), so a row's result does not depend on the rows beside
+// it. A tile of fewer rows (the rows left at the end of a range) leaves the other
+// accumulators zero. One A vector serves 6 weight rows and one weight vector 4 A rows:
+// 10 loads per 24 vdpbf16ps, against 9 / 8 with one weight row at a time and 8 A rows
+// (the form before 2026-12-02). With PF, the weight
 // rows r of pf with bit r of pfm are prefetched into L2 (T1) meanwhile, one line per 32
 // weights of each. Measured (standalone kernel, 1 thread, 16 A rows, K = 2,048, a Zen 4
 // at 2.6 GHz whose vdpbf16ps peaks at 226 GFLOP/s a core, 2026-12-08): [480, 2048] in L2
@@ -141,68 +108,49 @@ TOPG_TARGET_BF16DP inline void dp_tile(const bf16* const* a, const bf16* w, int6
   reduce8(acc + 16, s + 16);
 }
 
-// Weight rows this far ahead are prefetched into L2 while a row (dp_rows) or a tile
-// (dp_tile: two tiles ahead) is read.
-constexpr int64_t kBf16dpPrefetchRows = 8, kBf16dpTilePrefetchRows = 2 * kTileW;
+// Weight rows this far ahead (two tiles) are prefetched into L2 while a tile is read.
+constexpr int64_t kBf16dpPrefetchRows = 2 * kTileW;
 
 // For weight rows [n0, n1) of W ([N, K] bf16, row stride ldw) and M bf16 rows a[0..M):
-// emit(m, n, sum) for every pair. Rows are read front to back (the hardware prefetcher
-// follows one stream best) and the rows ahead are prefetched into L2 as a row is read, so
-// that with several A rows the reads of later rows overlap the arithmetic.
-// One or two A rows: one weight row at a time (dp_rows; bound by the reads). Three or
-// more: tiles of 6 weight rows x up to 4 A rows (dp_tile; bound by the arithmetic from 8
-// rows, whose loads it more than halves), the last tile of a range with the rows left.
-// Each pass over a tile (4 A rows) prefetches its share of the tile two ahead (weight row
-// r in pass r mod passes), a steady stream rather than all of it in the first pass. Every
-// path sums an output in the same order: a row's result does not depend on the rows
-// beside it. Measured (standalone kernel, 1 thread, [256, 576] in L2, 8 A rows,
-// 2026-12-02): the one-row-at-a-time form 130-138 GFLOP/s, 4 x 4 tiles 332-354 (8 x 2
-// tiles 293-312, 8 x 1 without the emit and prefetch 177-182). The 1B model's decode step
-// of 16 rows in bf16 (python/benchmarks/decode_phases.py, Zen 4, 2 threads, alternated
-// processes, 2026-12-08): 4 x 4 tiles, T0, all prefetched in the first pass 179-193 ms;
-// 6 x 4, T1, 159-181; and the prefetch spread over the passes 162-173.
+// emit(m, n, sum) for every pair, in tiles of 6 weight rows x up to 4 A rows (dp_tile),
+// the last tile of a range with the rows left; the tiles are read front to back and the
+// rows two tiles ahead prefetched into L2. Each pass over a tile (4 A rows) prefetches its
+// share of the tile two ahead (weight row r in pass r mod passes), a steady stream rather
+// than all of it in the first pass. Every path sums an output in the same order: a row's
+// result does not depend on the rows beside it.
+// Measured (standalone kernel, 1 thread, [256, 576] in L2, 8 A rows, 2026-12-02): one
+// weight row at a time 130-138 GFLOP/s, 4 x 4 tiles 332-354 (8 x 2 tiles 293-312, 8 x 1
+// without the emit and prefetch 177-182). On a Zen 4 (2026-12-08): the 1B model's decode
+// step of 16 rows in bf16 (python/benchmarks/decode_phases.py, 2 threads, alternated
+// processes) with 4 x 4 tiles, T0, all prefetched in the first pass 179-193 ms; 6 x 4,
+// T1, 159-181; the prefetch spread over the passes 162-173. One A row (batch-1 decode),
+// [16384, 2048] cold, one weight row at a time (one accumulator's chain of vdpbf16ps)
+// against the 6-row tile: 1 thread 23.4-24.6 against 28.2-28.6 GB/s; two processes at
+// once 38-39 against 45-52 GB/s in all. Two A rows: 25.2-25.4 against 25.3-26.0 GB/s.
 template <typename Emit>
 TOPG_TARGET_BF16DP void dot_rows_bf16dp(const bf16* const* a, int64_t M, const bf16* w, int64_t ldw,
                                         int64_t K, int64_t n0, int64_t n1, Emit&& emit) {
   float s[4 * kTileW];
-  int64_t n = n0;
-  if (M >= 3) {
-    for (; n < n1; n += kTileW) {
-      const bf16* row = w + n * ldw;
-      const bf16* pf = n + kBf16dpTilePrefetchRows + kTileW <= n1
-                           ? row + kBf16dpTilePrefetchRows * ldw
-                           : nullptr;
-      with_rows<kTileW>(int(std::min<int64_t>(kTileW, n1 - n)), [&]<int W>() {
-        const int64_t passes = (M + kTileA - 1) / kTileA;
-        for (int64_t m = 0; m < M; m += kTileA) {
-          const int ra = int(std::min<int64_t>(kTileA, M - m));
-          unsigned pfm = 0;
-          for (int r = 0; r < W; ++r) pfm |= unsigned(r % passes == m / kTileA) << r;
-          with_rows<kTileA>(ra, [&]<int RA>() {
-            if (pf && pfm)
-              dp_tile<W, RA, true>(a + m, row, ldw, pf, K, s, pfm);
-            else
-              dp_tile<W, RA, false>(a + m, row, ldw, nullptr, K, s, 0);
-            for (int r = 0; r < W; ++r)
-              for (int i = 0; i < RA; ++i) emit(m + i, n + r, s[r * 4 + i]);
-          });
-        }
-      });
-    }
-  }
-  for (; n < n1; ++n) {
+  for (int64_t n = n0; n < n1; n += kTileW) {
     const bf16* row = w + n * ldw;
-    const bf16* pf = n + kBf16dpPrefetchRows < n1 ? row + kBf16dpPrefetchRows * ldw : nullptr;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int ra = int(std::min<int64_t>(8, M - m));
-      with_rows<8>(ra, [&]<int RA>() {
-        if (pf && m == 0)
-          dp_rows<RA, true>(a + m, row, pf, K, s);
-        else
-          dp_rows<RA, false>(a + m, row, nullptr, K, s);
-        for (int i = 0; i < RA; ++i) emit(m + i, n, s[i]);
-      });
-    }
+    const bf16* pf =
+        n + kBf16dpPrefetchRows + kTileW <= n1 ? row + kBf16dpPrefetchRows * ldw : nullptr;
+    with_rows<kTileW>(int(std::min<int64_t>(kTileW, n1 - n)), [&]<int W>() {
+      const int64_t passes = (M + kTileA - 1) / kTileA;
+      for (int64_t m = 0; m < M; m += kTileA) {
+        const int ra = int(std::min<int64_t>(kTileA, M - m));
+        unsigned pfm = 0;
+        for (int r = 0; r < W; ++r) pfm |= unsigned(r % passes == m / kTileA) << r;
+        with_rows<kTileA>(ra, [&]<int RA>() {
+          if (pf && pfm)
+            dp_tile<W, RA, true>(a + m, row, ldw, pf, K, s, pfm);
+          else
+            dp_tile<W, RA, false>(a + m, row, ldw, nullptr, K, s, 0);
+          for (int r = 0; r < W; ++r)
+            for (int i = 0; i < RA; ++i) emit(m + i, n + r, s[r * 4 + i]);
+        });
+      }
+    });
   }
 }
 #else

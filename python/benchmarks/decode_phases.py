@@ -9,7 +9,7 @@ others' prefills, while the phases are the plan's decode steps alone).
     python python/benchmarks/decode_phases.py FILE.gguf [--rounds 2] [--fp32-activations]
         [--batch 16 --prompt-len 32] [--dtype bfloat16]
 
-docs/real-size.md ("Figures on a Zen 3") has a run.
+docs/real-size-cpus.md ("Figures on a Zen 3") has a run.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def dtype_of(args: EngineArgs, device: torch.device, model: Any = None) -> torch
     a BF16 GGUF file ``model`` served packed (``quantization="gguf"``): its weights'
     own dtype, as llama.cpp computes it (float32 would widen every weight at load and
     run the steps on fp32 weights: a 16-row step at 1B took 650 ms against 375 on a Zen 3,
-    docs/real-size.md)."""
+    docs/real-size-cpus.md)."""
     if args.dtype is not None:
         return args.dtype
     if device.type != "cpu":

@@ -197,39 +197,61 @@ def test_gguf_load_mapped_then_copied_equals_copied(monkeypatch):
     # write). Every tensor counts as big here, so every one takes the mapped path. With
     # the compile in the background, the first steps run on the mapped tensors and the
     # copy happens on the compile thread, between steps: those steps run on the decode
-    # plan (the prompt in chunks: ModelRunner.step_token_cap), whose sums are the compiled
-    # graph's, so the tokens of a compiled engine before and after (an un-compiled one
-    # differs: int8 activations, the compiled graph's fused ops round the activations
-    # from other inputs, and this prompt's first three tokens lie within 0.4 nats of
-    # each other). Prefix caching is off: the
-    # second request would prefill only the prompt's last 5 tokens, whose int8 sums take
-    # another path than the 37-row prefill's where the CPU has no VNNI (the GEMV against
-    # the AVX2 integer GEMM from 8 rows: the same rounded activations, another summation
-    # order; with VNNI both take the GEMM from 4), and near-tied tokens then flip (measured
-    # on a Zen 3, the Q4_1 file: 24.66 / 24.40 against 24.98 / 24.90).
+    # plan (the prompt in chunks: ModelRunner.step_token_cap), held there here until the
+    # request is done (the trace waits after the copy), so their tokens are those of the
+    # same chunked steps over tensors copied at load. The chunks' sums are not the
+    # one-shot prefill's (attention over the cached chunks, the GEMV rows against the
+    # GEMM), and this prompt's first three tokens lie within 0.4 nats of each other: the
+    # chunked tokens differed from the compiled graph's on a Zen 4 (2026-12-08). After
+    # the compile, the tokens are a compiled engine's (an un-compiled one differs: int8
+    # activations, the compiled graph's fused ops round the activations from other
+    # inputs). Prefix caching is off: the second request would prefill only the prompt's
+    # last 5 tokens, whose int8 sums take another path than the 37-row prefill's where the
+    # CPU has no VNNI (the GEMV against the AVX2 integer GEMM from 8 rows: the same rounded
+    # activations, another summation order; with VNNI both take the GEMM from 4), and
+    # near-tied tokens then flip (measured on a Zen 3, the Q4_1 file: 24.66 / 24.40
+    # against 24.98 / 24.90).
     if not hugepages.enabled():
         pytest.skip("no MADV_HUGEPAGE here: the engine copies every tensor")
+    from torch_topg.engine import model_runner
+
     question = [{"role": "user", "content": "What is the capital of France?"}]
 
     def tokens(eng):
         return eng.generate(question, max_new_tokens=6, temperature=0)[0].token_ids
 
+    release = threading.Event()
+    mark = model_runner._mark_dynamic
+
+    def held(b):  # on the compile thread, after the copy into huge pages, before the trace
+        if threading.current_thread().name == "topg-compile":
+            release.wait(600)
+        mark(b)
+
+    monkeypatch.setattr(model_runner, "_mark_dynamic", held)
     runs: dict[str, list[int]] = {}
     for huge, compile, background in ((1 << 40, False, False), (4096, False, False),
-                                      (4096, True, False), (4096, True, True)):  # fmt: skip
+                                      (4096, True, False), (1 << 40, True, True),
+                                      (4096, True, True)):  # fmt: skip
         monkeypatch.setattr(hugepages, "HUGE_PAGE", huge)
+        release.clear()
         with Engine.from_pretrained(quantization="gguf", seed=0, compile=compile,
                                     background_compile=background,
                                     prefix_caching=False) as eng:  # fmt: skip
-            if background:  # during the background warm-up, then after it
-                runs["during"] = tokens(eng)
+            try:
+                if background:  # during the background warm-up, then after it
+                    runs[f"during-{huge}"] = tokens(eng)
+            finally:
+                release.set()
+            if background:
                 assert eng.runner.wait_compiled(timeout=600)
             tensors = [*eng.model.parameters(), *eng.model.buffers()]
             assert not [t.shape for t in tensors if _in_read_only_file_map(t)]
             runs[f"{huge}-{compile}-{background}"] = tokens(eng)
     eager, compiled = runs[f"{1 << 40}-False-False"], runs["4096-True-False"]
     assert runs["4096-False-False"] == eager, runs
-    assert runs["during"] == compiled and runs["4096-True-True"] == compiled, runs
+    assert runs["during-4096"] == runs[f"during-{1 << 40}"], runs
+    assert runs["4096-True-True"] == compiled == runs[f"{1 << 40}-True-True"], runs
 
 
 def _engine_run(monkeypatch, on: bool):

@@ -60,14 +60,13 @@ constexpr int kTileW = 6, kTileA = 4;
 // it. A tile of fewer rows (the rows left at the end of a range) leaves the other
 // accumulators zero. One A vector serves 6 weight rows and one weight vector 4 A rows:
 // 10 loads per 24 vdpbf16ps, against 9 / 8 with one weight row at a time and 8 A rows
-// (the form before 2026-12-02). With PF, the weight
-// rows r of pf with bit r of pfm are prefetched into L2 (T1) meanwhile, one line per 32
-// weights of each. Measured (standalone kernel, 1 thread, 16 A rows, K = 2,048, a Zen 4
-// at 2.6 GHz whose vdpbf16ps peaks at 226 GFLOP/s a core, 2026-12-08): [480, 2048] in L2
-// 4 x 4 tiles 132-136 GFLOP/s, 6 x 4 171; [16384, 2048] x 4 weights cold, T0 / T1
-// prefetch 9.1-9.4 / 8.3-8.8 ms (4 x 4), 6 x 4 with T1 7.9-8.3 ms. (An Intel Xeon with
-// AMX, 4 x 4, [3072, 576] x 8 rows, had measured T0 slightly ahead of T1: 119 against
-// 127 us, medians of 7; its bf16 GEMVs take the AMX tiles, gemv_amx.h.)
+// (the form of 1-2 A rows until 2026-12-08). With PF, the weight rows r of pf with bit r
+// of pfm are prefetched into L2 (T1) meanwhile, one line per 32 weights of each. Measured
+// (standalone kernel, 1 thread, 16 A rows, K = 2,048, a Zen 4 at 2.6 GHz whose vdpbf16ps peaks at
+// 226 GFLOP/s a core, 2026-12-08): [480, 2048] in L2 4 x 4 tiles 132-136 GFLOP/s, 6 x 4 171;
+// [16384, 2048] x 4 weights cold, T0 / T1 prefetch 9.1-9.4 / 8.3-8.8 ms (4 x 4), 6 x 4 with
+// T1 7.9-8.3 ms. (An Intel Xeon with AMX, 4 x 4, [3072, 576] x 8 rows, had measured T0 slightly
+// ahead of T1: 119 against 127 us, medians of 7; its bf16 GEMVs take the AMX tiles, gemv_amx.h.)
 template <int W, int RA, bool PF>
 TOPG_TARGET_BF16DP inline void dp_tile(const bf16* const* a, const bf16* w, int64_t ldw,
                                        const bf16* pf, int64_t K, float* s, unsigned pfm) {

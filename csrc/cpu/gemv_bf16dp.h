@@ -130,12 +130,12 @@ template <typename Emit>
 TOPG_TARGET_BF16DP void dot_rows_bf16dp(const bf16* const* a, int64_t M, const bf16* w, int64_t ldw,
                                         int64_t K, int64_t n0, int64_t n1, Emit&& emit) {
   float s[4 * kTileW];
+  const int64_t passes = (M + kTileA - 1) / kTileA;
   for (int64_t n = n0; n < n1; n += kTileW) {
     const bf16* row = w + n * ldw;
     const bf16* pf =
         n + kBf16dpPrefetchRows + kTileW <= n1 ? row + kBf16dpPrefetchRows * ldw : nullptr;
     with_rows<kTileW>(int(std::min<int64_t>(kTileW, n1 - n)), [&]<int W>() {
-      const int64_t passes = (M + kTileA - 1) / kTileA;
       for (int64_t m = 0; m < M; m += kTileA) {
         const int ra = int(std::min<int64_t>(kTileA, M - m));
         unsigned pfm = 0;
